@@ -1,0 +1,240 @@
+"""Paged KV cache bookkeeping: the block pool and per-request block tables.
+
+The seed: "KV Cache 中已经存了 7 个 token 的 K / V" and then grows by one entry per
+decode step.  Here the cache is cut into fixed-size blocks (`block_size` tokens).  A
+request owns a *block table* (list of block ids); token i of the request lives in
+block `table[i // block_size]`, offset `i % block_size`.  Growing by one token only
+needs a new block every `block_size` steps, and memory is never fragmented.
+
+Prefix caching: a *full* block is named by a hash chained over
+(parent block hash, its token ids, cache_salt).  A new request whose prompt starts
+with the same tokens finds those blocks by hash and skips computing them.  Freed
+blocks keep their hash and stay findable until the pool needs them; the least
+recently freed block is evicted first.  Blocks are reference counted, so many
+requests can read one block; nobody writes into a full block, so sharing is safe.
+
+Pure Python: no torch here.  The model runner owns the tensors; this module only
+decides which block ids hold which tokens (the simulator runs it unchanged).
+
+    pool:   [b0][b1][b2][b3][b4][b5] ...        free queue (LRU first): b4 -> b1 -> b5
+    req A:  table [b0, b2]    tokens 0..15 in b0, 16..20 in b2
+    req B:  table [b0, b3]    shares b0 (same 16-token prefix, ref_cnt 2)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from tokenloom.request import Request
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None  # set once the block is full and computed
+    token_ids: tuple[int, ...] = ()  # kept for hashed blocks: guards against hash collisions
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
+    """Chained block hash: a block's identity depends on everything before it."""
+    return hash((parent_hash, token_ids, salt))
+
+
+class BlockPool:
+    """Fixed set of KV blocks with ref counts, an LRU free queue and a hash index."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Insertion order == eviction order: the least recently freed block goes first.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        if n > len(self.free_queue):
+            raise RuntimeError(f"asked for {n} KV blocks with only {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            bid, _ = self.free_queue.popitem(last=False)
+            blk = self.blocks[bid]
+            if blk.block_hash is not None:  # evict: its cached content is about to be overwritten
+                if self.cached.get(blk.block_hash) is blk:
+                    del self.cached[blk.block_hash]
+                blk.block_hash = None
+                blk.token_ids = ()
+                self.num_evictions += 1
+            blk.ref_cnt = 1
+            out.append(blk)
+        return out
+
+    def touch(self, blk: KVBlock) -> None:
+        """Take one more reference (a prefix-cache hit); revives a free cached block."""
+        if blk.ref_cnt == 0:
+            del self.free_queue[blk.block_id]
+        blk.ref_cnt += 1
+
+    def release(self, blk: KVBlock) -> None:
+        blk.ref_cnt -= 1
+        if blk.ref_cnt < 0:
+            raise RuntimeError(f"KV block {blk.block_id} released more often than taken")
+        if blk.ref_cnt == 0:
+            if self.enable_caching and blk.block_hash is not None:
+                self.free_queue[blk.block_id] = None  # stays findable until evicted
+            else:
+                blk.block_hash = None
+                blk.token_ids = ()
+                self.free_queue[blk.block_id] = None
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVBlock | None:
+        blk = self.cached.get(block_hash)
+        if blk is None or blk.token_ids != token_ids:  # a colliding hash is a miss
+            return None
+        return blk
+
+    def register(self, blk: KVBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        """Publish a freshly filled block under its hash (first writer wins)."""
+        if not self.enable_caching or blk.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return  # an identical block already exists (computed twice in one step); keep that one
+        blk.block_hash = block_hash
+        blk.token_ids = token_ids
+        self.cached[block_hash] = blk
+
+
+@dataclass
+class PrefixHit:
+    blocks: list[KVBlock] = field(default_factory=list)
+
+    def num_tokens(self, block_size: int) -> int:
+        return len(self.blocks) * block_size
+
+
+class KVCacheManager:
+    """Per-request block tables on top of a BlockPool."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError("--block-size must be >= 1")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.tables: dict[str, list[KVBlock]] = {}
+        # prefix-cache statistics, in tokens (what /metrics exports)
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.tables.get(request_id, ())]
+
+    # ---- prefix caching ---------------------------------------------
+    def _extend_hashes(self, req: Request, num_tokens: int) -> None:
+        """Make sure req.block_hashes covers every full block among its first num_tokens."""
+        bs = self.block_size
+        full = num_tokens // bs
+        while len(req.block_hashes) < full:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            toks = tuple(req.token_slice(i * bs, (i + 1) * bs))
+            req.block_hashes.append(hash_block(parent, toks, req.cache_salt))
+
+    def find_cached_prefix(self, req: Request) -> PrefixHit:
+        """Longest run of cached full blocks from the start of req's tokens.
+
+        At most num_tokens - 1 tokens may hit: the last token is always computed so
+        the step produces logits to sample from."""
+        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return PrefixHit()  # prompt logprobs need every prompt position computed
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        self._extend_hashes(req, max_blocks * bs)
+        hit = PrefixHit()
+        for i in range(max_blocks):
+            blk = self.pool.lookup(req.block_hashes[i], tuple(req.token_slice(i * bs, (i + 1) * bs)))
+            if blk is None:
+                break
+            hit.blocks.append(blk)
+        return hit
+
+    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_query_tokens
+        self.prefix_hits += num_hit_tokens
+
+    # ---- allocation -------------------------------------------------
+    def can_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        return self._blocks_needed(req, num_new_tokens, hit) <= self._free_after_touch(hit)
+
+    def _blocks_needed(self, req: Request, num_new_tokens: int, hit: PrefixHit | None) -> int:
+        have = len(self.tables.get(req.request_id, ())) + (len(hit.blocks) if hit else 0)
+        total_tokens = req.num_computed_tokens + num_new_tokens
+        return max(0, -(-total_tokens // self.block_size) - have)
+
+    def _free_after_touch(self, hit: PrefixHit | None) -> int:
+        # A cache hit on a free block takes it out of the free queue.
+        revived = sum(1 for b in hit.blocks if b.ref_cnt == 0) if hit else 0
+        return self.pool.num_free - revived
+
+    def allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Reserve room for num_new_tokens more tokens of req (after its computed ones).
+
+        With a prefix hit (first admission), the hit blocks are adopted first.
+        Returns False, changing nothing, if the pool is too small right now."""
+        need = self._blocks_needed(req, num_new_tokens, hit)
+        if need > self._free_after_touch(hit):
+            return False
+        table = self.tables.setdefault(req.request_id, [])
+        if hit:
+            for b in hit.blocks:
+                self.pool.touch(b)
+            table.extend(hit.blocks)
+        if need:
+            table.extend(self.pool.allocate(need))
+        return True
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """After a step: publish every block that is now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables.get(req.request_id)
+        if not table:
+            return
+        bs = self.block_size
+        full = min(req.num_computed_tokens // bs, len(table))
+        self._extend_hashes(req, full * bs)
+        for i in range(full):
+            blk = table[i]
+            if blk.block_hash is None:
+                self.pool.register(blk, req.block_hashes[i], tuple(req.token_slice(i * bs, (i + 1) * bs)))
+
+    def free(self, req: Request) -> None:
+        """Return req's blocks.  Tail blocks are freed first so they are evicted first:
+        a later request is likelier to share a prompt's head than its tail."""
+        table = self.tables.pop(req.request_id, None)
+        if not table:
+            return
+        for blk in reversed(table):
+            self.pool.release(blk)

@@ -1,0 +1,297 @@
+"""The continuous-batching scheduler: who gets computed in the next step, and how much.
+
+The seed's picture of continuous batching is
+
+    step1: A B C D
+    step2: A B C
+    step3: A B
+
+Every step, each *running* request gets one more token computed (a decode), and
+whatever token budget is left goes to *waiting* requests' prompts (prefill).  Two
+limits bound a step, exactly the seed's two knobs:
+
+  * `max_num_seqs`            — how many requests may be in the batch;
+  * `max_num_batched_tokens`  — how many tokens the step may feed the model.
+
+There are no prefill/decode "modes": a request simply has `num_computed_tokens` and
+`num_tokens`; the scheduler hands it `num_new_tokens` of the gap.  A long prompt whose
+gap exceeds the remaining budget is **chunked** across steps and shares each step with
+the decodes of other requests, so one long prompt cannot freeze everyone's decode (the
+seed's P95 story).  When KV blocks run out, the most recently arrived running request
+is **preempted**: its blocks are freed and it goes back to the front of the queue to be
+recomputed later, losing nothing but time.
+
+Driving it (the engine and the simulator do exactly this, nothing else):
+
+    sched = Scheduler(SchedulerConfig(...), KVCacheManager(num_blocks, block_size))
+    sched.add_request(Request(...))
+    while sched.has_unfinished():
+        out = sched.schedule()                      # SchedulerOutput
+        sampled = executor(out)                     # {request_id: token_id} for out.scheduled with .sample
+        finished = sched.update_from_output(out, sampled)
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenloom.config import SchedulerConfig
+from tokenloom.core.kv_cache import KVCacheManager
+from tokenloom.engine.events import Phase, StepEntry, StepEvent
+from tokenloom.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    num_computed_before: int
+    phase: Phase
+    sample: bool  # the step reaches the end of the request's tokens: sample the next one
+    block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass
+class SchedulerOutput:
+    step: int
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step_counter = 0
+        self.num_preemptions = 0
+        if kv.num_blocks * kv.block_size < config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {kv.num_blocks} blocks x {kv.block_size} tokens = "
+                f"{kv.num_blocks * kv.block_size} tokens, less than --max-model-len ({config.max_model_len}); "
+                f"raise --num-kv-blocks / --kv-cache-memory or lower --max-model-len"
+            )
+
+    # ---- queue management -------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.num_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {req.request_id!r} has {req.num_tokens} tokens, more than max_model_len "
+                f"({self.config.max_model_len})"
+            )
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> Request | None:
+        """End a request from outside (abort, stop string): free its blocks at once."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        req.status = status
+        if stop_reason is not None:
+            req.stop_reason = stop_reason
+        self.kv.free(req)
+        return req
+
+    # ---- one step ---------------------------------------------------
+    def _preempt_victim(self) -> Request:
+        return self.running.pop()  # running is kept in (priority, arrival) order: the tail loses
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.chunked = False
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _phase(self, req: Request, computed: int, num_new: int) -> Phase:
+        if req.num_output_tokens > 0 and computed == req.num_tokens - 1 and num_new == 1:
+            return "decode"
+        if computed + num_new < req.num_tokens:
+            req.chunked = True
+        return "prefill_chunk" if req.chunked else "prefill"
+
+    def _order(self) -> None:
+        if self.config.scheduling_policy == "priority":
+            key = lambda r: (r.priority, r.arrival_time)  # noqa: E731
+            self.running.sort(key=key)
+            self.waiting = deque(sorted(self.waiting, key=key))
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        self._order()
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        # 1) running requests first: decodes (1 token) and unfinished prefill chunks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            computed = req.num_computed_tokens
+            num_new = min(req.num_tokens - computed, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate(req, num_new):
+                victim = self._preempt_victim()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status == RequestStatus.PREEMPTED:
+                break  # it preempted itself: everything after it is gone too
+            scheduled.append(self._make(req, computed, num_new))
+            budget -= num_new
+            i += 1
+
+        # 2) waiting requests, in queue order, while budget and seats remain.
+        #    Not in a step that had to preempt: memory is short, admitting more would thrash.
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                req = self.waiting[0]
+                hit = self.kv.find_cached_prefix(req)
+                cached_tokens = hit.num_tokens(self.kv.block_size)
+                remaining = req.num_tokens - cached_tokens
+                if not cfg.enable_chunked_prefill and remaining > budget:
+                    break  # a whole prompt must fit in one step; keep FCFS order
+                num_new = min(remaining, budget)
+                req.num_computed_tokens = cached_tokens
+                if not self.kv.allocate(req, num_new, hit):
+                    req.num_computed_tokens = 0
+                    break
+                self.waiting.popleft()
+                if req.num_cached_tokens < 0:  # first admission: this is what users see as cached
+                    req.num_cached_tokens = cached_tokens
+                self.kv.record_prefix_query(req.num_tokens, cached_tokens)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled.append(self._make(req, cached_tokens, num_new))
+                budget -= num_new
+
+        self.step_counter += 1
+        return SchedulerOutput(
+            step=self.step_counter,
+            scheduled=scheduled,
+            preempted=preempted,
+            num_batched_tokens=cfg.max_num_batched_tokens - budget,
+        )
+
+    def _make(self, req: Request, computed: int, num_new: int) -> ScheduledRequest:
+        phase = self._phase(req, computed, num_new)
+        return ScheduledRequest(
+            request=req,
+            num_new_tokens=num_new,
+            num_computed_before=computed,
+            phase=phase,
+            sample=computed + num_new == req.num_tokens,
+            block_ids=self.kv.block_ids(req.request_id),
+        )
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int], now: float | None = None) -> list[Request]:
+        """Advance computed counts, append sampled tokens, apply token stop rules.
+
+        Returns the requests that finished in this step (their blocks are already free)."""
+        finished: list[Request] = []
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens = s.num_computed_before + s.num_new_tokens
+            self.kv.cache_full_blocks(req)
+            if not s.sample:
+                continue
+            req.chunked = False
+            tok = sampled[req.request_id]
+            req.output_token_ids.append(tok)
+            if now is not None:
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                req.last_token_time = now
+            if req.check_stop_tokens():
+                self.running.remove(req)
+                self.requests.pop(req.request_id, None)
+                self.kv.free(req)
+                req.finished_time = now
+                finished.append(req)
+        return finished
+
+    # ---- observability ----------------------------------------------
+    def make_event(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int],
+        start_time: float,
+        end_time: float,
+        forward_time: float,
+    ) -> StepEvent:
+        """The StepEvent for a step, built after update_from_output."""
+        entries = []
+        for s in out.scheduled:
+            req = s.request
+            entries.append(
+                StepEntry(
+                    request_id=req.request_id,
+                    phase=s.phase,
+                    num_tokens=s.num_new_tokens,
+                    token_ids=req.token_slice(s.num_computed_before, s.num_computed_before + s.num_new_tokens),
+                    kv_len_before=s.num_computed_before,
+                    kv_len_after=s.num_computed_before + s.num_new_tokens,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    sampled_token_id=sampled.get(req.request_id) if s.sample else None,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                    finished=req.is_finished,
+                    finish_reason=req.status.value if req.is_finished else None,
+                )
+            )
+        return StepEvent(
+            step=out.step,
+            start_time=start_time,
+            end_time=end_time,
+            forward_time=forward_time,
+            entries=entries,
+            preempted=[r.request_id for r in out.preempted],
+            waiting=[r.request_id for r in self.waiting],
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_batched_tokens=out.num_batched_tokens,
+            kv_blocks_used=self.kv.pool.num_used,
+            kv_blocks_total=self.kv.num_blocks,
+        )

@@ -1,0 +1,77 @@
+"""Step events: what one engine step did, in the seed's vocabulary.
+
+The seed explains decode as a sequence of steps ("step1: A B C D / step2: A B C").
+Every engine step (real or simulated) emits one `StepEvent` describing exactly that:
+which requests were in the batch, in which phase (prefill / prefill chunk / decode),
+how many tokens each fed, how long its KV history was before and after, and what
+token was sampled.  Metrics, benchmarks, the trace and the simulator all consume
+these events through the observer API (`LLMEngine.add_observer`).
+
+Pure Python on purpose: the simulator produces the same events without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal, Protocol
+
+Phase = Literal["prefill", "prefill_chunk", "decode"]
+
+
+@dataclass
+class StepEntry:
+    """One request's share of one step."""
+
+    request_id: str
+    phase: Phase
+    num_tokens: int  # tokens fed to the model for this request in this step
+    token_ids: list[int]  # the tokens fed (prompt chunk, or the one decode input token)
+    kv_len_before: int  # tokens already in this request's KV cache
+    kv_len_after: int  # kv_len_before + num_tokens
+    num_prompt_tokens: int
+    sampled_token_id: int | None = None  # None when a prefill chunk does not reach the end
+    num_cached_tokens: int = 0  # prefix-cache hits counted when the request was admitted
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class StepEvent:
+    """Everything one step did. Times are seconds on the engine's clock
+    (time.perf_counter for the real engine, the virtual clock in the simulator)."""
+
+    step: int
+    start_time: float
+    end_time: float
+    forward_time: float  # time inside the model forward + sampling (executor time)
+    entries: list[StepEntry] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # request ids preempted while scheduling
+    waiting: list[str] = field(default_factory=list)  # ids still waiting after scheduling
+    num_running: int = 0
+    num_waiting: int = 0
+    num_batched_tokens: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+
+    @property
+    def duration(self) -> float:
+        return self.end_time - self.start_time
+
+    @property
+    def num_decode(self) -> int:
+        return sum(1 for e in self.entries if e.phase == "decode")
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries if e.phase != "decode")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["duration"] = self.duration
+        return d
+
+
+class StepObserver(Protocol):
+    """Anything callable with a StepEvent can observe the engine."""
+
+    def __call__(self, event: StepEvent) -> None: ...

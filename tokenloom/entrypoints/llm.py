@@ -1,0 +1,108 @@
+"""The offline API, vLLM-shaped: `LLM(model, **engine_args).generate(prompts, params)`.
+
+All prompts are submitted at once and the engine steps until every one is done —
+continuous batching does the rest (the seed: "step1: A B C D / step2: A B C ...").
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterable, Sequence
+
+from tqdm.auto import tqdm
+
+from tokenloom.config import EngineArgs
+from tokenloom.engine.events import StepEvent
+from tokenloom.engine.llm_engine import LLMEngine, PromptType
+from tokenloom.outputs import CompletionOutput, RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, observers: Iterable[Callable[[StepEvent], None]] = (), **kwargs: Any):
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}; "
+                            f"valid: {', '.join(sorted(EngineArgs.field_names() - {'model'}))}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine(self.engine_args, observers)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def add_observer(self, fn: Callable[[StepEvent], None]) -> None:
+        self.llm_engine.add_observer(fn)
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        cache_salt: str | Sequence[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in input order.
+
+        A prompt the engine refuses (too long for max_model_len, bad token ids) does not
+        stop the others: its RequestOutput has finish_reason "error" and the message in
+        `RequestOutput.error`."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        salts = list(cache_salt) if isinstance(cache_salt, (list, tuple)) else [cache_salt] * len(prompts)
+        engine = self.llm_engine
+        ids: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            rid = str(next(self._counter))
+            ids.append(rid)
+            try:
+                engine.add_request(rid, p, sp, priority=priority[i] if priority else 0, cache_salt=salts[i])
+            except ValueError as e:
+                results[rid] = _error_output(rid, p, str(e))
+        bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        bar.update(len(results))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[r] for r in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Chat through the tokenizer's chat template (one conversation or a list of them)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": render_chat(self.get_tokenizer(), c, chat_template, add_generation_prompt)} for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def render_chat(tokenizer, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True) -> list[int]:
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; pass --chat-template (or chat_template=...)")
+    ids = tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                        tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _error_output(rid: str, prompt: PromptType, message: str) -> RequestOutput:
+    text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
+    out = RequestOutput(request_id=rid, prompt=text, prompt_token_ids=[], prompt_logprobs=None,
+                        outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")], finished=True)
+    out.error = message
+    return out

@@ -1,0 +1,146 @@
+"""The decoder-only transformer of the Llama family, configured by config.json.
+
+One class covers Llama, Mistral, Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on each
+head's q and k): they differ only in switches.  The forward pass takes *all* tokens
+of *all* requests scheduled in a step, flattened into one sequence — prefill chunks
+and decode tokens together — and returns hidden states; logits are computed only for
+the rows that will be sampled (`compute_logits`).  The model knows nothing about
+requests: the paged-attention metadata tells each token where its history is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenloom.model.attention import AttentionMetadata, paged_attention
+from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The config.json fields the forward pass needs, resolved per family."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, architecture: str) -> "ModelArgs":
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        family = architecture
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        attention_bias = bool(cfg.get("attention_bias", False))
+        sliding = None
+        if family == "MistralForCausalLM":
+            sliding = cfg.get("sliding_window")
+        elif cfg.get("use_sliding_window"):
+            sliding = cfg.get("sliding_window")
+        return cls(
+            architecture=architecture,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True if family == "Qwen2ForCausalLM" else attention_bias,
+            o_bias=False if family == "Qwen2ForCausalLM" else attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=family == "Qwen3ForCausalLM",
+            sliding_window=sliding,
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.q_size = a.num_heads * a.head_dim
+        self.kv_size = a.num_kv_heads * a.head_dim
+        # q, k and v projections fused into one matmul at load time (one weight read per step).
+        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.o_bias)
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.scale = a.head_dim ** -0.5
+
+    def forward(self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = rope(positions, q, k)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = Attention(a)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
+
+    def forward(self, x, positions, rope, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, a: ModelArgs, max_positions: int):
+        super().__init__()
+        self.args = a
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rope, kc, vc, meta)
+        return x  # final norm is applied in compute_logits, only on the rows that need it
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = self.norm(hidden)
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(h, w).float()

@@ -1,0 +1,205 @@
+"""Load a Hugging Face checkpoint into tokenloom's own model code.
+
+Accepts a local directory or a hub id (fetched with huggingface_hub), reads
+config.json and single or sharded `*.safetensors` (via `model.safetensors.index.json`),
+and fuses q/k/v and gate/up projections while copying, so each decode step reads each
+weight matrix exactly once (decode at small batch is bound by weight bytes read).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tokenloom.model.llama import CausalLM, ModelArgs
+from tokenloom.model.registry import resolve_architecture
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> Path:
+    """A local directory as is; anything else is treated as a hub id and downloaded."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(f"{p} has no config.json; is it a Hugging Face model directory?")
+        return p
+    if p.exists() or model.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model path {model!r} is not a directory")
+    from huggingface_hub import snapshot_download  # only needed for hub ids
+
+    local = snapshot_download(
+        repo_id=model,
+        revision=revision,
+        allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
+    )
+    return Path(local)
+
+
+def load_config(path: Path) -> dict:
+    with open(path / "config.json") as f:
+        return json.load(f)
+
+
+def resolve_dtype(dtype: str, cfg: dict, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        d = _DTYPES.get(str(name).replace("torch.", ""), torch.float32)
+        if device.type == "cpu" and d == torch.float16:
+            return torch.float32  # fp16 matmuls are slow or missing on CPUs
+        return d
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"--dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}") from None
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but CUDA is not available; use --device cpu")
+    return d
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [path / s for s in shards]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+# checkpoint name -> (our parameter name, which slice of a fused weight)
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def _target(name: str, a: ModelArgs) -> tuple[str, int | None] | None:
+    """Map a checkpoint tensor name to (our name, shard index or None); None = ignore."""
+    if name == "model.embed_tokens.weight":
+        return "embed_tokens.weight", None
+    if name == "model.norm.weight":
+        return "norm.weight", None
+    if name == "lm_head.weight":
+        return (None if a.tie_word_embeddings else ("lm_head.weight", None))
+    m = _LAYER_RE.match(name)
+    if not m:
+        return None
+    layer, rest = m.groups()
+    if rest.endswith("rotary_emb.inv_freq"):
+        return None
+    mod, _, kind = rest.rpartition(".")
+    if mod in _FUSED:
+        fused, idx = _FUSED[mod]
+        return f"layers.{layer}.{fused}.{kind}", idx
+    return f"layers.{layer}.{rest}", None
+
+
+def _shard_bounds(param_name: str, idx: int, a: ModelArgs) -> tuple[int, int]:
+    if "qkv_proj" in param_name:
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][idx]
+    i = a.intermediate_size
+    return [(0, i), (i, 2 * i)][idx]
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    args: ModelArgs
+    hf_config: dict
+    path: Path
+    dtype: torch.dtype
+    device: torch.device
+
+
+def load_model(path: Path, dtype: str, device: torch.device, max_positions: int) -> LoadedModel:
+    cfg = load_config(path)
+    arch = resolve_architecture(cfg)
+    a = ModelArgs.from_hf_config(cfg, arch)
+    tdtype = resolve_dtype(dtype, cfg, device)
+    with torch.device("meta"):
+        model = CausalLM(a, max_positions)
+    model = model.to_empty(device=device)
+    # rope tables were created on meta: rebuild them for real, in float32
+    model.rope = type(model.rope)(a.head_dim, max_positions, a.rope_theta, a.rope_scaling).to(device)
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {}
+    with torch.no_grad():
+        for f in _weight_files(path):
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for name in sf.keys():
+                    tgt = _target(name, a)
+                    if tgt is None:
+                        continue
+                    pname, idx = tgt
+                    if pname not in params:
+                        raise ValueError(f"checkpoint tensor {name!r} has no place in {arch} ({pname})")
+                    t = sf.get_tensor(name)
+                    p = params[pname]
+                    if idx is None:
+                        if tuple(t.shape) != tuple(p.shape):
+                            raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != expected {tuple(p.shape)}")
+                        p.data = t.to(device=device, dtype=tdtype)
+                        filled[pname] = filled.get(pname, 0) + 1
+                    else:
+                        lo, hi = _shard_bounds(pname, idx, a)
+                        if p.dtype != tdtype:
+                            p.data = torch.empty(p.shape, dtype=tdtype, device=device)
+                        p.data[lo:hi].copy_(t)
+                        filled[pname] = filled.get(pname, 0) + 1
+    for pname, p in params.items():
+        expect = 1
+        if "qkv_proj" in pname:
+            expect = 3
+        elif "gate_up_proj" in pname:
+            expect = 2
+        if filled.get(pname, 0) != expect:
+            raise ValueError(f"checkpoint at {path} is missing weights for {pname}")
+    model.eval()
+    return LoadedModel(model=model, args=a, hf_config=cfg, path=path, dtype=tdtype, device=device)
+
+
+def load_eos_token_ids(path: Path, cfg: dict, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+
+    def add(v):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+
+    gen = path / "generation_config.json"
+    if gen.exists():
+        with open(gen) as f:
+            add(json.load(f).get("eos_token_id"))
+    if not ids:
+        add(cfg.get("eos_token_id"))
+    if tokenizer is not None and tokenizer.eos_token_id is not None and not ids:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,116 @@
+"""`tokenloom make-model`: random-weight Hugging Face directories in real architectures' shapes.
+
+No hub here, so tests and benchmarks run on models the project makes: the config of a
+preset, weights drawn from a seeded normal distribution under the exact tensor names a
+real checkpoint uses, and a byte-level BPE tokenizer trained by the project.  The
+result is an ordinary HF directory: transformers loads it, and so does tokenloom.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tokenloom.model.presets import TINY_PRESETS, get_preset
+from tokenloom.model.tokenizer_builder import default_tokenizer, save_hf_tokenizer
+
+_SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def hf_weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a checkpoint of this config, as transformers names them."""
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nh = cfg["num_attention_heads"]
+    nkv = cfg.get("num_key_value_heads") or nh
+    hd = cfg.get("head_dim") or h // nh
+    arch = cfg["architectures"][0]
+    qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias"))
+    o_bias = arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias"))
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes[p + "self_attn.q_proj.weight"] = (nh * hd, h)
+        shapes[p + "self_attn.k_proj.weight"] = (nkv * hd, h)
+        shapes[p + "self_attn.v_proj.weight"] = (nkv * hd, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, nh * hd)
+        if qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (nh * hd,)
+            shapes[p + "self_attn.k_proj.bias"] = (nkv * hd,)
+            shapes[p + "self_attn.v_proj.bias"] = (nkv * hd,)
+        if o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if arch == "Qwen3ForCausalLM":
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
+        shapes[p + "mlp.up_proj.weight"] = (inter, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def make_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str = "float32",
+               init_std: float | None = None, max_shard_bytes: int | None = None,
+               tokenizer_vocab: int | None = None, overrides: dict | None = None) -> Path:
+    """Write a random-weight HF model directory for `preset`; returns its path.
+
+    init_std: weight scale. Tiny presets default to a larger scale than real models'
+    0.02 so their random logits are well separated (greedy parity tests then compare
+    real decisions, not float-rounding coin flips between near-tied tokens)."""
+    cfg = get_preset(preset)
+    cfg.update(overrides or {})
+    if dtype not in _SAVE_DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(_SAVE_DTYPES)}")
+    cfg["torch_dtype"] = dtype
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    std = init_std if init_std is not None else (0.25 if preset in TINY_PRESETS else 0.02)
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in hf_weight_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)  # not all-ones, so a missed norm shows up
+        elif name.endswith(".bias"):
+            t = 0.1 * torch.randn(shape, generator=gen)
+        else:
+            t = std * torch.randn(shape, generator=gen)
+        tensors[name] = t.to(_SAVE_DTYPES[dtype]).contiguous()
+    _save_weights(tensors, out, max_shard_bytes)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    gen_cfg = {"bos_token_id": cfg.get("bos_token_id", 1), "eos_token_id": cfg.get("eos_token_id", 2),
+               "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    vocab = tokenizer_vocab or min(cfg["vocab_size"], 4096)
+    tok = default_tokenizer(vocab)
+    save_hf_tokenizer(tok, out, model_max_length=cfg.get("max_position_embeddings", 2048))
+    return out
+
+
+def _save_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int | None) -> None:
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if not max_shard_bytes or total <= max_shard_bytes:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

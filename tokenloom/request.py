@@ -1,0 +1,108 @@
+"""Request state as the scheduler sees it.
+
+A request is just a token list that grows: the prompt, then one sampled token per
+decode step.  `num_computed_tokens` says how much of that list already sits in the KV
+cache.  Prefill is "many tokens not yet computed"; decode is "exactly one" (the token
+sampled last step).  That single counter is what lets one scheduler mix prefill chunks
+and decodes in the same step (vLLM v1's idea, written here from scratch).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tokenloom.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, KV freed, will recompute
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_ids: frozenset[int] = frozenset()
+    max_tokens: int = 16  # resolved: never None here
+    priority: int = 0
+    cache_salt: str | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit tokens at first admission (-1: not yet)
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    chunked: bool = False  # its prompt was split over several steps this admission
+    # block hashes of its full blocks (prefix caching), extended as blocks fill
+    block_hashes: list[int] = field(default_factory=list)
+    # engine-side bookkeeping
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def token_at(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def check_stop_tokens(self) -> bool:
+        """Token-level stop checks after appending a token (stop strings live in the detokenizer).
+
+        Sets status / stop_reason and returns True when the request is done."""
+        n = len(self.output_token_ids)
+        last = self.output_token_ids[-1]
+        sp = self.sampling_params
+        if n >= sp.min_tokens:
+            if not sp.ignore_eos and last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = None
+                return True
+            if last in sp.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if n >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

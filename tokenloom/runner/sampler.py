@@ -1,0 +1,139 @@
+"""The sampler: logits of the rows that will emit a token -> the next token ids.
+
+This is the seed's "选出下一个 token（如 greedy / sampling）" for a whole batch at once.
+Per-request settings become per-row tensors, so one pass handles a batch that mixes
+greedy and sampled requests.  Expensive transforms (full-vocabulary sort for top-p,
+penalty count tables) are only paid when some row in the step asks for them.
+
+Seeded requests draw their randomness from their own `torch.Generator`, so the same
+seed gives the same tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenloom.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row of the step's logits and what that request asks of it."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # per row: (sampled token logprob, its rank, top-N [(token, logprob)]) or None
+    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab = logits.shape[1]
+    dev = logits.device
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), device=dev, dtype=torch.long)
+            seen = seen[seen < vocab]
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+            out = torch.tensor(r.output_token_ids, device=dev, dtype=torch.long)
+            counts = torch.zeros(vocab, device=dev, dtype=logits.dtype).scatter_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    for i, r in enumerate(rows):
+        p = r.params
+        if len(r.output_token_ids) < p.min_tokens:
+            banned = set(p.stop_token_ids)
+            if not p.ignore_eos:
+                banned |= r.eos_token_ids
+            ids = [t for t in banned if t < logits.shape[1]]
+            if ids:
+                logits[i, ids] = float("-inf")
+
+
+def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on the sampled (non-greedy) rows."""
+    dev = logits.device
+    temps = torch.tensor([r.params.temperature for r in rows], device=dev, dtype=logits.dtype)
+    logits = logits / temps.unsqueeze(1)
+    ks = [r.params.top_k for r in rows]
+    if any(ks):
+        vocab = logits.shape[1]
+        kmax = min(max(ks), vocab)
+        top_vals = logits.topk(kmax, dim=1).values
+        k_idx = torch.tensor([min(k, vocab) - 1 if k else kmax - 1 for k in ks], device=dev)
+        thresh = top_vals.gather(1, k_idx.unsqueeze(1))
+        active = torch.tensor([bool(k) for k in ks], device=dev).unsqueeze(1)
+        logits = torch.where(active & (logits < thresh), float("-inf"), logits)
+    ps = [r.params.top_p for r in rows]
+    if any(p < 1.0 for p in ps):
+        sorted_logits, order = logits.sort(dim=1, descending=True)
+        probs = sorted_logits.softmax(dim=1)
+        cum = probs.cumsum(dim=1)
+        top_p = torch.tensor(ps, device=dev, dtype=probs.dtype).unsqueeze(1)
+        # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
+        drop_sorted = (cum - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    mins = [r.params.min_p for r in rows]
+    if any(mins):
+        probs = logits.softmax(dim=1)
+        min_p = torch.tensor(mins, device=dev, dtype=probs.dtype).unsqueeze(1)
+        logits = logits.masked_fill(probs < min_p * probs.max(dim=1, keepdim=True).values, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    """logits: [N, vocab] float32, one row per entry of `rows`."""
+    want_lp = [r.params.logprobs for r in rows]
+    raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None
+
+    if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty for r in rows):
+        logits = logits.clone()
+        _apply_penalties(logits, rows)
+    if any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
+        logits = logits.clone()
+        _apply_min_tokens(logits, rows)
+
+    tokens = logits.argmax(dim=-1)  # greedy rows keep this
+    sampled_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled_rows:
+        idx = torch.tensor(sampled_rows, device=logits.device)
+        sub_rows = [rows[i] for i in sampled_rows]
+        probs = _filter(logits[idx], sub_rows).softmax(dim=-1)
+        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p without a CDF search.
+        noise = torch.empty_like(probs)
+        for j, r in enumerate(sub_rows):
+            noise[j].exponential_(generator=r.generator)
+        tokens[idx] = (probs / noise).argmax(dim=-1)
+
+    token_list = tokens.tolist()
+    lp_out: list = [None] * len(rows)
+    if raw_logprobs is not None:
+        for i, n in enumerate(want_lp):
+            if n is None:
+                continue
+            tok = token_list[i]
+            row = raw_logprobs[i]
+            lp = row[tok].item()
+            rank = int((row > lp).sum().item()) + 1
+            top: list[tuple[int, float]] = []
+            if n:
+                vals, ids = row.topk(n)
+                top = list(zip(ids.tolist(), vals.tolist()))
+            lp_out[i] = (lp, rank, top)
+    return SamplerOutput(token_ids=token_list, logprobs=lp_out)

@@ -1,0 +1,229 @@
+"""`tokenloom estimate` (and `tokenloom simulate`): the seed's step-time arithmetic on the CLI.
+
+    tokenloom estimate --hardware rtx4090 --model qwen2.5-0.5b --batch-size 1,8,32 --context-len 1024
+
+prints, for each batch size, the bytes and FLOPs of one decode step, which bound wins,
+the step time and tokens/s -- then the same formula with the numbers plugged in for the
+smallest batch, so a reader can redo it by hand, the crossover batch size and the
+prefill (TTFT) floor.  `--hardware local` measures this machine first (cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tokenloom.sim.hardware import CATALOG, LOCAL, Hardware, hardware_names
+
+DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64,128,256"
+
+
+# ---------------------------------------------------------------- number formatting
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{n:,.0f} B"
+
+
+def fmt_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.4g} ms"
+    return f"{s * 1e6:.4g} µs"
+
+
+def fmt_rate(x: float, unit: str) -> str:
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.4g} {prefix}{unit}"
+    return f"{x:.4g} {unit}"
+
+
+def _parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch-size wants comma-separated integers, got {text!r}") from None
+    if not sizes or any(b < 1 for b in sizes):
+        raise argparse.ArgumentTypeError("--batch-size values must be >= 1")
+    return sizes
+
+
+# ---------------------------------------------------------------- registration
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "estimate",
+        help="roofline estimate of decode step time and tokens/s on a given GPU",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--hardware", default="rtx4090", metavar="NAME",
+                   help=f"one of: {', '.join(hardware_names())} (default: rtx4090)")
+    p.add_argument("--model", default="qwen2.5-0.5b", metavar="PRESET|DIR",
+                   help="model preset name or a directory with config.json (default: qwen2.5-0.5b)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
+                   help="weight/KV dtype (default: the checkpoint's)")
+    p.add_argument("--batch-size", type=_parse_batch_sizes, default=_parse_batch_sizes(DEFAULT_BATCH_SIZES),
+                   metavar="B1,B2,...", help=f"decode batch sizes (default: {DEFAULT_BATCH_SIZES})")
+    p.add_argument("--context-len", type=int, default=1024, metavar="L",
+                   help="tokens already in each request's KV cache (default: 1024)")
+    p.add_argument("--prompt-len", type=int, default=512, metavar="P",
+                   help="prompt length for the prefill / TTFT floor (default: 512; 0 to skip)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prefill in chunks of N tokens (like --max-num-batched-tokens); default: one step")
+    p.add_argument("--mem-efficiency", type=float, default=None,
+                   help="fraction of peak bandwidth achieved (default: 0.8 datasheet, 1.0 measured)")
+    p.add_argument("--compute-efficiency", type=float, default=None,
+                   help="fraction of peak FLOP/s achieved (default: 0.6 datasheet, 1.0 measured)")
+    p.add_argument("--overhead-ms", type=float, default=None,
+                   help="fixed per-step overhead in ms (default: 0 for datasheet GPUs; "
+                        "measured op dispatch x ops per step for local)")
+    p.add_argument("--refresh-local", action="store_true", help="re-run the local microbenchmarks")
+    p.add_argument("--list-hardware", action="store_true", help="print the hardware catalog and exit")
+    p.add_argument("--output-json", default=None, metavar="FILE", help="write the estimate as JSON")
+    p.set_defaults(func=run_estimate)
+    # `simulate` (the real Scheduler on a virtual clock) registers next to it (part 2).
+
+
+# ---------------------------------------------------------------- estimate command
+def _catalog_table() -> "object":
+    from rich.table import Table
+
+    t = Table(title="hardware catalog (dense peaks; fp16/bf16 = tensor cores w/ FP32 accumulate)")
+    for col in ("name", "memory", "bandwidth", "fp16/bf16", "fp32", "ridge fp16 (FLOP/B)", "source"):
+        t.add_column(col, overflow="fold")
+    for hw in CATALOG.values():
+        t.add_row(hw.name, f"{hw.memory_bytes / 2**30:.0f} GiB", fmt_rate(hw.mem_bandwidth, "B/s"),
+                  fmt_rate(hw.peak_flops["float16"], "FLOP/s"), fmt_rate(hw.peak_flops["float32"], "FLOP/s"),
+                  f"{hw.ridge_point('float16'):.0f}", hw.source)
+    t.add_row(LOCAL, "-", "measured", "measured", "measured", "-", "tokenloom.sim.microbench (cached)")
+    return t
+
+
+def _console() -> "object":
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:  # piped or captured: rich would squeeze the table into 80 columns
+        console = Console(highlight=False, width=180)
+    return console
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    from tokenloom.sim.estimate import estimate
+    from tokenloom.sim.hardware import get_hardware
+    from tokenloom.sim.model_spec import load_model_spec
+
+    console = _console()
+    if args.list_hardware:
+        console.print(_catalog_table())
+        return 0
+    try:
+        hw = get_hardware(args.hardware, refresh_local=args.refresh_local)
+        spec = load_model_spec(args.model)
+        est = estimate(
+            spec, hw, None if args.dtype == "auto" else args.dtype,
+            batch_sizes=args.batch_size, context_len=args.context_len, prompt_len=args.prompt_len,
+            mem_efficiency=args.mem_efficiency, compute_efficiency=args.compute_efficiency,
+            overhead_s=None if args.overhead_ms is None else args.overhead_ms / 1e3,
+            prefill_chunk=args.prefill_chunk,
+        )
+    except (KeyError, ValueError) as e:
+        console.print(f"error: {e}", markup=False)
+        return 2
+    console.print(decode_table(est))
+    console.print(explain(est, spec, hw), markup=False, soft_wrap=True)
+    if args.output_json:
+        path = Path(args.output_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = est.to_dict()
+        data["explanation"] = explain(est, spec, hw)
+        path.write_text(json.dumps(data, indent=2), encoding="utf-8")
+        console.print(f"wrote {path}", markup=False)
+    return 0
+
+
+def decode_table(est) -> "object":
+    from rich.table import Table
+
+    hw = est.hardware
+    t = Table(title=f"decode step: {est.model['name']} ({est.dtype}) on {hw['name']}, "
+                    f"context {est.context_len} tokens/request, mem eff {est.mem_efficiency:g}, "
+                    f"compute eff {est.compute_efficiency:g}, overhead {fmt_time(est.overhead_s)}")
+    for col in ("batch", "bytes/step", "FLOPs/step", "mem time", "compute time", "step time", "bound",
+                "tok/s per req", "tok/s total", "KV resident", "fits"):
+        t.add_column(col, justify="right")
+    for d in est.decode:
+        t.add_row(str(d.batch_size), fmt_bytes(d.bytes), fmt_rate(d.flops, "FLOP"), fmt_time(d.mem_time_s),
+                  fmt_time(d.compute_time_s), fmt_time(d.step_time_s), d.bound,
+                  f"{d.tokens_per_s_per_request:,.1f}", f"{d.tokens_per_s_total:,.0f}",
+                  fmt_bytes(d.kv_cache_bytes), "yes" if d.fits_in_memory else "NO")
+    return t
+
+
+def explain(est, spec, hw: Hardware) -> str:
+    """The batch-smallest decode step, prefill and crossover with every number plugged in."""
+    d = min(est.decode, key=lambda p: p.batch_size)
+    B, L, kv = d.batch_size, est.context_len, est.kv_bytes_per_token
+    nb = {"float16": 2, "bfloat16": 2, "float32": 4}[est.dtype]
+    bw, peak = hw.mem_bandwidth, hw.peak_flops[est.dtype]
+    em, ec = est.mem_efficiency, est.compute_efficiency
+    bw_eff, peak_eff = bw * em, peak * ec
+    per_req_flops = d.flops / B
+    lines = [
+        "",
+        f"How one decode step at batch {B} was computed ({spec.name}, {est.dtype}, {hw.name}, context L = {L}):",
+        "",
+        f"  weights read per step   W  = {spec.streamed_params:,} params x {nb} B = {fmt_bytes(est.weight_bytes_streamed)}",
+        f"  KV bytes per token      kv = 2 (K and V) x {spec.num_layers} layers x {spec.num_kv_heads} kv heads"
+        f" x {spec.head_dim} head_dim x {nb} B = {kv:,} B",
+        f"  bytes per step             = W + B*L*kv + B*kv = {fmt_bytes(d.weight_bytes)} + {B} x {L} x {kv:,} B"
+        f" + {B} x {kv:,} B = {fmt_bytes(d.bytes)}",
+        f"  memory time                = bytes / (bandwidth x mem_eff) = {fmt_bytes(d.bytes)}"
+        f" / ({fmt_rate(bw, 'B/s')} x {em:g}) = {fmt_time(d.mem_time_s)}",
+        f"  FLOPs per token         F  = 2 x {spec.matmul_params:,} matmul params + 4 x {spec.num_layers} layers"
+        f" x {spec.num_heads} heads x {spec.head_dim} head_dim x (L+1 = {L + 1}) = {fmt_rate(per_req_flops, 'FLOP')}",
+        f"  compute time               = B*F / (peak x compute_eff) = {B} x {fmt_rate(per_req_flops, 'FLOP')}"
+        f" / ({fmt_rate(peak, 'FLOP/s')} x {ec:g}) = {fmt_time(d.compute_time_s)}",
+        f"  step time                  = max({fmt_time(d.mem_time_s)}, {fmt_time(d.compute_time_s)})"
+        f" + overhead {fmt_time(d.overhead_s)} = {fmt_time(d.step_time_s)}  ({d.bound}-bound)",
+        f"  tokens/s                   = 1 / step = {d.tokens_per_s_per_request:,.1f} tok/s per request;"
+        f"  B / step = {d.tokens_per_s_total:,.1f} tok/s in total",
+        "",
+        f"  arithmetic intensity at batch {B}: {d.flops / d.bytes:.1f} FLOP/B vs ridge point"
+        f" {peak_eff / bw_eff:.0f} FLOP/B (peak' / bw') -> each weight byte is reused by only B requests",
+    ]
+    w_t = est.weight_bytes_streamed / bw_eff
+    kv_t = (L + 1) * kv / bw_eff
+    f_t = per_req_flops / peak_eff
+    if est.crossover_batch is None:
+        lines.append(
+            f"  crossover batch  B* = (W/bw') / (F/peak' - (L+1)*kv/bw') = {fmt_time(w_t)} / ({fmt_time(f_t)} - {fmt_time(kv_t)})"
+            f" -> none: at L = {L} each request's KV reads take longer than its FLOPs, so decode stays memory-bound at any batch")
+    else:
+        lines.append(
+            f"  crossover batch  B* = (W/bw') / (F/peak' - (L+1)*kv/bw') = {fmt_time(w_t)} / ({fmt_time(f_t)} - {fmt_time(kv_t)})"
+            f" = {est.crossover_batch:,.1f}  (below it: memory-bound, batching is ~free; above: compute-bound)")
+    lines.append(
+        f"  memory capacity: {fmt_bytes(est.weight_bytes_total)} of weights + {fmt_bytes((L + 1) * kv)} KV per request"
+        f" -> at most {est.max_batch_in_memory:,} requests of {L + 1} tokens fit in {hw.memory_bytes / 2**30:.0f} GiB")
+    if est.prefill is not None:
+        p = est.prefill
+        P = p.prompt_len
+        lines += [
+            "",
+            f"  prefill of P = {P} prompt tokens ({p.num_steps} step{'s' if p.num_steps != 1 else ''}), the TTFT floor:",
+            f"    FLOPs = 2 x P x {spec.layer_matmul_params:,} layer matmul params + 2 x {spec.logits_matmul_params:,}"
+            f" logits params (last token only) + 4 x {spec.num_layers} x {spec.num_heads} x {spec.head_dim}"
+            f" x P(P+1)/2 = {fmt_rate(p.flops, 'FLOP')}",
+            f"    time  = max(bytes/bw' = {fmt_time(p.mem_time_s)}, FLOPs/peak' = {fmt_time(p.compute_time_s)})"
+            f" + overhead {fmt_time(p.overhead_s)} = {fmt_time(p.time_s)}  ({p.bound}-bound, {p.tokens_per_s:,.0f} prompt tok/s)",
+            "    TTFT >= this: the prefill step's last position also yields the first output token.",
+        ]
+    if not hw.measured:
+        lines += ["", "  Roofline floor: real engines add per-step CPU/launch overhead (pass --overhead-ms) and "
+                      "rarely reach the efficiencies above on every kernel."]
+    return "\n".join(lines)

@@ -1,0 +1,233 @@
+"""Microbenchmarks: this machine's own roofline numbers (the `local` hardware).
+
+The seed's decode-step arithmetic needs two rates -- how fast memory streams bytes and
+how fast matmuls do FLOPs -- plus how long the framework takes just to *launch* the
+step's many small ops.  Datasheets give the first two for GPUs; for the machine we are
+actually on we measure all three:
+
+* `measure_bandwidth()`   large tensor copy, (bytes read + bytes written) / time -- the
+                          STREAM "copy" convention.  Decode streams weights once per step,
+                          so this is the rate a memory-bound step can hope for.
+* `measure_matmul_flops()` square matmul, 2*n^3 / time, sized up until one call takes long
+                          enough to time reliably.
+* `measure_step_overhead()` wall time of a sequence of trivial (1-element) torch ops.  In
+                          eager PyTorch every op costs a fixed dispatch/launch time no matter
+                          how small, so a step of k ops can never be faster than k times this.
+                          `measure_op_overhead()` is the same divided by k; the cost model
+                          multiplies it by the model's op count (`ModelSpec.eager_ops_per_step`).
+                          Python-side engine work (scheduling, detokenizing) is *not* in it:
+                          that is left to be read off measured engine steps.
+
+Every figure is the median of several timed repeats after a warm-up.  `measure_local()`
+bundles them and caches the result as JSON in `$TOKENLOOM_CACHE` (default
+`~/.cache/tokenloom`), keyed by CPU/GPU model + torch threads + torch version, because
+re-measuring on every `tokenloom estimate --hardware local` would cost seconds and add noise.
+`bench roofline` uses these same functions; they take a `device` so they work on CUDA too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+MiB = 2**20
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_CACHE_FILE = "microbench.json"
+_CACHE_VERSION = 1  # bump when a measurement's method changes so old caches are ignored
+
+
+# ---------------------------------------------------------------- timing helpers
+def _sync(device: torch.device) -> None:
+    # CUDA calls return before the work is done; without a sync we would time the launch.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    # Median, not min or mean: other processes share these cores, and one unlucky repeat
+    # should neither win nor drag the figure.
+    return statistics.median(times)
+
+
+def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(_DTYPES)}") from None
+
+
+# ---------------------------------------------------------------- the three measurements
+def measure_bandwidth(nbytes: int | None = None, repeats: int = 5, device: str = "cpu") -> float:
+    """Memory bandwidth in bytes/s: 2 * nbytes / (time of one `dst.copy_(src)`).
+
+    The buffer (default 256 MiB on CPU, 1 GiB on GPU) must dwarf the last-level cache,
+    or we would measure the cache instead of DRAM.  Write-allocate traffic is not counted,
+    as in STREAM, so this is the rate software sees, not the bus maximum.
+    """
+    dev = torch.device(device)
+    if nbytes is None:
+        nbytes = 1024 * MiB if dev.type == "cuda" else 256 * MiB
+    n = max(1, nbytes // 4)
+    src = torch.ones(n, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+    t = _median_time(lambda: dst.copy_(src), dev, repeats)
+    return 2 * n * 4 / t
+
+
+def measure_matmul_flops(
+    dtype: str | torch.dtype = "float32",
+    repeats: int = 3,
+    device: str = "cpu",
+    n: int | None = None,
+    min_time_s: float = 0.02,
+    max_n: int | None = None,
+) -> float:
+    """Achieved dense matmul FLOP/s for `dtype`: 2*n^3 / time of an n x n @ n x n matmul.
+
+    Without an explicit `n` the size doubles from 256 until one call takes `min_time_s`
+    (or reaches `max_n`: 2048 on CPU, 8192 on GPU), so slow dtypes (bf16 on a CPU
+    without native support) still finish quickly and fast ones are timed well above
+    launch noise.
+    """
+    dev = torch.device(device)
+    dt = _as_dtype(dtype)
+    if max_n is None:
+        max_n = 8192 if dev.type == "cuda" else 2048
+
+    def make(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        a = torch.randn(size, size, generator=g).to(device=dev, dtype=dt)
+        b = torch.randn(size, size, generator=g).to(device=dev, dtype=dt)
+        return a, b
+
+    if n is None:
+        n = 256
+        while True:
+            a, b = make(n)
+            t = _median_time(lambda: torch.matmul(a, b), dev, repeats=1)
+            if t >= min_time_s or n >= max_n:
+                break
+            n *= 2
+    a, b = make(n)
+    t = _median_time(lambda: torch.matmul(a, b), dev, repeats)
+    return 2.0 * n**3 / t
+
+
+def measure_step_overhead(num_ops: int = 1000, repeats: int = 5, device: str = "cpu") -> float:
+    """Seconds to dispatch a sequence of `num_ops` trivial ops (in-place add on 1 element).
+
+    The data is one number, so the time is all fixed cost: Python -> ATen dispatch ->
+    kernel (launch, on GPU).  This is the floor an eager-mode step of `num_ops` ops
+    pays before moving a single weight.
+    """
+    dev = torch.device(device)
+    x = torch.zeros(1, device=dev)
+
+    def seq() -> None:
+        for _ in range(num_ops):
+            x.add_(1.0)
+
+    return _median_time(seq, dev, repeats)
+
+
+def measure_op_overhead(num_ops: int = 1000, repeats: int = 5, device: str = "cpu") -> float:
+    """Seconds per dispatched trivial op (`measure_step_overhead(num_ops) / num_ops`)."""
+    return measure_step_overhead(num_ops, repeats, device) / num_ops
+
+
+# ---------------------------------------------------------------- cache + bundle
+def cache_dir() -> Path:
+    """`$TOKENLOOM_CACHE` if set, else `~/.cache/tokenloom`."""
+    base = os.environ.get("TOKENLOOM_CACHE")
+    return Path(base) if base else Path.home() / ".cache" / "tokenloom"
+
+
+def device_model(device: str = "cpu") -> str:
+    """Human name of the processor that runs `device` (CPU model name or CUDA device name)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def cache_key(device: str = "cpu") -> str:
+    """What the measurements depend on: processor, torch thread count, torch version."""
+    return f"{device_model(device)}|device={torch.device(device).type}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+
+
+def _memory_bytes(device: str) -> int:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.get_device_properties(dev).total_memory)
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:  # psutil is a dependency, but the figure is not worth a crash
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) and data.get("version") == _CACHE_VERSION else {}
+
+
+def measure_local(refresh: bool = False, device: str = "cpu") -> dict:
+    """All local roofline figures as a dict, measured once per cache key and then cached.
+
+    Keys: key, device_name, torch_threads, torch_version, measured_at, memory_bytes,
+    mem_bandwidth (B/s), matmul_flops {dtype: FLOP/s}, op_overhead_s.
+    """
+    key = cache_key(device)
+    path = cache_dir() / _CACHE_FILE
+    cache = _read_cache(path)
+    entries = cache.get("entries", {})
+    if not refresh and key in entries:
+        return entries[key]
+    record = {
+        "key": key,
+        "device_name": device_model(device),
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "memory_bytes": _memory_bytes(device),
+        "mem_bandwidth": measure_bandwidth(device=device),
+        "matmul_flops": {name: measure_matmul_flops(name, device=device) for name in _DTYPES},
+        "op_overhead_s": measure_op_overhead(device=device),
+    }
+    entries[key] = record
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    # Write-then-rename so a concurrent reader never sees half a file.
+    tmp.write_text(json.dumps({"version": _CACHE_VERSION, "entries": entries}, indent=2), encoding="utf-8")
+    os.replace(tmp, path)
+    return record

@@ -1,0 +1,259 @@
+"""Model arithmetic: parameters, weight bytes, KV bytes per token, FLOPs per token.
+
+The seed's decode step "feeds one token, which attends to the whole KV history".  What
+that costs is pure arithmetic on the Hugging Face config:
+
+* every decode step must read every weight once (the weights do not fit in any cache),
+* each cached token holds K and V for every layer: 2 * layers * kv_heads * head_dim * bytes,
+* each new token does ~2 FLOPs per matmul weight (one multiply, one add) plus attention
+  over its context.
+
+FLOP convention (stated once, used everywhere): a matmul of [m, k] x [k, n] is 2*m*k*n
+FLOPs; norms, activations, RoPE and softmax are ignored (O(hidden) per token, < 1%).
+Attention for one token at context c (the number of positions it attends, itself
+included) is 4 * layers * heads * head_dim * c: 2*d*c for Q.K^T and 2*d*c for P.V, per
+query head (GQA shares K/V across heads, it does not share the FLOPs).
+
+Pure Python on purpose: the simulator's clock calls into this thousands of times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
+
+# Rough count of eager PyTorch ops our decoder dispatches, used only to turn the measured
+# per-op dispatch cost into a per-step overhead for `local`.  Per layer: two RMSNorms
+# (~6 ops each), q/k/v/o projections (4), RoPE on q and k (~8), KV-cache write (2),
+# attention (~3), two residual adds (2), gate/up/down (3) and SiLU*mul (2).
+OPS_PER_LAYER = 30
+OPS_PER_QK_NORM = 12  # Qwen3: two more RMSNorms per layer
+OPS_FIXED = 10  # embedding, final norm, lm_head, sampling
+
+
+def normalize_dtype(dtype: str) -> str:
+    """'fp16' -> 'float16' etc.; ValueError for anything the estimator does not model."""
+    d = _DTYPE_ALIASES.get(dtype, dtype)
+    if d not in DTYPE_BYTES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
+    return d
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a dense decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3)."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    mlp_bias: bool = False
+    torch_dtype: str | None = None  # the dtype the checkpoint ships in, if known
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, config: dict, name: str = "model") -> "ModelSpec":
+        for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+            if config.get(key):
+                raise ValueError(f"{name}: mixture-of-experts configs ({key}) are not modelled; dense decoders only")
+        try:
+            hidden = int(config["hidden_size"])
+            heads = int(config["num_attention_heads"])
+            model_type = str(config.get("model_type", "llama"))
+            return cls(
+                name=name,
+                hidden_size=hidden,
+                num_layers=int(config["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(config.get("num_key_value_heads") or heads),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                intermediate_size=int(config["intermediate_size"]),
+                vocab_size=int(config["vocab_size"]),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                # Qwen2 hard-codes bias on q/k/v (not o); Llama/Qwen3 have one switch for all four.
+                qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+                o_bias=model_type != "qwen2" and bool(config.get("attention_bias", False)),
+                qk_norm=model_type == "qwen3",
+                mlp_bias=bool(config.get("mlp_bias", False)),
+                torch_dtype=config.get("torch_dtype") or config.get("dtype"),
+            )
+        except KeyError as e:
+            raise ValueError(f"{name}: config lacks {e.args[0]!r}") from None
+
+    # ------------------------------------------------------------ parameter counts
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        """q, k, v, o projections (GQA: k and v are kv_dim wide), biases, q/k norms."""
+        h = self.hidden_size
+        p = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        if self.qkv_bias:
+            p += self.q_dim + 2 * self.kv_dim
+        if self.o_bias:
+            p += h
+        if self.qk_norm:
+            p += 2 * self.head_dim  # RMSNorm over head_dim, shared across heads
+        return p
+
+    @property
+    def mlp_params_per_layer(self) -> int:
+        """gate, up, down projections (SwiGLU)."""
+        p = 3 * self.hidden_size * self.intermediate_size
+        if self.mlp_bias:
+            p += 2 * self.intermediate_size + self.hidden_size
+        return p
+
+    @property
+    def norm_params_per_layer(self) -> int:
+        return 2 * self.hidden_size  # input and post-attention RMSNorm
+
+    @property
+    def layer_params(self) -> int:
+        return self.attention_params_per_layer + self.mlp_params_per_layer + self.norm_params_per_layer
+
+    @property
+    def lm_head_params(self) -> int:
+        """Separate lm_head weights; 0 when tied (the head reuses the embedding matrix)."""
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        return self.embedding_params + self.num_layers * self.layer_params + self.hidden_size + self.lm_head_params
+
+    # ------------------------------------------------------------ matmul weights (what costs FLOPs)
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of all decoder-layer linears (no biases/norms): 2 FLOPs each per token."""
+        h = self.hidden_size
+        per_layer = 2 * h * self.q_dim + 2 * h * self.kv_dim + 3 * h * self.intermediate_size
+        return self.num_layers * per_layer
+
+    @property
+    def logits_matmul_params(self) -> int:
+        """The vocab projection (lm_head, or the tied embedding matrix used as one)."""
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def matmul_params(self) -> int:
+        return self.layer_matmul_params + self.logits_matmul_params
+
+    # ------------------------------------------------------------ bytes
+    def weight_bytes(self, dtype: str) -> int:
+        """Size of the whole checkpoint in `dtype` (what must fit in memory)."""
+        return self.total_params * DTYPE_BYTES[normalize_dtype(dtype)]
+
+    @property
+    def streamed_params(self) -> int:
+        """Parameters every step must read from memory.
+
+        All layers, the final norm and the vocab projection.  An *untied* input embedding
+        is only gathered (one row per token), so it is not streamed; a tied one is read in
+        full as the lm_head.
+        """
+        return self.total_params - (self.embedding_params if not self.tie_word_embeddings else 0)
+
+    def streamed_weight_bytes(self, dtype: str) -> int:
+        return self.streamed_params * DTYPE_BYTES[normalize_dtype(dtype)]
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """K and V, every layer: 2 * layers * kv_heads * head_dim * bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[normalize_dtype(dtype)]
+
+    # ------------------------------------------------------------ FLOPs
+    @property
+    def attention_flops_per_position(self) -> int:
+        """FLOPs one query token spends per attended position: 4 * layers * heads * head_dim."""
+        return 4 * self.num_layers * self.num_heads * self.head_dim
+
+    def flops_per_token(self, context_len: int, with_logits: bool = True) -> int:
+        """FLOPs for one token attending `context_len` positions (itself included).
+
+        2 * matmul params + 4 * layers * heads * head_dim * context_len; `with_logits=False`
+        drops the vocab projection (prefill tokens other than a prompt's last need no logits).
+        """
+        mm = self.matmul_params if with_logits else self.layer_matmul_params
+        return 2 * mm + self.attention_flops_per_position * context_len
+
+    def prefill_flops(self, num_tokens: int, context_start: int = 0) -> int:
+        """FLOPs to prefill `num_tokens` new tokens after `context_start` cached ones.
+
+        Causal attention: token j (1-based) attends context_start + j positions, so the
+        attention term sums to P*c0 + P(P+1)/2.  Only the last token computes logits.
+        """
+        p = num_tokens
+        attn_positions = p * context_start + p * (p + 1) // 2
+        return 2 * p * self.layer_matmul_params + 2 * self.logits_matmul_params + self.attention_flops_per_position * attn_positions
+
+    # ------------------------------------------------------------ overhead
+    @property
+    def eager_ops_per_step(self) -> int:
+        """Approximate count of eager ops one forward dispatches (see OPS_PER_LAYER)."""
+        per_layer = OPS_PER_LAYER + (OPS_PER_QK_NORM if self.qk_norm else 0)
+        return self.num_layers * per_layer + OPS_FIXED
+
+    def default_dtype(self) -> str:
+        """The checkpoint's dtype when it is one we model, else float16."""
+        try:
+            return normalize_dtype(self.torch_dtype) if self.torch_dtype else "float16"
+        except ValueError:
+            return "float16"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            total_params=self.total_params,
+            embedding_params=self.embedding_params,
+            layer_params=self.layer_params,
+            lm_head_params=self.lm_head_params,
+            matmul_params=self.matmul_params,
+            streamed_params=self.streamed_params,
+        )
+        return d
+
+
+def load_config(model: str) -> tuple[dict, str]:
+    """(config dict, display name) from a preset name, a model directory or a config.json path."""
+    from tokenloom.model.presets import PRESETS, get_preset
+
+    if model in PRESETS:
+        return get_preset(model), model
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        with open(path, encoding="utf-8") as f:
+            return json.load(f), os.path.basename(os.path.dirname(os.path.abspath(path))) or str(path)
+    raise ValueError(
+        f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+        f"nor a directory containing config.json"
+    )
+
+
+def load_model_spec(model: str) -> ModelSpec:
+    """`ModelSpec` for a preset name or a directory holding (at least) config.json."""
+    config, name = load_config(model)
+    return ModelSpec.from_config(config, name=name)
