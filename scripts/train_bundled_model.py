@@ -2,10 +2,12 @@
 """Train tokenloom's bundled model (`tokenloom/py-tiny`) from scratch on the Python stdlib.
 
 Reproducible: everything is seeded, the corpus is the running interpreter's standard library
-(split by a stable path hash into train/val), and the number of optimizer steps is written to
-`training_report.json`.  `--minutes` only *chooses* the step count (from a short throughput
-measurement before training); rerunning with `--steps N --threads T --seed S` on the same
-Python/torch versions repeats the run exactly.
+(split by a stable path hash into train/val), and the step counts are written to
+`training_report.json`.  The learning rate is warmup -> constant -> cosine decay ("WSD"): the
+constant phase does not depend on the run length, so on a shared machine whose speed changes
+under us `--minutes` can decide *while training* when to start the decay (so that it ends within
+the budget).  The decision is recorded; rerunning with `--steps N --decay-steps D --threads T
+--seed S` (the report's "reproduce" line) on the same Python/torch versions repeats the run.
 
 Pipeline:
   1. byte-level BPE tokenizer trained on the train split (tokenloom.model.tokenizer_builder)
@@ -51,8 +53,10 @@ from tokenloom.model.tokenizer_builder import (  # noqa: E402
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("tokenloom/bundled/py-tiny"))
-    p.add_argument("--minutes", type=float, default=40.0, help="training time budget (chooses --steps)")
-    p.add_argument("--steps", type=int, default=None, help="exact optimizer steps (overrides --minutes)")
+    p.add_argument("--minutes", type=float, default=40.0, help="training-loop time budget (chooses the steps)")
+    p.add_argument("--steps", type=int, default=None, help="exact optimizer steps (instead of --minutes)")
+    p.add_argument("--decay-steps", type=int, default=None, help="cosine-decay steps at the end (with --steps)")
+    p.add_argument("--decay-frac", type=float, default=0.35, help="decay share of all steps in --minutes mode")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=4096)
@@ -65,7 +69,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--intermediate-size", type=int, default=512)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--eval-every", type=int, default=200, help="steps between quick val checks")
     p.add_argument("--val-max-bytes", type=int, default=None, help="cap the final val text (for smoke runs)")
@@ -82,12 +86,17 @@ def pack_train_stream(tok, files: list[Path]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int32)
 
 
-def lr_at(step: int, total: int, args: argparse.Namespace) -> float:
-    """Linear warmup, then cosine from lr down to lr * min_lr_ratio."""
+def lr_at(step: int, decay_start: int | None, decay_steps: int, args: argparse.Namespace) -> float:
+    """Linear warmup, constant, then cosine from lr down to lr * min_lr_ratio over decay_steps.
+
+    `decay_start` is None while the run length is still undecided (constant phase).
+    """
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
-    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
-    cos = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    if decay_start is None or step < decay_start:
+        return args.lr
+    progress = min(1.0, (step - decay_start + 1) / max(1, decay_steps))
+    cos = 0.5 * (1.0 + math.cos(math.pi * progress))
     return args.lr * (args.min_lr_ratio + (1.0 - args.min_lr_ratio) * cos)
 
 
@@ -141,32 +150,20 @@ def make_optimizer(model, args: argparse.Namespace) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def measure_seconds_per_step(args: argparse.Namespace) -> float:
-    """Time a few steps of a throwaway model, so --minutes can be turned into a step count."""
-    model = make_model(args)
-    opt = make_optimizer(model, args)
-    batch = torch.randint(0, args.vocab_size, (args.batch_size, args.context + 1))
-    train_step(model, opt, batch)  # warm-up (allocator, kernels)
-    t0 = time.perf_counter()
-    for _ in range(4):
-        train_step(model, opt, batch)
-    return (time.perf_counter() - t0) / 4
-
-
-def reproduce_command(total_steps: int) -> str:
+def reproduce_command(total_steps: int, decay_steps: int) -> str:
     """The invocation with --minutes replaced by the step count it chose (exactly repeatable)."""
     argv, skip = [], False
     for a in sys.argv[1:]:
         if skip:
             skip = False
             continue
-        if a in ("--minutes", "--steps"):
+        if a in ("--minutes", "--steps", "--decay-steps", "--decay-frac"):
             skip = True
             continue
-        if a.startswith(("--minutes=", "--steps=")):
+        if a.startswith(("--minutes=", "--steps=", "--decay-steps=", "--decay-frac=")):
             continue
         argv.append(a)
-    argv += ["--steps", str(total_steps)]
+    argv += ["--steps", str(total_steps), "--decay-steps", str(decay_steps)]
     return "python scripts/train_bundled_model.py " + " ".join(shlex.quote(a) for a in argv)
 
 
@@ -194,15 +191,12 @@ def main() -> None:
     # Quick periodic check: first 4 KB of each of the first 8 val files (a few seconds).
     quick_val = [t[:4096] for t in val_texts[:8]]
 
-    if args.steps is None:
-        sec = measure_seconds_per_step(args)
-        # 85% of the budget for steps: the rest covers evaluations and a machine shared with
-        # other jobs running slower than during the probe.
-        total_steps = max(args.warmup_steps + 10, int(args.minutes * 60 * 0.85 / sec))
-        print(f"throughput probe: {sec:.2f}s/step ({args.batch_size * args.context / sec:.0f} tok/s) "
-              f"-> {total_steps} steps for {args.minutes} min", flush=True)
+    if args.steps is not None:
+        decay_steps = args.decay_steps if args.decay_steps is not None else round(args.steps * args.decay_frac)
+        total_steps: int | None = args.steps
+        decay_start: int | None = args.steps - decay_steps
     else:
-        total_steps = args.steps
+        total_steps, decay_start, decay_steps = None, None, 0  # decided during training
 
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
@@ -213,28 +207,47 @@ def main() -> None:
     data = batches(stream, args, gen)
 
     t_train = time.time()
-    steps_done = 0
+    budget = args.minutes * 60
+    step_times: list[float] = []
     ema = None
     history: list[dict] = []
-    bar = tqdm(range(total_steps), desc="train", file=sys.stdout, mininterval=20, dynamic_ncols=False, ncols=100)
-    for step in bar:
-        if args.steps is None and time.time() - t_train > args.minutes * 60 * 1.15:
-            # Safety net for a much slower machine than probed: stop rather than blow the budget.
+    bar = tqdm(total=total_steps, desc="train", file=sys.stdout, mininterval=20, ncols=100)
+    step = 0
+    while total_steps is None or step < total_steps:
+        if time.time() - t_train > budget * 1.15:
+            # Safety net for a machine far slower than measured: stop rather than blow the budget.
             tqdm.write(f"time budget exceeded: stopping at step {step}", file=sys.stdout)
             break
+        if total_steps is None and step >= args.warmup_steps and len(step_times) >= 20:
+            # Start the decay once the remaining budget only fits the decay phase, at the
+            # recent speed (the machine is shared, so only recent steps are representative).
+            sec = sorted(step_times[-50:])[len(step_times[-50:]) // 2]
+            d = math.ceil(step * args.decay_frac / (1 - args.decay_frac))
+            if time.time() - t_train + d * sec >= budget:
+                decay_start, decay_steps, total_steps = step, d, step + d
+                bar.total = total_steps
+                tqdm.write(f"step {step}: {sec:.2f}s/step -> cosine decay over the last {d} steps "
+                           f"(total {total_steps})", file=sys.stdout)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total_steps, args)
+            g["lr"] = lr_at(step, decay_start, decay_steps, args)
+        t_step = time.perf_counter()
         loss = train_step(model, opt, next(data))
-        steps_done = step + 1
-        ema = loss if ema is None else 0.98 * ema + 0.02 * loss
+        step_times.append(time.perf_counter() - t_step)
+        step += 1
+        bar.update(1)
+        ema = loss if ema is None else 0.95 * ema + 0.05 * loss
         bar.set_postfix(loss=f"{ema:.3f}", lr=f"{opt.param_groups[0]['lr']:.2e}", refresh=False)
-        if (step + 1) % args.eval_every == 0 or step + 1 == total_steps:
+        if step % args.eval_every == 0 or step == total_steps:
             qbpb = bits_per_byte(model, tok, quick_val, context=args.context)
-            history.append({"step": step + 1, "train_loss_ema": round(ema, 4), "quick_val_bpb": round(qbpb, 4),
+            history.append({"step": step, "train_loss_ema": round(ema, 4), "quick_val_bpb": round(qbpb, 4),
                             "elapsed_s": round(time.time() - t_train, 1)})
-            tqdm.write(f"step {step + 1}/{total_steps} loss {ema:.3f} quick-val bpb {qbpb:.3f} "
-                       f"({time.time() - t_train:.0f}s)", file=sys.stdout)
+            tqdm.write(f"step {step} loss {ema:.3f} quick-val bpb {qbpb:.3f} ({time.time() - t_train:.0f}s)",
+                       file=sys.stdout)
             sys.stdout.flush()
+    bar.close()
+    steps_done = step
+    if total_steps is None:  # stopped by the safety net before deciding: record what ran
+        total_steps, decay_steps = steps_done, 0
     train_seconds = time.time() - t_train
     tokens_seen = steps_done * args.batch_size * args.context
 
@@ -274,7 +287,8 @@ def main() -> None:
         "train_bytes": train_bytes,
         "history": history,
         "command": command,
-        "reproduce": reproduce_command(total_steps),
+        "decay_steps": decay_steps,
+        "reproduce": reproduce_command(total_steps, decay_steps),
         "seed": args.seed,
         "threads": args.threads,
         "hyperparameters": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

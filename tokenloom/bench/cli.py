@@ -70,3 +70,64 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_slo_args(p)
     _add_output_args(p)
     p.set_defaults(func=_lazy("tokenloom.bench.serve", "main"))
+
+    # ---- throughput ---------------------------------------------------
+    p = sub.add_parser("throughput", help="offline throughput of LLM.generate (optionally vs HF transformers)",
+                       description="Send the whole workload to LLM.generate at once and report requests/s, "
+                                   "output tokens/s, total tokens/s, batch occupancy and peak RSS.  "
+                                   "--baseline hf runs the same requests through transformers' generate.")
+    EngineArgs.add_cli_args(p)
+    add_workload_args(p)
+    p.add_argument("--baseline", choices=["none", "hf"], default="none",
+                   help="also run HF transformers generate on the same requests (default: none)")
+    p.add_argument("--baseline-batch-size", type=int, default=8, help="HF static batch size (default: 8)")
+    _add_output_args(p)
+    p.set_defaults(func=_lazy("tokenloom.bench.throughput", "main"))
+
+    # ---- latency ------------------------------------------------------
+    p = sub.add_parser("latency", help="latency of one batch of N requests with fixed input/output lengths",
+                       description="Run a batch of --batch-size requests of --input-len prompt tokens and "
+                                   "--output-len generated tokens, --num-iters times; report batch latency, "
+                                   "prefill (TTFT) and decode step times from the engine's step events.")
+    EngineArgs.add_cli_args(p)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--num-iters-warmup", type=int, default=1)
+    _add_output_args(p)
+    p.set_defaults(func=_lazy("tokenloom.bench.latency", "main"))
+
+    # ---- roofline -----------------------------------------------------
+    p = sub.add_parser("roofline", help="engine decode step time vs this machine's bandwidth/FLOP rooflines",
+                       description="Measure memory bandwidth and matmul FLOP/s, compute the model's bytes and "
+                                   "FLOPs per decode step, and time the engine's decode steps at several batch "
+                                   "sizes and context lengths: achieved vs roofline, and engine overhead.")
+    EngineArgs.add_cli_args(p)
+    p.add_argument("--batch-sizes", default="1,8,32", help="decode batch sizes (default: 1,8,32)")
+    p.add_argument("--context-lens", default="128,512", help="context lengths (default: 128,512)")
+    p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per point (default: 8)")
+    p.add_argument("--bandwidth-mib", type=int, default=None, help="bandwidth test buffer size (default: microbench's)")
+    _add_output_args(p)
+    p.set_defaults(func=_lazy("tokenloom.bench.roofline", "main"))
+
+    # ---- sweep --------------------------------------------------------
+    p = sub.add_parser("sweep", help="grid over --max-num-seqs x --max-num-batched-tokens (x chunked prefill)",
+                       description="Run the workload once per grid point (offline engine honoring arrival "
+                                   "times, or a launched server) and plot throughput against P95 TPOT and "
+                                   "P95 TTFT: the seed's 'why max-num-batched-tokens matters more'.")
+    EngineArgs.add_cli_args(p)
+    add_workload_args(p)
+    p.add_argument("--max-num-seqs-list", default="4,16,64", help="values of --max-num-seqs (default: 4,16,64)")
+    p.add_argument("--max-num-batched-tokens-list", default="128,512,2048",
+                   help="values of --max-num-batched-tokens (default: 128,512,2048)")
+    p.add_argument("--chunked-prefill", choices=["on", "off", "both"], default="on",
+                   help="chunked prefill setting(s) to sweep (default: on)")
+    p.add_argument("--mode", choices=["offline", "serve"], default="offline",
+                   help="offline: in-process engine with arrival times; serve: launch a server per point")
+    p.add_argument("--max-concurrency", type=int, default=None, help="serve mode: client concurrency limit")
+    p.add_argument("--output-csv", default=None, metavar="FILE")
+    p.add_argument("--output-png", default=None, metavar="FILE", help="throughput vs P95 TPOT / P95 TTFT plot")
+    _add_slo_args(p)
+    _add_output_args(p)
+    p.set_defaults(func=_lazy("tokenloom.bench.sweep", "main"))

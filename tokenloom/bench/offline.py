@@ -118,9 +118,9 @@ def _records(reqs: Sequence[BenchRequest], outputs: Sequence[Any], rec: StepReco
         r.token_times = times
         r.first_token_time = times[0] if times else None
         m = out.metrics
+        # Latencies count from the workload's arrival time (t=0 for a burst), which is
+        # also what the engine stamped as arrival when arrivals are honored.
         r.end_time = (m.finished_time - t0) if m and m.finished_time else (times[-1] if times else None)
-        if m is not None:
-            r.send_time = m.arrival_time - t0
         records.append(r)
     return records
 

@@ -144,6 +144,8 @@ def write_json(path: str | Path, report: Mapping[str, Any]) -> Path:
 def fmt(v: Any, digits: int = 2) -> str:
     if v is None:
         return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
     if isinstance(v, float):
         if not math.isfinite(v):
             return "-"

@@ -53,6 +53,25 @@ def _parse_batch_sizes(text: str) -> list[int]:
 
 
 # ---------------------------------------------------------------- registration
+def _add_cost_args(p: argparse.ArgumentParser) -> None:
+    """Flags that pick the cost model: shared by `estimate` and `simulate`."""
+    g = p.add_argument_group("cost model")
+    g.add_argument("--hardware", default="rtx4090", metavar="NAME",
+                   help=f"one of: {', '.join(hardware_names())} (default: rtx4090)")
+    g.add_argument("--model", default="qwen2.5-0.5b", metavar="PRESET|DIR",
+                   help="model preset name or a directory with config.json (default: qwen2.5-0.5b)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
+                   help="weight/KV dtype (default: the checkpoint's)")
+    g.add_argument("--mem-efficiency", type=float, default=None,
+                   help="fraction of peak bandwidth achieved (default: 0.8 datasheet, 1.0 measured)")
+    g.add_argument("--compute-efficiency", type=float, default=None,
+                   help="fraction of peak FLOP/s achieved (default: 0.6 datasheet, 1.0 measured)")
+    g.add_argument("--overhead-ms", type=float, default=None,
+                   help="fixed per-step overhead in ms (default: 0 for datasheet GPUs; "
+                        "measured op dispatch x ops per step for local)")
+    g.add_argument("--refresh-local", action="store_true", help="re-run the local microbenchmarks")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "estimate",
@@ -60,12 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--hardware", default="rtx4090", metavar="NAME",
-                   help=f"one of: {', '.join(hardware_names())} (default: rtx4090)")
-    p.add_argument("--model", default="qwen2.5-0.5b", metavar="PRESET|DIR",
-                   help="model preset name or a directory with config.json (default: qwen2.5-0.5b)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
-                   help="weight/KV dtype (default: the checkpoint's)")
+    _add_cost_args(p)
     p.add_argument("--batch-size", type=_parse_batch_sizes, default=_parse_batch_sizes(DEFAULT_BATCH_SIZES),
                    metavar="B1,B2,...", help=f"decode batch sizes (default: {DEFAULT_BATCH_SIZES})")
     p.add_argument("--context-len", type=int, default=1024, metavar="L",
@@ -74,18 +88,57 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="prompt length for the prefill / TTFT floor (default: 512; 0 to skip)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prefill in chunks of N tokens (like --max-num-batched-tokens); default: one step")
-    p.add_argument("--mem-efficiency", type=float, default=None,
-                   help="fraction of peak bandwidth achieved (default: 0.8 datasheet, 1.0 measured)")
-    p.add_argument("--compute-efficiency", type=float, default=None,
-                   help="fraction of peak FLOP/s achieved (default: 0.6 datasheet, 1.0 measured)")
-    p.add_argument("--overhead-ms", type=float, default=None,
-                   help="fixed per-step overhead in ms (default: 0 for datasheet GPUs; "
-                        "measured op dispatch x ops per step for local)")
-    p.add_argument("--refresh-local", action="store_true", help="re-run the local microbenchmarks")
     p.add_argument("--list-hardware", action="store_true", help="print the hardware catalog and exit")
     p.add_argument("--output-json", default=None, metavar="FILE", help="write the estimate as JSON")
     p.set_defaults(func=run_estimate)
-    # `simulate` (the real Scheduler on a virtual clock) registers next to it (part 2).
+    _register_simulate(subparsers)
+
+
+def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
+    from tokenloom.bench.workloads import add_workload_args
+
+    p = subparsers.add_parser(
+        "simulate",
+        help="run the real scheduler + KV cache on a virtual clock (roofline step times)",
+        description=_SIMULATE_DOC,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_cost_args(p)
+    g = p.add_argument_group("engine (same flags as `tokenloom serve`)")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: what fits)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of device memory for weights + KV when sizing the cache (default: 0.9)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    add_workload_args(p, num_prompts=1000)
+    o = p.add_argument_group("output")
+    o.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50 (keys: ttft, tpot, e2el)")
+    o.add_argument("--percentiles", default="50,90,95,99", help="latency percentiles (default: 50,90,95,99)")
+    o.add_argument("--show-steps", type=int, default=0, metavar="N",
+                   help="print the first N steps seed-style (who was batched, how many tokens, how long)")
+    o.add_argument("--output-json", default=None, metavar="FILE", help="write config, workload and results here")
+    o.add_argument("--no-save-requests", action="store_true", help="leave per-request records out of the JSON")
+    p.set_defaults(func=run_simulate)
+
+
+_SIMULATE_DOC = """\
+`tokenloom simulate`: the engine's own Scheduler and KV cache, timed by the roofline.
+
+    tokenloom simulate --hardware h100-sxm --model llama-3-8b --workload mixed-long \\
+        --num-prompts 1000 --request-rate 20 --max-num-batched-tokens 512
+
+Each step's time is the cost model's (weights + KV bytes vs FLOPs, see `tokenloom
+estimate`), so the run takes seconds whatever the hardware; queueing, chunked prefill,
+preemption and prefix caching are the real ones.  Reports the same metrics as
+`tokenloom bench serve` (TTFT, TPOT, ITL, E2E, throughput, goodput) on virtual time.
+"""
 
 
 # ---------------------------------------------------------------- estimate command
@@ -227,3 +280,106 @@ def explain(est, spec, hw: Hardware) -> str:
         lines += ["", "  Roofline floor: real engines add per-step CPU/launch overhead (pass --overhead-ms) and "
                       "rarely reach the efficiencies above on every kernel."]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- simulate command
+class _FirstSteps:
+    """Observer keeping the first `n` StepEvents for the seed-style step listing."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.events: list = []
+
+    def __call__(self, ev) -> None:
+        if len(self.events) < self.n:
+            self.events.append(ev)
+
+
+def step_lines(events) -> list[str]:
+    """'step 3  +1.35 ms  #0 decode(kv 513)  #1 prefill(512)  | waiting 12' -- the seed's step picture."""
+    lines = []
+    for ev in events:
+        parts = []
+        for e in ev.entries:
+            rid = "#" + e.request_id.rsplit("-", 1)[-1]
+            if e.phase == "decode":
+                parts.append(f"{rid} decode(kv {e.kv_len_after})")
+            else:
+                parts.append(f"{rid} {e.phase}({e.num_tokens})")
+        if ev.preempted:
+            parts.append("preempted " + " ".join("#" + r.rsplit("-", 1)[-1] for r in ev.preempted))
+        lines.append(f"step {ev.step:>4}  t={ev.start_time * 1e3:9.3f} ms  +{fmt_time(ev.duration):>10}  "
+                     f"{ev.num_batched_tokens:>5} tok  " + "  ".join(parts) + f"  | waiting {ev.num_waiting}")
+    return lines
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from tokenloom.bench import metrics, report
+    from tokenloom.bench.workloads import MIN_TOKEN_ID, workload_from_args, workload_stats
+    from tokenloom.model.presets import PRESETS
+    from tokenloom.sim.estimate import CostModel
+    from tokenloom.sim.hardware import get_hardware
+    from tokenloom.sim.model_spec import load_config, load_model_spec
+    from tokenloom.sim.simulator import SimConfig, Simulator
+
+    console = _console()
+    try:
+        hw = get_hardware(args.hardware, refresh_local=args.refresh_local)
+        spec = load_model_spec(args.model)
+        config, _ = load_config(args.model)
+        cm = CostModel(spec, hw, None if args.dtype == "auto" else args.dtype,
+                       mem_efficiency=args.mem_efficiency, compute_efficiency=args.compute_efficiency,
+                       overhead_s=None if args.overhead_ms is None else args.overhead_ms / 1e3)
+        sim_cfg = SimConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
+            scheduling_policy=args.scheduling_policy,
+        )
+        first = _FirstSteps(max(0, args.show_steps))
+        sim = Simulator(cm, sim_cfg, model_max_positions=config.get("max_position_embeddings"), observers=[first])
+        vocab = (MIN_TOKEN_ID, max(MIN_TOKEN_ID + 1, spec.vocab_size))
+        wl_spec, reqs = workload_from_args(args, vocab, sim.max_model_len)
+        slos = metrics.parse_goodput(args.goodput)
+        percentiles = metrics.parse_percentiles(args.percentiles)
+    except (KeyError, ValueError) as e:
+        console.print(f"error: {e}", markup=False)
+        return 2
+    sc = sim.scheduler_config
+    console.print(
+        f"simulate: {spec.name} ({cm.dtype}) on {hw.name} | {len(reqs)} requests, workload {wl_spec.name}, "
+        f"rate {wl_spec.request_rate} req/s | max_num_seqs {sc.max_num_seqs}, max_num_batched_tokens "
+        f"{sc.max_num_batched_tokens}, max_model_len {sc.max_model_len}, {sim.num_kv_blocks:,} KV blocks x "
+        f"{sim_cfg.block_size} tokens | mem eff {cm.mem_efficiency:g}, compute eff {cm.compute_efficiency:g}, "
+        f"overhead {fmt_time(cm.overhead_s)}/step", markup=False)
+    res = sim.run(reqs, seed=args.seed)
+    if first.events:
+        console.print("\n".join(step_lines(first.events)), markup=False, soft_wrap=True)
+    summary = metrics.summarize(res.records, duration=res.duration_s, goodput_slos=slos, percentiles=percentiles)
+    groups = metrics.summarize_by_group(res.records, duration=res.duration_s, goodput_slos=slos,
+                                        percentiles=percentiles)
+    report.print_summary(summary, title=f"simulate: {wl_spec.name} on {hw.name} (virtual time)", groups=groups,
+                         console=console)
+    steps = res.steps.summary()
+    steps.update(num_kv_blocks=res.num_kv_blocks, prefix_cache_hit_rate=res.prefix_cache_hit_rate,
+                 simulated_s=res.duration_s, wall_s=res.wall_time_s)
+    console.print(report.dict_table(steps, title="Steps (batch quality)"))
+    if args.output_json:
+        doc = report.build_report(
+            "simulate",
+            config={**report.args_to_config(args), "scheduler": sc, "num_kv_blocks": res.num_kv_blocks,
+                    "cost_model": {"dtype": cm.dtype, "mem_efficiency": cm.mem_efficiency,
+                                   "compute_efficiency": cm.compute_efficiency, "overhead_s": cm.overhead_s,
+                                   "per_seq_overhead_s": cm.per_seq_overhead_s}},
+            workload={"spec": wl_spec.to_dict(), "stats": workload_stats(reqs)},
+            results={"summary": summary, "groups": groups, "steps": steps},
+            # The "machine" is the simulated one; the host only ran the arithmetic.
+            machine={"simulated": True, "hardware": hw.to_dict(), "model": spec.to_dict(),
+                     "model_is_preset": args.model in PRESETS},
+        )
+        if not args.no_save_requests:
+            doc["requests"] = report.to_jsonable([r.to_dict() for r in res.records])
+        report.write_json(args.output_json, doc)
+        console.print(f"wrote {args.output_json}", markup=False)
+    return 0 if summary.completed else 1

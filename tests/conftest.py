@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny random-weight models made by `tokenloom make-model` (once per session)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Keep tests from fighting over the two cores: torch's intra-op pool per test process.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    from tokenloom.model.make_model import make_model
+
+    made: dict[str, Path] = {}
+
+    def get(preset: str = "tiny-llama", **kw) -> Path:
+        key = preset + repr(sorted(kw.items()))
+        if key not in made:
+            out = tmp_path_factory.mktemp(preset.replace(".", "_"))
+            made[key] = make_model(preset, out, **kw)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(model_factory) -> Path:
+    return model_factory("tiny-llama")

@@ -1,0 +1,86 @@
+"""Sampler: filters never leak, penalties follow their definitions, seeds are batch-independent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.runner.sampler import SamplingRow, _apply_penalties, sample
+from tokenloom.sampling_params import SamplingParamError
+
+
+def _row(**kw) -> SamplingRow:
+    params = SamplingParams(**{"temperature": 1.0, **kw})
+    return SamplingRow("r", params, [], [], frozenset(), None)
+
+
+def _draws(logits: torch.Tensor, n: int = 400, **kw) -> set[int]:
+    rows = [_row(**kw) for _ in range(n)]
+    return set(sample(logits.repeat(n, 1), rows).token_ids)
+
+
+def test_top_k_top_p_min_p_never_emit_filtered_tokens():
+    torch.manual_seed(0)
+    logits = torch.tensor([[3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0]])
+    assert _draws(logits, top_k=3) <= {0, 1, 2}
+    probs = logits.softmax(-1)[0]
+    # top_p=0.7: keep the smallest prefix of sorted tokens whose mass reaches 0.7
+    cum = probs.cumsum(0)
+    keep = {i for i in range(8) if (cum[i] - probs[i]) < 0.7}
+    got = _draws(logits, top_p=0.7)
+    assert got <= keep and len(got) > 1
+    allowed = {i for i in range(8) if probs[i] >= 0.3 * probs.max()}
+    assert _draws(logits, min_p=0.3) <= allowed
+    assert _draws(logits, top_k=5, top_p=0.9, min_p=0.1) <= {0, 1, 2, 3, 4}
+
+
+def test_greedy_is_argmax_and_mixed_batches_work():
+    logits = torch.randn(4, 50)
+    rows = [_row(temperature=0.0), _row(temperature=0.8, top_k=1), _row(temperature=0.0), _row(temperature=0.0)]
+    out = sample(logits, rows).token_ids
+    assert out[0] == logits[0].argmax().item() and out[2] == logits[2].argmax().item()
+    assert out[1] == logits[1].argmax().item()  # top_k=1 leaves only the argmax
+
+
+def test_penalties_follow_their_definitions():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    r = SamplingRow("r", SamplingParams(repetition_penalty=2.0), [0], [1], frozenset(), None)
+    x = logits.clone()
+    _apply_penalties(x, [r])
+    assert x.tolist() == [[1.0, -4.0, 1.0, 0.5]]  # positive logits divided, negative multiplied
+    r = SamplingRow("r", SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [3], [2, 2, 0], frozenset(), None)
+    x = logits.clone()
+    _apply_penalties(x, [r])
+    # token 2 seen twice: 1 - 0.25*2 - 0.5 ; token 0 once: 2 - 0.25 - 0.5 ; prompt-only token 3 untouched
+    assert x.tolist() == [[1.25, -2.0, 0.0, 0.5]]
+
+
+def test_logprobs_report_rank_and_top_n():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    out = sample(logits, [_row(temperature=0.0, logprobs=2)])
+    lp, rank, top = out.logprobs[0]
+    assert out.token_ids == [1] and rank == 1
+    assert [t for t, _ in top] == [1, 3]
+    assert abs(lp - logits.log_softmax(-1)[0, 1].item()) < 1e-6
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -5), ("min_p", 1.5),
+                                         ("max_tokens", 0), ("n", 0), ("repetition_penalty", 0.0),
+                                         ("presence_penalty", 3.0), ("logprobs", 50)])
+def test_invalid_values_name_the_field(field, value):
+    with pytest.raises(SamplingParamError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.param == field and field in str(e.value)
+
+
+def test_seed_reproducible_whatever_else_is_in_the_batch(tiny_llama):
+    llm = LLM(str(tiny_llama), max_model_len=256, num_kv_blocks=128)
+    sp = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(["hello world"], sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    batch = llm.generate(["a different prompt", "hello world", "x = 1"], [others, sp, others], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    unseeded = llm.generate(["hello world"] * 2, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True),
+                            use_tqdm=False)
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids  # real randomness otherwise

@@ -1,0 +1,145 @@
+"""`tokenloom bench roofline`: how close the engine's decode step gets to this machine's limits.
+
+The seed's first open question -- how long does one decode step take, and so how many
+tokens/s -- has a back-of-envelope answer: a decode step must stream every weight once
+plus each request's KV history (memory bound), and do ~2 FLOPs per weight per token plus
+attention (compute bound); whichever takes longer is the floor.  Here that floor is
+computed from this machine's *measured* bandwidth and matmul FLOP/s
+(`tokenloom.sim.microbench`) and the model's arithmetic (`tokenloom.sim.model_spec`),
+and set against decode steps the engine really runs, at several batch sizes and context
+lengths, read off its step events:
+
+    fraction of memory roof  = (bytes / bandwidth) / forward time
+    fraction of compute roof = (FLOPs / matmul FLOP/s) / forward time
+    engine overhead          = step duration - forward time   (scheduling, bookkeeping)
+
+At batch 1 a decode step is memory bound (all weights for one token); as the batch grows
+the same weight read serves more tokens, which is why batching raises tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+
+from tokenloom.bench import report
+from tokenloom.bench.offline import build_llm, engine_vocab_range, run_generate
+from tokenloom.bench.workloads import BenchRequest, WorkloadSpec, generate_workload
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in str(text).replace(" ", "").split(",") if x]
+
+
+def decode_point(llm: Any, spec: Any, dtype: str, batch: int, context: int, steps: int,
+                 vocab: tuple[int, int], bandwidth: float, flops: float, seed: int = 0) -> dict[str, Any]:
+    """Time full-batch decode steps of `batch` requests whose prompts are `context` tokens."""
+    eng = llm.llm_engine
+    budget = eng.scheduler_config.max_num_batched_tokens
+    # Requests are prefilled a budget's worth at a time, so the first ones start decoding
+    # early; enough output tokens keeps them all running until the last has caught up.
+    max_tokens = math.ceil(batch * context / budget) + steps + 2
+    if context + max_tokens > eng.max_model_len:
+        raise ValueError(f"context {context} + {max_tokens} output tokens exceeds max_model_len {eng.max_model_len}")
+    wl = WorkloadSpec(name="random", num_prompts=batch, input_len=(context, context),
+                      output_len=(max_tokens, max_tokens), vocab_range=vocab, seed=seed)
+    run = run_generate(llm, generate_workload(wl), ignore_eos=True, keep_events=True)
+    full = [ev for ev in run.steps.events
+            if len(ev.entries) == batch and all(e.phase == "decode" for e in ev.entries)][:steps]
+    if not full:
+        raise RuntimeError(f"no full-batch decode step at batch {batch}; is --max-num-seqs >= {batch}?")
+    weight_bytes = spec.streamed_weight_bytes(dtype)
+    kv_tok = spec.kv_bytes_per_token(dtype)
+    dur = np.array([ev.duration for ev in full])
+    fwd = np.array([ev.forward_time for ev in full])
+    kv_lens = np.array([sum(e.kv_len_after for e in ev.entries) for ev in full])
+    step_bytes = weight_bytes + kv_lens.mean() * kv_tok
+    step_flops = float(np.mean([sum(spec.flops_per_token(e.kv_len_after) for e in ev.entries) for ev in full]))
+    t_mem = step_bytes / bandwidth
+    t_comp = step_flops / flops
+    fwd_med = float(np.median(fwd))
+    dur_med = float(np.median(dur))
+    return {
+        "batch": batch,
+        "context": context,
+        "steps": len(full),
+        "step_ms": dur_med * 1e3,
+        "forward_ms": fwd_med * 1e3,
+        "overhead_ms": float(np.median(dur - fwd)) * 1e3,
+        "tokens_per_s": batch / dur_med,
+        "mbytes_per_step": step_bytes / 1e6,
+        "gflop_per_step": step_flops / 1e9,
+        "roof_mem_ms": t_mem * 1e3,
+        "roof_compute_ms": t_comp * 1e3,
+        "frac_mem_roof": t_mem / fwd_med,
+        "frac_compute_roof": t_comp / fwd_med,
+        "roofline_tokens_per_s": batch / max(t_mem, t_comp),
+        "bound": "memory" if t_mem >= t_comp else "compute",
+        "achieved_gb_per_s": step_bytes / fwd_med / 1e9,
+        "achieved_gflop_per_s": step_flops / fwd_med / 1e9,
+    }
+
+
+def _display(r: dict[str, Any]) -> dict[str, Any]:
+    """Short column names so the table fits a terminal."""
+    return {
+        "batch": r["batch"], "ctx": r["context"], "step ms": r["step_ms"], "fwd ms": r["forward_ms"],
+        "ovh ms": r["overhead_ms"], "tok/s": r["tokens_per_s"], "mem roof ms": r["roof_mem_ms"],
+        "cmp roof ms": r["roof_compute_ms"], "% mem roof": 100 * r["frac_mem_roof"],
+        "% cmp roof": 100 * r["frac_compute_roof"], "bound": r["bound"],
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    from tokenloom.sim.microbench import measure_bandwidth, measure_matmul_flops
+    from tokenloom.sim.model_spec import ModelSpec, normalize_dtype
+
+    console = Console()
+    batches = _ints(args.batch_sizes)
+    contexts = _ints(args.context_lens)
+    llm = build_llm(args, max_num_seqs=max(args.max_num_seqs, max(batches)))
+    eng = llm.llm_engine
+    device = str(eng.loaded.device)
+    dtype = normalize_dtype(str(eng.loaded.dtype).replace("torch.", ""))
+    spec = ModelSpec.from_config(eng.hf_config, name=str(eng.model_name))
+    vocab = engine_vocab_range(llm)
+
+    console.print(f"[bold]bench roofline[/bold] model={eng.model_name} dtype={dtype} device={device}: measuring the machine...")
+    bw_kw = {"nbytes": args.bandwidth_mib * 2**20} if args.bandwidth_mib else {}
+    bandwidth = measure_bandwidth(device=device, **bw_kw)
+    flops = measure_matmul_flops(dtype=dtype, device=device)
+    machine = {"bandwidth_gb_per_s": bandwidth / 1e9, "matmul_gflop_per_s": flops / 1e9,
+               "ridge_flop_per_byte": flops / bandwidth}
+    model = {"streamed_weight_mb": spec.streamed_weight_bytes(dtype) / 1e6,
+             "kv_kb_per_token": spec.kv_bytes_per_token(dtype) / 1e3,
+             "gflop_per_token_at_ctx0": spec.flops_per_token(0) / 1e9, "total_params": spec.total_params}
+    console.print(report.dict_table({**machine, **model}, "Machine and model"))
+
+    # Untimed warm-up decode so the first point does not pay first-forward costs.
+    run_generate(llm, [BenchRequest(list(range(vocab[0], vocab[0] + 8)), 4)], ignore_eos=True)
+    rows = []
+    for c in contexts:
+        for b in batches:
+            try:
+                rows.append(decode_point(llm, spec, dtype, b, c, args.decode_steps, vocab, bandwidth, flops,
+                                         seed=args.seed))
+            except (ValueError, RuntimeError) as e:
+                console.print(f"[yellow]skipped batch={b} context={c}:[/yellow] {e}")
+                continue
+            r = rows[-1]
+            console.print(f"  batch {b:>3} ctx {c:>5}: step {r['step_ms']:.2f} ms "
+                          f"(forward {r['forward_ms']:.2f}), roofline {max(r['roof_mem_ms'], r['roof_compute_ms']):.2f} ms")
+    console.print(report.rows_table([_display(r) for r in rows], "Decode step: achieved vs roofline"))
+    console.print("% of roof = roofline time / measured forward time (100% = at the roof); "
+                  "overhead = step duration - forward time (scheduling and bookkeeping)")
+    if args.output_json:
+        doc = report.build_report("roofline", config=report.args_to_config(args),
+                                  results={"machine_roofline": machine, "model": model, "points": rows,
+                                           "model_spec": spec.to_dict(), "dtype": dtype})
+        report.write_json(args.output_json, doc)
+        console.print(f"wrote {args.output_json}")
+    return 0 if rows else 1

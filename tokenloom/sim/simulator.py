@@ -1,0 +1,259 @@
+"""Simulator: the real Scheduler and KV cache on a virtual clock.
+
+The seed's continuous batching ("step1: A B C D / step2: A B C / step3: A B") and its
+two knobs (max-num-seqs, max-num-batched-tokens) are decided by `core.scheduler` and
+`core.kv_cache`.  This module runs *those very classes* -- no copy of their logic --
+and replaces only the executor: instead of a forward pass, each step advances a
+virtual clock by the roofline `CostModel` time of the batch it was handed (weights
+read once, KV read per request, FLOPs per token), and "samples" a seeded pseudo-random
+token.  So "what would P95 TTFT be on an H100 with --max-num-batched-tokens 512?" takes
+seconds on a laptop, with the same queueing, chunking, preemption and prefix-cache
+behaviour the engine has.
+
+Driving loop (mirrors `bench.offline.run_with_arrivals`, with time virtual):
+
+    t = 0
+    while requests remain:
+        add every request whose arrival_time <= t
+        if something is unfinished:  out = schedule(); t += cost(out); update_from_output(out, tokens, t)
+        else:                        t = next arrival   (an idle engine just waits)
+
+A request arriving during a step is admitted when the step ends, as on a server.  The
+same `StepEvent`s the engine emits go to observers, and per-request timelines become
+`bench.metrics.RequestRecord`s, so the summary is the one `bench serve` prints.
+
+What it cannot know: there is no model, so output lengths are the workload's (EOS is
+never sampled), and step times are roofline estimates -- calibrate `CostModel`'s
+efficiencies and overheads against `bench latency` / `bench roofline` on real hardware.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Sequence
+
+from tokenloom.bench.metrics import RequestRecord
+from tokenloom.bench.offline import StepRecorder
+from tokenloom.bench.workloads import BenchRequest
+from tokenloom.config import SchedulerConfig, default_max_num_batched_tokens, parse_size
+from tokenloom.core.kv_cache import KVCacheManager
+from tokenloom.core.scheduler import Scheduler, SchedulerOutput
+from tokenloom.engine.events import StepEvent
+from tokenloom.request import Request
+from tokenloom.sampling_params import SamplingParams
+from tokenloom.sim.estimate import CostModel
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of device memory for weights + KV
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Engine knobs the simulated scheduler runs with (same names as `EngineArgs`)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: the engine's default for max_model_len
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: from kv_cache_memory, else from device memory
+    kv_cache_memory: str | int | None = None
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_max_model_len(cfg: SimConfig, model_max_positions: int | None) -> int:
+    return int(cfg.max_model_len or model_max_positions or 4096)
+
+
+def num_kv_blocks_for(cfg: SimConfig, cost_model: CostModel) -> int:
+    """KV blocks as the engine would size them on the simulated device.
+
+    Explicit `num_kv_blocks` wins; else `kv_cache_memory` bytes; else what is left of
+    `gpu_memory_utilization` x device memory after the weights (vLLM's rule).
+    """
+    if cfg.num_kv_blocks is not None:
+        return int(cfg.num_kv_blocks)
+    per_block = cfg.block_size * cost_model.kv_bytes_per_token
+    if cfg.kv_cache_memory is not None:
+        budget = parse_size(cfg.kv_cache_memory)
+    else:
+        weights = cost_model.spec.weight_bytes(cost_model.dtype)
+        budget = int(cost_model.hardware.memory_bytes * cfg.gpu_memory_utilization) - weights
+        if budget <= 0:
+            raise ValueError(
+                f"{cost_model.spec.name} in {cost_model.dtype} ({weights / 1e9:.1f} GB) does not fit in "
+                f"{cfg.gpu_memory_utilization:g} x {cost_model.hardware.memory_bytes / 2**30:.0f} GiB of "
+                f"{cost_model.hardware.name}; pick bigger hardware, a smaller dtype or --kv-cache-memory"
+            )
+    return max(1, budget // per_block)
+
+
+class CostModelExecutor:
+    """The simulator's executor: time from `CostModel`, tokens from a seeded RNG."""
+
+    _TABLE = 4096  # distinct pseudo-random tokens, cycled
+
+    def __init__(self, cost_model: CostModel, vocab_range: tuple[int, int] = (5, 32000), seed: int = 0):
+        self.cost_model = cost_model
+        self.vocab_range = vocab_range
+        lo, hi = vocab_range
+        rng = random.Random(seed)
+        # Tokens only matter for prefix-cache hashes of generated text; a seeded table read
+        # cyclically is as good as fresh draws and costs nothing per token.
+        self._tokens = [rng.randrange(lo, hi) for _ in range(self._TABLE)]
+        self._next = 0
+
+    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], float]:
+        """(sampled token per request that reached its end, seconds this step takes)."""
+        prefill: list[tuple[int, int]] = []
+        decode: list[int] = []
+        for s in out.scheduled:
+            # A one-token step costs exactly a decode at that context, whatever its phase.
+            if s.num_new_tokens == 1:
+                decode.append(s.num_computed_before)
+            else:
+                prefill.append((s.num_new_tokens, s.num_computed_before))
+        dt = self.cost_model.step_time(prefill, decode)
+        sampled: dict[str, int] = {}
+        toks, k, n = self._tokens, self._next, self._TABLE
+        for s in out.scheduled:
+            if s.sample:
+                sampled[s.request_id] = toks[k % n]
+                k += 1
+        self._next = k
+        return sampled, dt
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]  # workload order
+    duration_s: float  # virtual seconds from t=0 to the last step's end
+    steps: StepRecorder
+    wall_time_s: float  # real seconds the simulation took
+    num_kv_blocks: int
+    scheduler_config: SchedulerConfig
+    num_preemptions: int
+    prefix_cache_hit_rate: float
+
+
+class Simulator:
+    """Runs workloads through a fresh `Scheduler` + `KVCacheManager` per `run()`."""
+
+    def __init__(
+        self,
+        cost_model: CostModel,
+        config: SimConfig = SimConfig(),
+        *,
+        model_max_positions: int | None = None,
+        observers: Iterable[Callable[[StepEvent], None]] = (),
+    ) -> None:
+        self.cost_model = cost_model
+        self.config = config
+        max_model_len = resolve_max_model_len(config, model_max_positions)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens
+            or default_max_num_batched_tokens(max_model_len, config.enable_chunked_prefill),
+            max_model_len=max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            scheduling_policy=config.scheduling_policy,
+        )
+        self.num_kv_blocks = num_kv_blocks_for(config, cost_model)
+        self.observers = list(observers)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler_config.max_model_len
+
+    def _check(self, r: BenchRequest) -> str | None:
+        # The engine's own admission rules (LLMEngine.process_prompt / _resolve_max_tokens).
+        if r.prompt_len < 1:
+            return "the prompt is empty: at least one token is needed"
+        if r.prompt_len + r.output_len > self.max_model_len:
+            return (f"{r.prompt_len} prompt + {r.output_len} output tokens exceed max_model_len "
+                    f"{self.max_model_len}")
+        return None
+
+    def run(self, requests: Sequence[BenchRequest], seed: int = 0, vocab_range: tuple[int, int] | None = None) -> SimResult:
+        wall0 = time.perf_counter()
+        kv = KVCacheManager(self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        sched = Scheduler(self.scheduler_config, kv)
+        vocab = vocab_range or (5, max(6, self.cost_model.spec.vocab_size))
+        executor = CostModelExecutor(self.cost_model, vocab, seed)
+        rec = StepRecorder()
+        observers = [rec, *self.observers]
+
+        ids = [f"sim-{i}" for i in range(len(requests))]
+        records = [RequestRecord(prompt_len=r.prompt_len, arrival_time=r.arrival_time, group=r.group,
+                                 expected_output_len=r.output_len) for r in requests]
+        order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_time, i))
+        live: dict[str, tuple[int, Request]] = {}
+        t = 0.0
+        nxt = 0
+        while nxt < len(order) or sched.has_unfinished():
+            while nxt < len(order) and requests[order[nxt]].arrival_time <= t:
+                i = order[nxt]
+                nxt += 1
+                r = requests[i]
+                err = self._check(r)
+                if err is not None:
+                    records[i].success, records[i].error = False, err
+                    continue
+                req = Request(
+                    request_id=ids[i],
+                    prompt_token_ids=list(r.prompt_token_ids),
+                    sampling_params=SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0,
+                                                   detokenize=False),
+                    arrival_time=r.arrival_time,
+                    max_tokens=r.output_len,
+                )
+                sched.add_request(req)
+                live[req.request_id] = (i, req)
+            if not sched.has_unfinished():
+                if nxt < len(order):
+                    t = max(t, requests[order[nxt]].arrival_time)  # idle: jump to the next arrival
+                continue
+            out = sched.schedule()
+            if out.is_empty:  # cannot happen with a valid config; never spin forever
+                raise RuntimeError(f"scheduler made no progress at t={t:.6f}s with "
+                                   f"{sched.num_running} running / {sched.num_waiting} waiting requests")
+            sampled, dt = executor.execute(out)
+            start, t = t, t + dt
+            for req in sched.update_from_output(out, sampled, t):
+                i, _ = live.pop(req.request_id)
+                records[i].end_time = req.finished_time
+            event = sched.make_event(out, sampled, start, t, dt)
+            for fn in observers:
+                fn(event)
+
+        for rid, times in rec.token_times.items():
+            i = int(rid.rsplit("-", 1)[1])
+            records[i].token_times = list(times)
+            records[i].first_token_time = times[0]
+            records[i].output_len = len(times)
+        queries, hits = kv.prefix_queries, kv.prefix_hits
+        return SimResult(
+            records=records,
+            duration_s=t,
+            steps=rec,
+            wall_time_s=time.perf_counter() - wall0,
+            num_kv_blocks=self.num_kv_blocks,
+            scheduler_config=self.scheduler_config,
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_hit_rate=hits / queries if queries else math.nan,
+        )
+
+
+def simulate(requests: Sequence[BenchRequest], cost_model: CostModel, config: SimConfig = SimConfig(), *,
+             model_max_positions: int | None = None, seed: int = 0,
+             observers: Iterable[Callable[[StepEvent], None]] = ()) -> SimResult:
+    """One-call form: `Simulator(cost_model, config).run(requests, seed)`."""
+    sim = Simulator(cost_model, config, model_max_positions=model_max_positions, observers=observers)
+    return sim.run(requests, seed=seed)
