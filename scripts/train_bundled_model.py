@@ -16,7 +16,7 @@ Pipeline:
   4. held-out bits per byte on the val split, then save_pretrained + tokenizer + report
 
 Example:
-  python scripts/train_bundled_model.py --out tokenloom/bundled/py-tiny --minutes 40 --threads 1 --seed 0
+  python scripts/train_bundled_model.py --out tokenloom/bundled/py-tiny --minutes 28 --threads 1 --seed 0
 """
 
 from __future__ import annotations

@@ -107,3 +107,13 @@ def test_bench_latency_roofline_and_sweep(tiny_llama, tmp_path):
             assert p["completed"] == 4 and p["output_throughput"] > 0 and p["tpot_p95_ms"] is not None
     assert len(list(csv.DictReader(cs.open()))) == 4
     assert png.stat().st_size > 1000
+
+
+def test_launcher_reports_a_server_that_dies(tmp_path):
+    from tokenloom.bench.launcher import ServerStartError, free_port, start_server
+
+    assert 0 < free_port() < 65536
+    log = tmp_path / "server.log"
+    with pytest.raises(ServerStartError, match="exited with code") as err:
+        start_server(str(tmp_path / "no-such-model"), ["--no-such-flag"], log_path=log, timeout=120)
+    assert "server log" in str(err.value) and log.exists()

@@ -2,17 +2,44 @@
 
 Prefill fills the paged KV cache, decode adds one token per request per step, and
 continuous batching packs many requests into every step.  See README.md.
+
+The public names are imported lazily, so torch-free tools (`tokenloom estimate`,
+`tokenloom simulate`) start without paying for a torch import.
 """
 
-from tokenloom.config import EngineArgs
-from tokenloom.engine.events import StepEntry, StepEvent
-from tokenloom.entrypoints.llm import LLM
-from tokenloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tokenloom.sampling_params import SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "LLM", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput", "RequestMetrics",
-    "Logprob", "StepEvent", "StepEntry", "__version__",
-]
+_EXPORTS = {
+    "LLM": "tokenloom.entrypoints.llm",
+    "SamplingParams": "tokenloom.sampling_params",
+    "EngineArgs": "tokenloom.config",
+    "RequestOutput": "tokenloom.outputs",
+    "CompletionOutput": "tokenloom.outputs",
+    "RequestMetrics": "tokenloom.outputs",
+    "Logprob": "tokenloom.outputs",
+    "StepEvent": "tokenloom.engine.events",
+    "StepEntry": "tokenloom.engine.events",
+    "LLMEngine": "tokenloom.engine.llm_engine",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'tokenloom' has no attribute {name!r}")
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs
+    from tokenloom.config import EngineArgs
+    from tokenloom.engine.events import StepEntry, StepEvent
+    from tokenloom.engine.llm_engine import LLMEngine
+    from tokenloom.entrypoints.llm import LLM
+    from tokenloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from tokenloom.sampling_params import SamplingParams

@@ -205,20 +205,21 @@ def max_model_len_of(model_info: dict[str, Any] | None) -> int | None:
 # ---------------------------------------------------------------------------
 
 
-def _vocab_range(args: Any) -> tuple[int, int]:
+def _vocab_range(args: Any, info: dict[str, Any] | None) -> tuple[int, int]:
+    """Which token ids to draw prompts from: --vocab-size, else the tokenizer/model
+    directory (--tokenizer, --launch, or the server's model id when it is a local path)."""
     from pathlib import Path
 
-    from tokenloom.bench.workloads import MIN_TOKEN_ID, vocab_range_for_model
+    from tokenloom.bench.workloads import MIN_TOKEN_ID, vocab_range_for, vocab_range_for_model
 
     if args.vocab_size:
         return (MIN_TOKEN_ID if args.vocab_size > MIN_TOKEN_ID + 1 else 0), args.vocab_size
-    for src in (args.tokenizer, args.launch):
+    served = (info or {}).get("id")
+    for src in (args.tokenizer, args.launch, served):
         if src and Path(src).is_dir():
             return vocab_range_for_model(src)
     if args.tokenizer or args.launch:
         from transformers import AutoTokenizer
-
-        from tokenloom.bench.workloads import vocab_range_for
 
         return vocab_range_for(AutoTokenizer.from_pretrained(args.tokenizer or args.launch))
     raise SystemExit("bench serve: cannot tell which token ids the model accepts; "
@@ -250,7 +251,6 @@ def main(args: Any) -> int:
         raise SystemExit("bench serve: give exactly one of --base-url URL or --launch MODEL")
     slos = metrics.parse_goodput(args.goodput)
     percentiles = metrics.parse_percentiles(args.percentiles)
-    vocab = _vocab_range(args)
 
     server = None
     engine_flags: list[str] = []
@@ -264,6 +264,7 @@ def main(args: Any) -> int:
             info = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10.0).json()["data"][0]
         except Exception:
             info = None
+        vocab = _vocab_range(args, info)
         spec, reqs = workload_from_args(args, vocab, _model_max_len(args, info))
         model = args.served_model_name or (info or {}).get("id") or args.launch or "default"
         console.print(f"[bold]bench serve[/bold] {base_url} model={model} workload={spec.name} "

@@ -31,6 +31,7 @@ def run_baseline(llm: Any, reqs: list[BenchRequest], *, batch_size: int, ignore_
     from tokenloom.bench.hf_baseline import load_hf_model, run_hf_generate
 
     eng = llm.llm_engine
+    rss_before = current_rss_bytes()
     model = load_hf_model(str(eng.model_path), eng.loaded.dtype, eng.loaded.device)
     tok = llm.get_tokenizer()
     pad = tok.pad_token_id if tok.pad_token_id is not None else (next(iter(eng.eos_token_ids), 0))
@@ -39,7 +40,10 @@ def run_baseline(llm: Any, reqs: list[BenchRequest], *, batch_size: int, ignore_
     run = run_hf_generate(model, reqs, batch_size=batch_size, ignore_eos=ignore_eos, pad_token_id=pad,
                           eos_token_ids=sorted(eng.eos_token_ids), progress=progress)
     out = run.to_dict()
+    # The process peak includes the engine, still loaded; the delta is HF's own share.
     out["peak_rss_gib"] = _gib(peak_rss_bytes())
+    rss_after = current_rss_bytes()
+    out["rss_added_gib"] = _gib(rss_after - rss_before) if rss_after and rss_before else None
     del model
     return out
 
@@ -124,6 +128,9 @@ def _print(console: Console, results: dict) -> None:
             cells.append(f"{sp:.2f}x" if sp and math.isfinite(sp) else "")
         t.add_row(*cells)
     console.print(t)
+    if hf:
+        console.print(f"peak RSS is the process's; HF's column includes the engine still loaded "
+                      f"(HF added {report.fmt(hf.get('rss_added_gib'))} GiB)")
     console.print(report.dict_table(e["steps"], "Engine steps (batch quality)"))
     lat = results["latency"]
     console.print(report.latency_table(lat, "Per-request latency inside the offline run (ms)"))

@@ -137,6 +137,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.tables: dict[str, list[KVBlock]] = {}
+        self.table_ids: dict[str, list[int]] = {}  # same tables as plain ids, for the runner
+        self._num_published: dict[str, int] = {}  # leading blocks already offered to the cache
         # prefix-cache statistics, in tokens (what /metrics exports)
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -149,7 +151,8 @@ class KVCacheManager:
         return self.pool.usage()
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.tables.get(request_id, ())]
+        """The request's block table (a live list: read it, don't keep it across steps)."""
+        return self.table_ids.get(request_id, [])
 
     # ---- prefix caching ---------------------------------------------
     def _extend_hashes(self, req: Request, num_tokens: int) -> None:
@@ -207,12 +210,18 @@ class KVCacheManager:
         if need > self._free_after_touch(hit):
             return False
         table = self.tables.setdefault(req.request_id, [])
+        ids = self.table_ids.setdefault(req.request_id, [])
+        new: list[KVBlock] = []
         if hit:
             for b in hit.blocks:
                 self.pool.touch(b)
-            table.extend(hit.blocks)
+            new.extend(hit.blocks)
+            # adopted blocks are already published
+            self._num_published[req.request_id] = len(table) + len(hit.blocks)
         if need:
-            table.extend(self.pool.allocate(need))
+            new.extend(self.pool.allocate(need))
+        table.extend(new)
+        ids.extend(b.block_id for b in new)
         return True
 
     def cache_full_blocks(self, req: Request) -> None:
@@ -224,16 +233,22 @@ class KVCacheManager:
             return
         bs = self.block_size
         full = min(req.num_computed_tokens // bs, len(table))
+        done = self._num_published.get(req.request_id, 0)
+        if full <= done:  # the common decode step: no block filled up
+            return
         self._extend_hashes(req, full * bs)
-        for i in range(full):
+        for i in range(done, full):
             blk = table[i]
             if blk.block_hash is None:
                 self.pool.register(blk, req.block_hashes[i], tuple(req.token_slice(i * bs, (i + 1) * bs)))
+        self._num_published[req.request_id] = full
 
     def free(self, req: Request) -> None:
         """Return req's blocks.  Tail blocks are freed first so they are evicted first:
         a later request is likelier to share a prompt's head than its tail."""
         table = self.tables.pop(req.request_id, None)
+        self.table_ids.pop(req.request_id, None)
+        self._num_published.pop(req.request_id, None)
         if not table:
             return
         for blk in reversed(table):

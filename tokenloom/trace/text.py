@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from tokenloom.trace.recorder import RequestInfo, Trace
+from tokenloom.trace.recorder import Trace
 from tokenloom.trace.timeline import Cell, Timeline
 from tokenloom.trace.tokens import complete_text, group_by_character, label, visible
 
@@ -66,9 +66,9 @@ def fed_text(trace: Trace, cell: Cell) -> Text:
     assert en is not None
     if en.num_tokens == 1:
         tid = en.token_ids[0]
-        return Text.assemble((str(tid), "bold"), " ", label(trace.tokens.get(tid)))
+        return Text.assemble((str(tid), "bold"), " ", shorten(label(trace.tokens.get(tid)), 12))
     body = visible(complete_text(trace.tokens, en.token_ids))
-    return Text.assemble((f"{en.num_tokens} tokens", "bold"), " ", f'"{shorten(body, 28)}"')
+    return Text.assemble((f"{en.num_tokens} tok", "bold"), " ", f'"{shorten(body, 10)}"')
 
 
 def phase_name(cell: Cell) -> Text:
@@ -82,7 +82,8 @@ def phase_name(cell: Cell) -> Text:
         word += f" chunk {en.kv_len_after}/{cell.target}"
     style = PHASE_STYLES[en.phase]
     if cell.completes_prefill:
-        return Text.assemble((word, style), ("\n+ Decode step 1" if cell.num_output == 1 else "", "green"))
+        # the step that completes the prompt also samples: that sample is the seed's "Decode Step k"
+        return Text.assemble((word, style), (f"\n+ Decode step {cell.num_output}", "green"))
     return Text(word, style)
 
 
@@ -108,7 +109,6 @@ def print_tokenization(console: Console, trace: Trace) -> None:
     console.rule("Tokenization", align="left", style="dim")
     example = None
     for r in trace.requests:
-        lbl = r.samples[0].label[:1] if r.samples else "?"
         lbl = "".join(ch for ch in r.samples[0].label if not ch.isdigit()) if r.samples else "?"
         prompt = r.prompt if r.prompt is not None else complete_text(trace.tokens, r.prompt_token_ids)
         head = Text.assemble((lbl, letter_style(trace, r.samples[0].label) if r.samples else ""), "  ",
@@ -116,11 +116,13 @@ def print_tokenization(console: Console, trace: Trace) -> None:
         if r.error:
             console.print(head, Text(f"  refused: {r.error}", "red"))
             continue
-        if r.prompt == SEED_PROMPT:
-            head.append("  (the seed draws it as 7: token1 … token7)", "dim")
         console.print(head)
-        console.print(Text("   ids " + "[" + ", ".join(str(t) for t in r.prompt_token_ids) + "]", "dim"),
-                      overflow="fold")
+        if r.prompt == SEED_PROMPT:
+            console.print(Text(f"   (the seed draws it as 7 tokens, token1 … token7; this vocabulary needs "
+                               f"{len(r.prompt_token_ids)})", "dim"))
+        ids = r.prompt_token_ids
+        _flow(console, [Text(("ids [" if k == 0 else "") + str(t) + ("]" if k == len(ids) - 1 else ","), "dim")
+                        for k, t in enumerate(ids)], indent=3, gap=1)
         chips: list[Text] = []
         for g in group_by_character(trace.tokens, r.prompt_token_ids):
             if len(g.ids) == 1:
@@ -137,18 +139,18 @@ def print_tokenization(console: Console, trace: Trace) -> None:
                            f"{example.text!r} (UTF-8 is {len(example.text.encode())} bytes per such character)", "dim"))
 
 
-def _flow(console: Console, chips: list[Text], indent: int) -> None:
+def _flow(console: Console, chips: list[Text], indent: int, gap: int = 2) -> None:
     """Lay chips out on lines without breaking one chip across lines."""
     width = max(20, console.width - indent)
     line = Text(" " * indent)
     used = 0
     for chip in chips:
-        w = chip.cell_len + 2
+        w = chip.cell_len + gap
         if used and used + w > width:
             console.print(line, no_wrap=True, overflow="ellipsis")
             line, used = Text(" " * indent), 0
         line.append_text(chip)
-        line.append("  ")
+        line.append(" " * gap)
         used += w
     if used:
         console.print(line, no_wrap=True, overflow="ellipsis")
@@ -156,43 +158,44 @@ def _flow(console: Console, chips: list[Text], indent: int) -> None:
 
 def print_steps(console: Console, trace: Trace, tl: Timeline) -> None:
     console.print()
-    console.rule("Steps (what each step fed, KV cache, what it sampled)", align="left", style="dim")
+    console.rule("Steps: what each step fed, the KV cache, what it sampled", align="left", style="dim")
     multi = len(tl.rows) > 1
     table = Table(show_edge=False, pad_edge=False, header_style="bold", box=None, padding=(0, 1))
-    table.add_column("step", justify="right")
-    table.add_column("time", justify="right", style="dim")
+    table.add_column("step", justify="right", no_wrap=True)
+    table.add_column("ms", justify="right", style="dim", no_wrap=True)
     if multi:
-        table.add_column("req")
-    table.add_column("phase (seed's name)")
-    table.add_column("fed (id token)")
-    table.add_column("KV cache", justify="right")
-    table.add_column("sampled (id token)")
-    table.add_column("output so far", overflow="fold")
+        table.add_column("req", no_wrap=True)
+    table.add_column("phase", no_wrap=True, min_width=15)
+    table.add_column("fed (id token)", no_wrap=True, overflow="ellipsis")
+    table.add_column("KV", justify="right", no_wrap=True)
+    table.add_column("sampled (id token)", no_wrap=True, overflow="ellipsis")
+    table.add_column("output so far", overflow="fold", ratio=1, min_width=12)
     out_ids: dict[str, list[int]] = {rid: [] for rid in tl.rows}
     for i, e in enumerate(tl.events):
         for j, en in enumerate(e.entries):
             cell = tl.cells[en.request_id][i]
             if en.sampled_token_id is not None:
                 out_ids[en.request_id].append(en.sampled_token_id)
-            kv = Text.assemble(str(en.kv_len_before), " → ", (str(en.kv_len_after), "bold"))
+            kv = Text.assemble(str(en.kv_len_before), "→", (str(en.kv_len_after), "bold"))
             if en.sampled_token_id is None:
-                sampled = Text("— (prompt not done)", "dim")
+                sampled = Text("— prompt not done", "dim")
             else:
                 sampled = Text.assemble((str(en.sampled_token_id), "bold"), " ",
-                                        label(trace.tokens.get(en.sampled_token_id)))
-                if en.finished:
-                    sampled.append(f"  ■ {en.finish_reason}", "bold red")
+                                        shorten(label(trace.tokens.get(en.sampled_token_id)), 12))
             so_far = visible(complete_text(trace.tokens, out_ids[en.request_id], final=en.finished))
-            row: list[Text | str] = [str(e.step) if j == 0 else "", ms(e.duration) if j == 0 else ""]
+            out_text = Text(f'"{shorten(so_far, 30, keep_end=True)}"')
+            if en.finished:
+                out_text.append(f" ■ {en.finish_reason}", "bold red")
+            row: list[Text | str] = [str(e.step) if j == 0 else "", f"{e.duration * 1000:.1f}" if j == 0 else ""]
             if multi:
                 lbl = tl.labels[en.request_id]
                 row.append(Text(lbl, letter_style(trace, lbl)))
-            row += [phase_name(cell), fed_text(trace, cell), kv, sampled, Text(f'"{shorten(so_far, 24, keep_end=True)}"')]
-            table.add_row(*row, end_section=j == len(e.entries) - 1 and multi)
+            row += [phase_name(cell), fed_text(trace, cell), kv, sampled, out_text]
+            table.add_row(*row, end_section=j == len(e.entries) - 1 and multi and not e.preempted)
         if e.preempted:
             names = " ".join(tl.labels.get(r, r) for r in e.preempted)
-            row = ["", ""] + ([Text("")] if multi else []) + [Text(f"preempted: {names}", "bold red"),
-                                                               Text("KV blocks freed, back to the queue", "red"),
+            row = ["", ""] + ([Text("")] if multi else []) + [Text(f"preempted {names}", "bold red"),
+                                                               Text("KV blocks freed, requeued", "red"),
                                                                "", "", ""]
             table.add_row(*row, end_section=multi)
     console.print(table)
@@ -217,6 +220,8 @@ def print_batches(console: Console, trace: Trace, tl: Timeline) -> None:
                 f"KV {e.kv_blocks_used}/{e.kv_blocks_total} blocks"]
         if b.waiting:
             side.append("waiting " + " ".join(b.waiting))
+        if b.stalled:
+            side.append("no budget " + " ".join(b.stalled))
         tail = Text("  · " + " · ".join(side), "dim")
         if b.preempted:
             tail.append("  · preempted " + " ".join(b.preempted), "bold red")
@@ -231,22 +236,23 @@ def print_summary(console: Console, trace: Trace) -> None:
     console.print(Text(MAPPING_NOTE, "italic"))
     console.print()
     console.rule("Summary", align="left", style="dim")
-    table = Table(box=None, header_style="bold", padding=(0, 1), show_edge=False)
-    for col, just in [("req", "left"), ("prompt", "right"), ("output", "right"), ("TTFT", "right"),
-                      ("= queue + prefill & 1st sample", "left"), ("TPOT", "right"), ("decode tok/s", "right"),
-                      ("preempted", "right"), ("finish", "left"), ("text", "left")]:
-        table.add_column(col, justify=just, overflow="fold" if col == "text" else "ellipsis")
     for r in trace.requests:
         for s in r.samples:
-            tpot = r.tpot
-            split = "-"
+            line = Text.assemble((f"{s.label:<3}", letter_style(trace, s.label)), (f"TTFT {ms(r.ttft)}", "bold"))
             if r.queue_time is not None and r.ttft is not None:
-                split = f"{ms(r.queue_time)} + {ms(r.ttft - r.queue_time)}"
-            table.add_row(Text(s.label, letter_style(trace, s.label)), str(len(r.prompt_token_ids)),
-                          str(len(s.output_token_ids)), ms(r.ttft), split, ms(tpot),
-                          f"{1 / tpot:.1f}" if tpot else "-", str(r.num_preemptions), s.finish_reason or "-",
-                          f'"{shorten(visible(s.output_text), 40)}"')
-    console.print(table)
+                line.append(f" = queue {ms(r.queue_time)} + prefill & first sample {ms(r.ttft - r.queue_time)}", "dim")
+            tpot = r.tpot
+            line.append("\n   ")
+            line.append(f"TPOT {ms(tpot)}", "bold")
+            if tpot:
+                line.append(f" ({1 / tpot:.1f} tokens/s while decoding)", "dim")
+            line.append(f" · {len(r.prompt_token_ids)} prompt + {len(s.output_token_ids)} new tokens")
+            line.append(" · finish ")
+            line.append(s.finish_reason or "-", "bold")
+            if r.num_preemptions:
+                line.append(f" · preempted {r.num_preemptions}x", "red")
+            console.print(line)
+            console.print(Text(f'   "{visible(s.output_text)}"', "dim"), overflow="fold")
     n_steps = len(trace.events)
     if n_steps:
         wall = trace.wall_time
@@ -254,7 +260,7 @@ def print_summary(console: Console, trace: Trace) -> None:
         mean_batch = sum(len(e.entries) for e in trace.events) / n_steps
         tps = trace.total_output_tokens / wall if wall > 0 else 0.0
         console.print(Text.assemble(
-            ("overall ", "bold"),
+            ("all ", "bold"),
             f"{n_steps} steps in {ms(wall)} · {trace.total_output_tokens} new tokens · ",
             (f"{tps:.1f} tokens/s", "bold"),
             f" · mean step {ms(mean_step)} · mean batch {mean_batch:.2f} requests",
@@ -274,7 +280,3 @@ def render_text(trace: Trace, console: Console | None = None, *, steps: bool = T
     if batches and tl.events:
         print_batches(console, trace, tl)
     print_summary(console, trace)
-
-
-def _request_letter(r: RequestInfo) -> str:
-    return r.samples[0].label if r.samples else "?"

@@ -63,6 +63,7 @@ class BatchLine:
     waiting: list[str]
     preempted: list[str]
     finished: list[tuple[str, str]]  # (label, finish reason)
+    stalled: list[str]  # running, but the step's token budget ran out before them
 
 
 class Timeline:
@@ -134,7 +135,8 @@ class Timeline:
                 finished.append((self.labels[en.request_id], en.finish_reason or "finished"))
         preempted = [self.labels.get(r, r) for r in e.preempted]
         waiting = [self.labels.get(r, r) for r in e.waiting if r not in e.preempted]
-        return BatchLine(e.step, members, waiting, preempted, finished)
+        stalled = [self.labels[r] for r in self.rows if self.cells[r][i].state == "stalled"]
+        return BatchLine(e.step, members, waiting, preempted, finished, stalled)
 
     def state_counts(self, i: int) -> dict[str, int]:
         counts: dict[str, int] = {}

@@ -176,10 +176,14 @@ def label(piece: TokenPiece | None) -> str:
     if piece.special:
         return piece.text
     if piece.raw is None:
-        return f'"{visible(piece.text)}"'
+        return f'"{_quoted(piece.text)}"'
     if not piece.raw:
         return '""'
-    return "".join(f'"{visible(r)}"' if isinstance(r, str) else hex_bytes(r) for r in split_utf8(piece.raw))
+    return "".join(f'"{_quoted(r)}"' if isinstance(r, str) else hex_bytes(r) for r in split_utf8(piece.raw))
+
+
+def _quoted(s: str) -> str:
+    return visible(s).replace('"', '\\"')
 
 
 def complete_text(table: dict[int, TokenPiece], ids: Iterable[int], *, final: bool = True) -> str:

@@ -1,0 +1,332 @@
+"""AsyncLLMEngine: the synchronous step loop on a thread of its own, streams for asyncio.
+
+The seed's decode loop is `while requests: step()`.  A server has to keep that loop turning
+while it also accepts connections, parses JSON and writes SSE chunks, so:
+
+    asyncio thread (uvicorn)                          engine thread (owns LLMEngine)
+    ------------------------                          ------------------------------
+    validate prompt + params (400 at once)
+    add(...)  --- ("add", request) ------------>  inbox    applied between two steps
+    abort(id) --- ("abort", id) --------------->  inbox    blocks go back to the pool
+    async for out in stream  <-- call_soon_threadsafe --  step() -> RequestOutputs
+
+Why a thread rather than running `step()` as an asyncio task: a step is one forward pass,
+and torch releases the GIL inside its kernels, so the event loop keeps answering requests
+while the model computes instead of freezing for the duration of every step.  Why exactly
+one engine thread: `LLMEngine` is not thread-safe, and making it the single owner means no
+lock anywhere inside the engine -- every mutation arrives through the inbox and is applied
+by that one thread between steps (which is also what bounds abort latency to one step).
+
+Streams coalesce: `RequestOutput`s are cumulative, so a stream only keeps the newest one.
+A slow client therefore costs one object, never a growing backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, NamedTuple
+
+from tokenloom.config import EngineArgs
+from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.engine.metrics_observer import EngineMetrics
+from tokenloom.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenloom.async")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (stopped or crashed); nothing can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not finish a request (its add was refused, or a step failed)."""
+
+
+class RequestStream:
+    """The RequestOutputs of one request, consumed with `async for` on the event loop.
+
+    Written to only through `loop.call_soon_threadsafe` (by the engine thread), so the
+    fields below are touched by the event-loop thread alone."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._loop = loop
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+        self.finished = False  # the engine delivered its final output (or an error)
+
+    # -- producer side (runs on the event loop, scheduled by the engine thread) --
+    def _put(self, out: RequestOutput) -> None:
+        if self.finished:
+            return
+        self._latest = out  # cumulative: the newest output contains all older ones
+        if out.finished:
+            self.finished = True
+        self._ready.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.finished:
+            return
+        self._error = exc
+        self.finished = True
+        self._ready.set()
+
+    # -- consumer side --
+    async def next(self) -> RequestOutput | None:
+        """The newest output not yet returned; None once the stream is over."""
+        while True:
+            if self._latest is not None:
+                out, self._latest = self._latest, None
+                return out
+            if self._error is not None:
+                raise self._error
+            if self.finished:
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[RequestOutput]:
+        while (out := await self.next()) is not None:
+            yield out
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: dict[str, Any]
+    params: SamplingParams
+    arrival_time: float
+    priority: int
+    cache_salt: str | None
+    stream: RequestStream
+
+
+class EngineSnapshot(NamedTuple):
+    """What the engine thread publishes after each change; read whole by other threads."""
+
+    adds_applied: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+
+
+_STOP = object()
+
+
+class AsyncLLMEngine:
+    """Owns an `LLMEngine` and the thread that steps it."""
+
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.attach(engine)
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._ids = itertools.count()
+        self._adds_submitted = 0  # event-loop thread only
+        self._snapshot = EngineSnapshot(0, 0, 0, 0.0)
+        self._stopping = False
+        self.dead_reason: str | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, *, with_metrics: bool = True) -> "AsyncLLMEngine":
+        engine = LLMEngine(args)
+        return cls(engine, EngineMetrics(engine.model_name) if with_metrics else None)
+
+    # ---- read-only facts (safe from any thread) -------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def num_waiting(self) -> int:
+        """Requests not yet scheduled, including those still in the inbox (event-loop thread)."""
+        snap = self._snapshot
+        return snap.num_waiting + max(0, self._adds_submitted - snap.adds_applied)
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    # ---- lifecycle ------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered to `loop` (default: the running one)."""
+        if self._thread is not None:
+            raise RuntimeError("the engine thread is already started")
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tokenloom-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort whatever is in flight, stop the thread and wait for it (at most `timeout` s)."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._inbox.put(_STOP)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("engine thread still busy after %.0fs; leaving it to die with the process", timeout)
+
+    # ---- requests (event-loop thread) -----------------------------------
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Tokenize and check a prompt exactly as the engine will, without touching the engine's
+        state: raises ValueError (PromptTooLongError for max_model_len) so the caller can answer
+        400 before anything is queued.  Only reads the engine's constants and the tokenizer."""
+        text, ids = self.engine.process_prompt(prompt)
+        self.engine._resolve_max_tokens(params, len(ids))
+        return text, ids
+
+    def add_request(self, request_id: str, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
+                    *, arrival_time: float | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> RequestStream:
+        """Queue an already validated request; returns its stream."""
+        if not self.is_running:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        assert self._loop is not None
+        stream = RequestStream(request_id, self._loop)
+        prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
+        self._adds_submitted += 1
+        self._inbox.put(_Add(request_id, prompt, params, time.perf_counter() if arrival_time is None else arrival_time,
+                             priority, cache_salt, stream))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already finished); applied before the next step."""
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(("abort", request_id))
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       **kw: Any) -> AsyncIterator[RequestOutput]:
+        """Validate, add, and yield outputs; the request is aborted if the caller stops early."""
+        text, ids = self.validate(prompt, params)
+        stream = self.add_request(request_id, text, ids, params, **kw)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    # ---- the engine thread ----------------------------------------------
+    def _deliver(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _publish(self, adds_applied: int) -> None:
+        e = self.engine
+        self._snapshot = EngineSnapshot(adds_applied, e.num_running, e.num_waiting, e.kv_cache_usage())
+
+    def _run(self) -> None:
+        adds_applied = 0
+        try:
+            while True:
+                # Idle: block until something arrives.  Busy: take what is there, then step.
+                cmds: list[Any] = []
+                if not self.engine.has_unfinished_requests():
+                    cmds.append(self._inbox.get())
+                while True:
+                    try:
+                        cmds.append(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                stop = False
+                for cmd in cmds:
+                    if cmd is _STOP:
+                        stop = True
+                    elif isinstance(cmd, _Add):
+                        adds_applied += 1
+                        self._apply_add(cmd)
+                    else:
+                        self._apply_abort(cmd[1])
+                if stop:
+                    self._abort_all("the server is shutting down")
+                    self._publish(adds_applied)
+                    return
+                if cmds and self.metrics is not None:
+                    self.metrics.refresh_gauges()
+                self._publish(adds_applied)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                    self._publish(adds_applied)
+        except BaseException as e:  # a bug here must not leave clients waiting forever
+            logger.exception("engine thread crashed")
+            self.dead_reason = f"the engine thread crashed: {type(e).__name__}: {e}"
+            for s in list(self._streams.values()):
+                self._deliver(s._fail, EngineDeadError(self.dead_reason))
+            self._streams.clear()
+
+    def _apply_add(self, cmd: _Add) -> None:
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
+                                    priority=cmd.priority, cache_salt=cmd.cache_salt)
+        except ValueError as e:  # validated already; this is e.g. a duplicate id
+            self._deliver(cmd.stream._fail, RequestFailedError(str(e)))
+            return
+        self._streams[cmd.request_id] = cmd.stream
+
+    def _apply_abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return  # finished already, or never added
+        n = self.engine.groups[request_id].params.n if request_id in self.engine.groups else 1
+        self.engine.abort_request(request_id)
+        if self.metrics is not None:
+            self.metrics.observe_abort(request_id, n)
+
+    def _abort_all(self, reason: str) -> None:
+        for rid, stream in list(self._streams.items()):
+            self._apply_abort(rid)
+            self._deliver(stream._fail, RequestFailedError(reason))
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception as e:
+            # One broken step must not take the server down: fail the requests that were in
+            # flight (their state is suspect), free their blocks, and keep serving new ones.
+            logger.exception("engine step failed; aborting %d in-flight request(s)", len(self._streams))
+            self._abort_all(f"the engine failed while running this request: {type(e).__name__}: {e}")
+            return
+        if not outs:
+            # Unfinished requests but nothing schedulable (should not happen): don't spin hot.
+            time.sleep(0.001)
+            return
+        for out in outs:
+            if self.metrics is not None:
+                self.metrics.observe_output(out)
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            self._deliver(stream._put, out)

@@ -1,0 +1,60 @@
+"""CLI: `tokenloom serve [MODEL]` -- the OpenAI-compatible server.
+
+    tokenloom serve                         # the bundled model
+    tokenloom serve ./my-model --port 8001 --max-num-seqs 32 --api-key secret
+
+Engine flags are the same as `tokenloom generate` (vLLM spellings); server flags are in
+`add_server_args` below.  Exit status: 0 after a clean
+stop (SIGINT / SIGTERM), 1 if the model cannot be loaded or the port cannot be bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tokenloom.config import EngineArgs
+
+
+def _serve(args: argparse.Namespace) -> int:
+    # Imported here so `tokenloom --help` and other subcommands don't pay for FastAPI/uvicorn.
+    from tokenloom.entrypoints.openai.api_server import build_server
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            print(f"error: model given twice ({args.model_tag!r} and --model {args.model!r})", file=sys.stderr)
+            return 2
+        args.model = args.model_tag
+    try:
+        server, _ = build_server(args)
+    except (ValueError, OSError) as e:  # bad path, bad flag combination, no bundled model yet, ...
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    server.run()
+    return 0
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use for the model; the first is reported by /v1/models")
+    g.add_argument("--max-queued-requests", type=int, default=None,
+                   help="answer 503 when this many requests already wait to be scheduled")
+    g.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests may take to finish after SIGINT/SIGTERM; then they are aborted")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--disable-access-log", action="store_true", help="do not log one line per HTTP request")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve MODEL (a Hugging Face directory or hub id; default: the bundled model) "
+                                   "over an OpenAI-compatible HTTP API with SSE streaming and Prometheus metrics.")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="HF model directory or hub id (default: the bundled model)")
+    add_server_args(p)
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=_serve)

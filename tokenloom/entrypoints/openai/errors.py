@@ -1,0 +1,124 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Every way a request can fail ends up here, so clients (the official `openai` package
+included) always get the same JSON and a status that says whose fault it was:
+4xx for the client's mistakes -- never a 500 -- and 5xx only for the server's own.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class OpenAIError(Exception):
+    """Raise anywhere in a handler; becomes a JSON error response with `status`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def error_response(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def sse_error(err: OpenAIError) -> str:
+    """An error met after a stream started: the status is already 200, so say it in a chunk."""
+    return f"data: {json.dumps(err.body())}\n\n"
+
+
+def _param_of(loc: Sequence[Any]) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    # pydantic names union members in the location ("prompt.str", "prompt.list[int]"): keep the field
+    keep = [p for p in parts if not any(ch in p for ch in "[]") and p not in ("str", "int", "float", "bool",
+                                                                                  "function-after", "json-or-python")]
+    return ".".join(keep) or None
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    """FastAPI's 422 (pydantic) -> a 400 naming the first offending field."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return bad_request(f"the request body is not valid JSON: {ctx.get('error', first.get('msg'))}",
+                           code="invalid_json")
+    param = _param_of(first.get("loc", ()))
+    msgs = []
+    seen: set[str] = set()
+    for e in errors:
+        p = _param_of(e.get("loc", ())) or "body"
+        if p in seen:  # a union field fails once per member; one line per field is enough
+            continue
+        seen.add(p)
+        msgs.append(f"{p}: {e.get('msg')}")
+    return bad_request("; ".join(msgs), param=param)
+
+
+async def _openai_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, OpenAIError)
+    return error_response(exc)
+
+
+async def _validation_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return error_response(validation_error(exc))
+
+
+async def _http_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    err = OpenAIError(exc.status_code, str(exc.detail), code=code)
+    resp = error_response(err)
+    if exc.headers:
+        resp.headers.update(exc.headers)
+    return resp
+
+
+async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(OpenAIError(500, f"internal server error: {type(exc).__name__}: {exc}",
+                                      code="internal_error"))
+
+
+def install_error_handlers(app) -> None:
+    app.add_exception_handler(OpenAIError, _openai_error_handler)
+    app.add_exception_handler(RequestValidationError, _validation_handler)
+    app.add_exception_handler(StarletteHTTPException, _http_handler)
+    app.add_exception_handler(Exception, _unexpected_handler)

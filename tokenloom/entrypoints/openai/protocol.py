@@ -1,0 +1,223 @@
+"""The OpenAI wire format (plus vLLM's sampling extras) as pydantic models.
+
+Requests validate *types* here (a string where a number belongs is a 400 naming the field);
+*values* (temperature < 0, top_p > 1, ...) are checked by `SamplingParams`, the one place
+that knows the engine's limits, so the offline API and the server refuse the same things.
+Unknown fields are ignored, as OpenAI-compatible servers commonly do, so newer clients that
+send fields we do not know still work.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN/Infinity are not numbers a sampler can use
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+    cache_salt: str | None = None
+    prompt_logprobs: int | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: int | None = 16  # OpenAI's default for legacy completions
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (tool_calls, tool_call_id, ...) pass through to the chat template untouched.
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+# ---- responses -------------------------------------------------------------
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class Usage(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(_Response):
+    """OpenAI's legacy completions logprobs: parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(_Response):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tokenloom"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

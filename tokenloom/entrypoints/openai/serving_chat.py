@@ -1,0 +1,187 @@
+"""POST /v1/chat/completions: messages -> chat template -> token ids -> the engine.
+
+The template is the tokenizer's (or `--chat-template`, or the request's `chat_template`);
+rendering happens here, on the request, so a template error is a 400 for this request alone.
+Streaming follows OpenAI: each choice's first chunk carries `delta.role`, later ones
+`delta.content`, the last one `finish_reason`; with `stream_options.include_usage` a final
+chunk with empty `choices` carries the usage.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenloom.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from tokenloom.entrypoints.llm import render_chat
+from tokenloom.entrypoints.openai.errors import bad_request, sse_error
+from tokenloom.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+                                                   ChatLogprobs, ChatMessage, ChatResponseMessage,
+                                                   ChatTokenLogprob, TopLogprob)
+from tokenloom.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, abort_all, add_requests,
+                                                         collect_final, dumps, finite_logprob, engine_failure, make_usage,
+                                                         merge_streams, new_id, sampling_params, sse,
+                                                         validate_prompt)
+from tokenloom.outputs import PositionLogprobs, RequestOutput
+
+
+def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
+    """A message as chat templates expect it: `content` a plain string."""
+    d = m.model_dump(exclude_none=True)
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{i}].content: only text parts are supported, got type "
+                                  f"{part.get('type')!r}", param=f"messages.{i}.content", code="unsupported")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    d["content"] = content if content is not None else ""
+    return d
+
+
+def render_messages(ctx: ServingContext, messages: Sequence[ChatMessage], *, chat_template: str | None,
+                    add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Messages -> prompt token ids; every failure is a 400."""
+    msgs = [_message_dict(m, i) for i, m in enumerate(messages)]
+    tok = ctx.engine.tokenizer
+    if chat_template is None and not getattr(tok, "chat_template", None):
+        raise bad_request("this model has no chat template, so /v1/chat/completions cannot format messages; "
+                          "start the server with --chat-template FILE, or use /v1/completions",
+                          param="messages", code="missing_chat_template")
+    try:
+        if template_kwargs:
+            ids = tok.apply_chat_template(msgs, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                          tokenize=True, **template_kwargs)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return render_chat(tok, msgs, chat_template, add_generation_prompt)
+    except Exception as e:  # jinja errors (raise_exception in templates), bad kwargs, ...
+        raise bad_request(f"the chat template could not render these messages: {type(e).__name__}: {e}",
+                          param="messages", code="chat_template_error") from None
+
+
+def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs], top_n: int, tokenizer) -> ChatLogprobs:
+    content = []
+    for tok, pos in zip(token_ids, positions):
+        chosen = pos.get(tok)
+        text = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else tokenizer.decode([tok])
+        tops = sorted(((t, v) for t, v in pos.items() if v.rank is not None and v.rank <= top_n),
+                      key=lambda tv: tv[1].rank)
+        content.append(ChatTokenLogprob(
+            token=text, logprob=finite_logprob(chosen.logprob) if chosen is not None else -9999.0, bytes=list(text.encode("utf-8")),
+            top_logprobs=[TopLogprob(token=(s := v.decoded_token or ""), logprob=finite_logprob(v.logprob), bytes=list(s.encode("utf-8")))
+                          for t, v in tops[:top_n]]))
+    return ChatLogprobs(content=content)
+
+
+@dataclass
+class _Prepared:
+    request_id: str
+    model: str
+    req: ChatCompletionRequest
+    top_n: int | None  # None: no logprobs
+    tokenizer: Any
+
+
+def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[_Prepared, list[RequestStream]]:
+    ctx.check_model(req.model)
+    if req.tools:
+        raise bad_request("tools / function calling is not supported by this server", param="tools",
+                          code="unsupported")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("response_format other than text is not supported by this server",
+                          param="response_format", code="unsupported")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    top_n = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if top_n is not None and not 0 <= top_n <= 20:
+        raise bad_request(f"top_logprobs must be in [0, 20], got {top_n}", param="top_logprobs")
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=top_n, prompt_logprobs=req.prompt_logprobs)
+    ids = render_messages(ctx, req.messages, chat_template=req.chat_template,
+                          add_generation_prompt=req.add_generation_prompt, template_kwargs=req.chat_template_kwargs)
+    _, ids = validate_prompt(ctx, ids, params, param="messages")
+    rid = new_id("chatcmpl")
+    streams = add_requests(ctx, rid, [(None, ids)], params, priority=req.priority, cache_salt=req.cache_salt)
+    return _Prepared(rid, req.model or ctx.model_name, req, top_n, ctx.engine.tokenizer), streams
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
+    p, streams = _prepare(ctx, req)
+    if req.stream:
+        return StreamingResponse(_stream(ctx, p, streams), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    finals = await collect_final(ctx, streams, raw)
+    if finals is None:
+        return JSONResponse({}, status_code=499)
+    out = finals[0]
+    choices = [
+        ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                   logprobs=chat_logprobs(c.token_ids, c.logprobs or [], p.top_n, p.tokenizer) if p.top_n is not None else None,
+                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        for c in out.outputs
+    ]
+    resp = ChatCompletionResponse(id=p.request_id, model=p.model, choices=choices, usage=make_usage(finals))
+    return Response(resp.model_dump_json(), media_type="application/json")
+
+
+async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream]) -> AsyncIterator[str]:
+    req = p.req
+    created = int(time.time())
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    text_sent: dict[int, int] = {}
+    tokens_sent: dict[int, int] = {}
+    done: set[int] = set()
+    latest: RequestOutput | None = None
+
+    def chunk(choice: dict[str, Any]) -> str:
+        obj: dict[str, Any] = {"id": p.request_id, "object": "chat.completion.chunk", "created": created,
+                               "model": p.model, "choices": [choice]}
+        if continuous and latest is not None:
+            obj["usage"] = make_usage([latest]).model_dump()
+        return sse(dumps(obj))
+
+    try:
+        # The role comes first, before any token exists: clients show "assistant is typing".
+        for j in range(req.n):
+            text_sent[j] = tokens_sent[j] = 0
+            yield chunk({"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None})
+        async for _, out in merge_streams(streams):
+            latest = out
+            for c in out.outputs:
+                j = c.index
+                if j in done:
+                    continue
+                new_ids = c.token_ids[tokens_sent[j]:]
+                finished = c.finish_reason is not None
+                if not new_ids and not finished:
+                    continue
+                delta_text = c.text[text_sent[j]:]
+                logprobs = None
+                if p.top_n is not None:
+                    new_lp = (c.logprobs or [])[tokens_sent[j]:tokens_sent[j] + len(new_ids)]
+                    logprobs = chat_logprobs(new_ids, new_lp, p.top_n, p.tokenizer).model_dump(mode="json")
+                text_sent[j], tokens_sent[j] = max(text_sent[j], len(c.text)), len(c.token_ids)
+                if finished:
+                    done.add(j)
+                yield chunk({"index": j, "delta": {"content": delta_text} if delta_text or not finished else {},
+                             "logprobs": logprobs, "finish_reason": c.finish_reason if finished else None,
+                             "stop_reason": c.stop_reason if finished else None})
+        if include_usage and latest is not None:
+            yield sse(dumps({"id": p.request_id, "object": "chat.completion.chunk", "created": created,
+                             "model": p.model, "choices": [], "usage": make_usage([latest]).model_dump()}))
+        yield SSE_DONE
+    except (EngineDeadError, RequestFailedError) as e:
+        yield sse_error(engine_failure(e))
+        yield SSE_DONE
+    finally:
+        abort_all(ctx, streams)  # client gone or error: stop the work, free the KV blocks

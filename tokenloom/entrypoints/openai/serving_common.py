@@ -1,0 +1,227 @@
+"""What /v1/completions and /v1/chat/completions share.
+
+- `ServingContext`: the async engine plus the server's settings (served names, queue cap).
+- Request -> `SamplingParams` with errors mapped to 400s that name the field.
+- Admission: model name (404), queue cap (503), prompt validation (400) -- all checked
+  *before* anything reaches the engine, so a bad request never disturbs running ones.
+- Fan-in of several request streams, and a watcher that turns a client's disconnect into
+  an abort (non-streaming responses would otherwise run to the end for nobody).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Sequence
+
+from fastapi import Request
+
+from tokenloom.engine.async_engine import (AsyncLLMEngine, EngineDeadError, RequestFailedError,
+                                           RequestStream)
+from tokenloom.engine.llm_engine import PromptTooLongError
+from tokenloom.entrypoints.openai.errors import OpenAIError, bad_request
+from tokenloom.entrypoints.openai.protocol import PromptTokensDetails, Usage, _SamplingFields
+from tokenloom.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParamError, SamplingParams
+
+MAX_N = 128  # samples per request: beyond this one request could occupy the engine for everyone
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator.manual_seed takes a 64-bit value
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncLLMEngine
+    served_model_names: list[str]
+    max_queued_requests: int | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
+                                   f"{', '.join(repr(n) for n in self.served_model_names)}",
+                              param="model", code="model_not_found")
+
+    def check_capacity(self, num_new: int) -> None:
+        """503 when admitting `num_new` more sequences would grow the waiting queue past the cap."""
+        cap = self.max_queued_requests
+        if cap is None:
+            return
+        waiting = self.engine.num_waiting()
+        if waiting + num_new > cap:
+            raise OpenAIError(503, f"the server is overloaded: {waiting} request(s) are already waiting "
+                                   f"(--max-queued-requests {cap}); retry later",
+                              code="queue_full")
+
+    def check_engine(self) -> None:
+        if not self.engine.is_running:
+            raise OpenAIError(503, self.engine.dead_reason or "the engine is not running", code="engine_unavailable")
+
+
+def finite_logprob(x: float) -> float:
+    """JSON has no -Infinity: a token the model rules out entirely reports -9999 (as vLLM does)."""
+    return x if math.isfinite(x) else -9999.0
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None) -> SamplingParams:
+    """Build and validate SamplingParams; any bad value is a 400 naming its field."""
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by this server", param="logit_bias", code="unsupported")
+    if req.n > MAX_N:
+        raise bad_request(f"n must be <= {MAX_N}, got {req.n}", param="n")
+    if req.seed is not None and not _SEED_MIN <= req.seed <= _SEED_MAX - req.n:
+        raise bad_request(f"seed must fit in a signed 64-bit integer, got {req.seed}", param="seed")
+    kw: dict = dict(
+        n=req.n,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+    # Unset optional knobs keep SamplingParams' own defaults.
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        v = getattr(req, name)
+        if v is not None:
+            kw[name] = v
+    try:
+        return SamplingParams(**kw)
+    except SamplingParamError as e:
+        raise bad_request(str(e), param=e.param) from None
+    except (TypeError, ValueError) as e:
+        raise bad_request(str(e)) from None
+
+
+def validate_prompt(ctx: ServingContext, prompt: str | list[int], params: SamplingParams,
+                    param: str = "prompt") -> tuple[str | None, list[int]]:
+    """Tokenize/check one prompt as the engine will; PromptTooLongError etc. become 400s."""
+    try:
+        return ctx.engine.validate(prompt, params)
+    except PromptTooLongError as e:
+        # Which field to blame: the prompt if it alone is too long, otherwise max_tokens.
+        blame = param if "max_tokens" not in str(e) else "max_tokens"
+        raise bad_request(str(e), param=blame, code="context_length_exceeded") from None
+    except ValueError as e:
+        raise bad_request(str(e), param=param) from None
+
+
+def add_requests(ctx: ServingContext, base_id: str, prompts: Sequence[tuple[str | None, list[int]]],
+                 params: SamplingParams, *, priority: int, cache_salt: str | None) -> list[RequestStream]:
+    """Queue validated prompts (one engine request each); 503 if over capacity."""
+    ctx.check_engine()
+    ctx.check_capacity(len(prompts) * params.n)
+    arrival = time.perf_counter()
+    try:
+        return [ctx.engine.add_request(f"{base_id}-{i}", text, ids, params, arrival_time=arrival,
+                                       priority=priority, cache_salt=cache_salt)
+                for i, (text, ids) in enumerate(prompts)]
+    except EngineDeadError as e:
+        raise OpenAIError(503, str(e), code="engine_unavailable") from None
+
+
+def abort_all(ctx: ServingContext, streams: Sequence[RequestStream]) -> None:
+    for s in streams:
+        if not s.finished:
+            ctx.engine.abort(s.request_id)
+
+
+def engine_failure(e: BaseException) -> OpenAIError:
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(503, str(e), code="engine_unavailable")
+    return OpenAIError(500, str(e), code="engine_error")
+
+
+async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (stream index, newest output) from several streams as they progress."""
+    pending: dict[asyncio.Task, int] = {asyncio.ensure_future(s.next()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: pending[t]):
+                i = pending.pop(task)
+                out = task.result()  # raises the stream's error, if any
+                if out is None:
+                    continue
+                yield i, out
+                pending[asyncio.ensure_future(streams[i].next())] = i
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    # The body has been read already, so the next ASGI message can only be the disconnect.
+    while True:
+        msg = await raw.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def collect_final(ctx: ServingContext, streams: Sequence[RequestStream],
+                        raw: Request) -> list[RequestOutput] | None:
+    """Wait for every stream's final output; None (after aborting) if the client went away."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+
+    async def gather() -> None:
+        async for i, out in merge_streams(streams):
+            finals[i] = out
+
+    work = asyncio.ensure_future(gather())
+    watch = asyncio.ensure_future(_wait_disconnect(raw))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        # Reached also when this handler itself is cancelled (server shutting down).
+        if not work.done():
+            work.cancel()
+            abort_all(ctx, streams)
+        watch.cancel()
+    if not work.done() or work.cancelled():
+        return None
+    exc = work.exception()
+    if exc is not None:
+        abort_all(ctx, streams)
+        if isinstance(exc, (EngineDeadError, RequestFailedError)):
+            raise engine_failure(exc)
+        raise exc
+    return [f for f in finals if f is not None]
+
+
+def make_usage(outputs: Sequence[RequestOutput], *, completion_tokens: int | None = None) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = completion_tokens if completion_tokens is not None else sum(
+        len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON for SSE chunks (non-ASCII kept as is: fewer bytes per streamed token)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
