@@ -44,6 +44,7 @@ def load_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> A
     from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()  # generation-config chatter is not a result
+    transformers.logging.disable_progress_bar()  # a weight-loading bar would interleave with ours
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype)
     return model.to(device).eval()
 

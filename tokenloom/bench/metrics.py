@@ -13,7 +13,7 @@ Per request (times in seconds on any one clock):
 
 "Send time" is when the request was handed to the engine/server; it equals the arrival
 time unless a client-side concurrency limit held it back (that wait is reported apart as
-`queue_delay`, as vLLM's benchmark does).
+`queue_delay`, shown as "send delay", as vLLM's benchmark does).
 
 The summary reports mean/median/p90/p95/p99 (numpy's linear-interpolation percentile) of
 each, throughput (requests/s, output tokens/s, total tokens/s), goodput (requests meeting

@@ -86,14 +86,12 @@ async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict[s
                 chunk = json.loads(data)
                 if "error" in chunk:
                     raise RuntimeError(_error_message(json.dumps(chunk)))
-                choices = chunk.get("choices") or []
-                if choices:
-                    c = choices[0]
-                    # A bare closing chunk (no text, only finish_reason) is not a token.
-                    if c.get("text") or not c.get("finish_reason"):
-                        if record.first_token_time is None:
-                            record.first_token_time = t
-                        record.token_times.append(t)
+                # Every chunk with a choice carries new tokens, even when their text is
+                # still empty (an incomplete UTF-8 sequence held back by the detokenizer).
+                if chunk.get("choices"):
+                    if record.first_token_time is None:
+                        record.first_token_time = t
+                    record.token_times.append(t)
                 usage = chunk.get("usage")
                 if usage:
                     usage_tokens = usage.get("completion_tokens", usage_tokens)

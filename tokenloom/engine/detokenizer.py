@@ -2,14 +2,18 @@
 
 Each decode step yields one token id; users want text.  Byte-level tokenizers can
 split one character across tokens (a Chinese character is 3 UTF-8 bytes), so text is
-released only once the decoded tail is a complete character: we decode a short
-window (a few tokens of context + the new ones) and hold back text that still ends
-in U+FFFD.  Stop strings are searched only in the region new text can touch, and
+released only once it is a complete character.  Fast tokenizers do this with the
+tokenizers library's `DecodeStream` (a couple of microseconds per token, primed with
+the prompt's last tokens so leading spaces come out right); other tokenizers decode a
+short window (a few tokens of context + the new ones) and hold back text that still
+ends in U+FFFD.  Stop strings are searched only in the region new text can touch, and
 while stop strings are active the last `len(longest stop) - 1` characters are not
 shown yet, so a stream never emits text that a stop string later removes.
 """
 
 from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
 
 _CONTEXT_TOKENS = 5  # tokens of left context so tokenizers that drop leading spaces decode right
 
@@ -26,6 +30,10 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text = ""
         self.stop_holdback = max((len(s) for s in stop), default=1) - 1
+        backend = getattr(tokenizer, "_tokenizer", None)  # the Rust tokenizer behind a fast HF tokenizer
+        self._backend = backend
+        self._stream = (DecodeStream(ids=list(self.ids), skip_special_tokens=skip_special_tokens)
+                        if backend is not None else None)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
@@ -33,6 +41,14 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str | None:
         """Append one token; returns the stop string that matched (text already cut), else None."""
         self.ids.append(token_id)
+        if self._stream is not None:
+            chunk = self._stream.step(self._backend, token_id)
+            if chunk is None:
+                return None
+            before = len(self.text)
+            self.text += chunk
+            self.read_offset = len(self.ids)
+            return self._check_stop(before)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
@@ -46,6 +62,11 @@ class IncrementalDetokenizer:
     def flush(self) -> None:
         """At the end, release any held-back partial character as U+FFFD."""
         if self.read_offset < len(self.ids):
+            if self._stream is not None:  # DecodeStream keeps no offsets of ours: decode the tail
+                tail = self.ids[self.read_offset:]
+                self.text += self._backend.decode(tail, skip_special_tokens=self.skip) if tail else ""
+                self.read_offset = len(self.ids)
+                return
             prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
             full = self._decode(self.ids[self.prefix_offset :])
             self.text += full[len(prefix) :]

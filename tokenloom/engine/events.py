@@ -43,7 +43,7 @@ class StepEvent:
     step: int
     start_time: float
     end_time: float
-    forward_time: float  # time inside the model forward + sampling (executor time)
+    forward_time: float  # time inside the model: forward pass + logits (the rest of the step is engine overhead)
     entries: list[StepEntry] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # request ids preempted while scheduling
     waiting: list[str] = field(default_factory=list)  # ids still waiting after scheduling

@@ -11,6 +11,7 @@ The engine knows nothing about HTTP; the async server wraps it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -145,7 +146,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = ModelRunner(self.loaded, num_blocks, block_size, compile=args.compile)
         self.groups: dict[str, _Group] = {}
-        self._child_to_group: dict[str, _Group] = {}
+        self._children: dict[str, tuple[_Group, _Sample]] = {}
         self.observers: list[Callable[[StepEvent], None]] = list(observers)
         self.step_count = 0
 
@@ -253,7 +254,7 @@ class LLMEngine:
             first = samples
         self.groups[request_id] = group
         for s in samples:
-            self._child_to_group[s.req.request_id] = group
+            self._children[s.req.request_id] = (group, s)
         for s in first:
             self.scheduler.add_request(s.req)
 
@@ -268,7 +269,7 @@ class LLMEngine:
                 self.scheduler.finish_request(s.req.request_id, RequestStatus.FINISHED_ABORTED)
                 s.req.status = RequestStatus.FINISHED_ABORTED
                 self.runner.remove_request(s.req.request_id)
-                self._child_to_group.pop(s.req.request_id, None)
+                self._children.pop(s.req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -298,9 +299,10 @@ class LLMEngine:
         self.scheduler.update_from_output(out, res.sampled, now)
         touched: dict[str, _Group] = {}
         for s in out.scheduled:
-            g = self._child_to_group.get(s.request_id)
-            if g is None:
+            found = self._children.get(s.request_id)
+            if found is None:
                 continue
+            g, sample = found
             touched[g.request_id] = g
             if g.metrics.first_scheduled_time is None:
                 g.metrics.first_scheduled_time = start
@@ -311,7 +313,6 @@ class LLMEngine:
                     g.prompt_logprobs.append(self._logprob_dict(g.prompt_token_ids[len(g.prompt_logprobs)], lp, rank, top))
             if s.request_id not in res.sampled:
                 continue
-            sample = next(x for x in g.samples if x.req is s.request)
             tok = res.sampled[s.request_id]
             if g.metrics.first_token_time is None:
                 g.metrics.first_token_time = now
@@ -340,11 +341,11 @@ class LLMEngine:
                 g.metrics.num_preemptions = sum(x.req.num_preemptions for x in g.samples)
                 self.groups.pop(g.request_id, None)
                 for x in g.samples:
-                    self._child_to_group.pop(x.req.request_id, None)
+                    self._children.pop(x.req.request_id, None)
             outputs.append(self._make_output(g))
         self.step_count += 1
         if self.observers:
-            event = self.scheduler.make_event(out, res.sampled, start, time.perf_counter(), res.forward_time)
+            event = self.scheduler.make_event(out, res.sampled, start, time.perf_counter(), res.model_time)
             for fn in self.observers:
                 fn(event)
         return outputs
@@ -375,6 +376,6 @@ class LLMEngine:
             prompt_logprobs=list(g.prompt_logprobs) if g.prompt_logprobs is not None else None,
             outputs=comps,
             finished=g.finished,
-            metrics=dataclasses.replace(g.metrics),
+            metrics=copy.copy(g.metrics),
             num_cached_tokens=max(g.samples[0].req.num_cached_tokens, 0),
         )

@@ -77,6 +77,16 @@ class EngineMetrics:
         self.iteration_tokens = hist("iteration_tokens_total", "Tokens fed to the model per engine step.",
                                      ITERATION_TOKEN_BUCKETS)
 
+        # Export every series from the start (at 0): a dashboard or a rate() needs the series to
+        # exist before the first preemption / abort, and absent is not the same as zero.
+        for m in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
+                  self.num_preemptions, self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries,
+                  self.prefix_cache_hits, self.time_to_first_token, self.inter_token_latency,
+                  self.e2e_request_latency, self.iteration_tokens):
+            self._l(m)
+        for reason in ("stop", "length", "abort"):
+            self._l(self.request_success, finished_reason=reason)
+
         # Per-sequence state for TTFT / ITL: (request_id, index) -> (num tokens seen, time of last token).
         self._last: dict[tuple[str, int], tuple[int, float]] = {}
         self._ttft_seen: set[str] = set()

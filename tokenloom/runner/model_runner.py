@@ -31,7 +31,8 @@ class RunnerOutput:
     logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]] = field(default_factory=dict)
     # request id -> list of (prompt position, logprob of that prompt token, rank, top-N)
     prompt_logprobs: dict[str, list[tuple[int, float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
-    forward_time: float = 0.0
+    forward_time: float = 0.0  # the whole execute(): input prep + model + sampling
+    model_time: float = 0.0  # the model alone: forward pass + logits
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
@@ -84,31 +85,35 @@ class ModelRunner:
         decodes = [s for s in out.scheduled if s.phase == "decode"]
         prefills = [s for s in out.scheduled if s.phase != "decode"]
         order = decodes + prefills
+        # Decodes are the hot path (one token each, every step): plain Python ints, no numpy.
         ids: list[int] = []
-        pos_chunks: list[np.ndarray] = []
-        slot_chunks: list[np.ndarray] = []
-        offsets: list[int] = []
-        t = 0
-        for s in order:
+        pos: list[int] = []
+        slots: list[int] = []
+        for s in decodes:
+            c = s.num_computed_before
+            ids.append(s.request.token_at(c))
+            pos.append(c)
+            slots.append(s.block_ids[c // bs] * bs + c % bs)
+        offsets = list(range(len(decodes)))
+        t = len(decodes)
+        for s in prefills:
             c, n = s.num_computed_before, s.num_new_tokens
             ids.extend(s.request.token_slice(c, c + n))
             p = np.arange(c, c + n, dtype=np.int64)
             table = np.asarray(s.block_ids, dtype=np.int64)
-            pos_chunks.append(p)
-            slot_chunks.append(table[p // bs] * bs + p % bs)
+            pos.extend(p.tolist())
+            slots.extend((table[p // bs] * bs + p % bs).tolist())
             offsets.append(t)
             t += n
         dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.long)
-        positions = torch.from_numpy(np.concatenate(pos_chunks))
-        slots = torch.from_numpy(np.concatenate(slot_chunks))
+        positions = torch.tensor(pos, dtype=torch.long)
+        slots_t = torch.tensor(slots, dtype=torch.long)
 
         def tables(group: list[ScheduledRequest]) -> tuple[torch.Tensor, int]:
             nb = max(len(s.block_ids) for s in group)
-            arr = np.zeros((len(group), nb), dtype=np.int64)
-            for i, s in enumerate(group):
-                arr[i, : len(s.block_ids)] = s.block_ids
-            return torch.from_numpy(arr), nb * bs
+            rows = [s.block_ids + [0] * (nb - len(s.block_ids)) for s in group]
+            return torch.tensor(rows, dtype=torch.long), nb * bs
 
         dbt = dmask = pbt = pmask = pgather = pscatter = None
         if decodes:
@@ -133,7 +138,7 @@ class ModelRunner:
             return None if x is None else x.to(dev, non_blocking=True)
 
         meta = AttentionMetadata(
-            slot_mapping=to(slots),
+            slot_mapping=to(slots_t),
             num_decode=len(decodes),
             decode_block_tables=to(dbt),
             decode_mask=to(dmask),
@@ -152,12 +157,16 @@ class ModelRunner:
         if out.is_empty:
             return result
         order, offsets, input_ids, positions, meta = self._prepare(out)
+        t_model = time.perf_counter()
         hidden = self._forward(input_ids, positions, self.kv_caches, meta)
 
         sample_sched = [(s, off + s.num_new_tokens - 1) for s, off in zip(order, offsets) if s.sample]
         if sample_sched:
             rows_idx = torch.tensor([i for _, i in sample_sched], device=self.device)
             logits = self.model.compute_logits(hidden[rows_idx])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the sampler syncs anyway; this makes model_time honest
+            result.model_time = time.perf_counter() - t_model
             rows = [
                 SamplingRow(
                     request_id=s.request_id,
@@ -174,6 +183,8 @@ class ModelRunner:
                 result.sampled[s.request_id] = tok
                 if lp is not None:
                     result.logprobs[s.request_id] = lp
+        else:
+            result.model_time = time.perf_counter() - t_model
         self._prompt_logprobs(order, offsets, hidden, result)
         result.forward_time = time.perf_counter() - t0
         return result

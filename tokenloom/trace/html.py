@@ -74,7 +74,7 @@ table.steps tr.first td { border-top: 1px solid #cbd5e1; } td.r { text-align: ri
 .ph-prefill { color: var(--prefill); } .ph-prefill_chunk { color: #1d4ed8; } .ph-decode { color: #15803d; }
 .ph-recompute { color: #6d28d9; } .pre { color: var(--preempt); font-weight: 600; }
 #tip { position: fixed; pointer-events: none; background: #111827; color: #f9fafb; padding: 6px 9px; border-radius: 5px;
-  font: 12px/1.4 ui-monospace, Menlo, Consolas, monospace; white-space: pre; display: none; z-index: 10; max-width: 560px;
+  font: 12px/1.4 ui-monospace, Menlo, Consolas, monospace; white-space: pre-wrap; display: none; z-index: 10; max-width: 640px;
   box-shadow: 0 4px 14px rgba(0,0,0,.25); }
 svg text { font: 11px system-ui, sans-serif; fill: #6b7280; }
 """
@@ -93,6 +93,7 @@ _JS = """
     var x = ev.clientX + 14, y = ev.clientY + 14, r = tip.getBoundingClientRect();
     if (x + r.width > window.innerWidth - 8) x = ev.clientX - r.width - 14;
     if (y + r.height > window.innerHeight - 8) y = ev.clientY - r.height - 14;
+    x = Math.max(8, x); y = Math.max(8, y);
     tip.style.left = x + 'px'; tip.style.top = y + 'px';
   });
 })();
@@ -127,7 +128,7 @@ def cell_tip(trace: Trace, tl: Timeline, rid: str, i: int, out_so_far: list[int]
     lines.append(f"KV cache {en.kv_len_before} → {en.kv_len_after}")
     if en.sampled_token_id is not None:
         lines.append(f"sampled  {en.sampled_token_id} {label(trace.tokens.get(en.sampled_token_id))}")
-        lines.append(f"text     \"{shorten(visible(complete_text(trace.tokens, out_so_far, final=en.finished)), 48, keep_end=True)}\"")
+        lines.append(f"text     \"{shorten(visible(_tail_text(trace, out_so_far, en.finished)), 48, keep_end=True)}\"")
     else:
         lines.append("sampled  – (prompt not fully read yet)")
     if en.finished:
@@ -136,13 +137,22 @@ def cell_tip(trace: Trace, tl: Timeline, rid: str, i: int, out_so_far: list[int]
     return "\n".join(lines)
 
 
+def _tail_text(trace: Trace, ids: list[int], final: bool, window: int = 48) -> str:
+    """The end of a request's text so far; only the last tokens are decoded, so a page with
+    thousands of cells stays linear in size and time."""
+    if len(ids) <= window:
+        return complete_text(trace.tokens, ids, final=final)
+    # the window may start inside a character: drop the orphaned bytes' replacement marks
+    return "…" + complete_text(trace.tokens, ids[-window:], final=final).lstrip("\ufffd")
+
+
 def _phase_words(cell: Cell) -> str:
     en = cell.entry
     assert en is not None
     if en.phase == "decode":
         return f"decode step {cell.num_output} (1 token)"
     word = "re-prefill after preemption" if cell.recompute else STATE_NAMES[en.phase]
-    s = f"{word}: {en.num_tokens} tokens, {en.kv_len_after}/{cell.target} done"
+    s = f"{word}: {en.num_tokens} token{'s' if en.num_tokens != 1 else ''}, {en.kv_len_after}/{cell.target} done"
     if cell.completes_prefill:
         s += f" + samples token {cell.num_output} (decode step {cell.num_output})"
     return s

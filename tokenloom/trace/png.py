@@ -40,7 +40,7 @@ def render_png(trace: Trace, path: str | Path, *, dpi: int = 130) -> Path:
     tl = Timeline(trace)
     ev = tl.events
     n, rows = len(ev), len(tl.rows)
-    width = min(30.0, max(9.0, 0.32 * n + 2.5))
+    width = min(22.0, max(9.0, 0.32 * n + 2.5))  # long runs: thinner cells, not a 4000-pixel strip
     grid_h = max(1.2, 0.42 * rows + 0.6)
     fig = plt.figure(figsize=(width, grid_h + 3.6), dpi=dpi)
     fig_h = grid_h + 3.6

@@ -206,6 +206,7 @@ def print_batches(console: Console, trace: Trace, tl: Timeline) -> None:
     console.rule("Continuous batching, as the seed draws it (step: who is in the batch)", align="left", style="dim")
     budget = trace.settings.get("max_num_batched_tokens")
     width = max(len(str(e.step)) for e in tl.events) if tl.events else 1
+    lines = []
     for i, e in enumerate(tl.events):
         b = tl.batch_line(i)
         line = Text(f"step {e.step:>{width}}: ")
@@ -216,6 +217,12 @@ def print_batches(console: Console, trace: Trace, tl: Timeline) -> None:
             if any(lbl == f for f, _ in b.finished):
                 line.append("✓", "bold green")
             line.append(" ")
+        lines.append((e, b, line))
+    # pad the batches to one width (within reason) so the budget / KV columns line up
+    pad = min(max((ln.cell_len for _, _, ln in lines), default=0), 64)
+    for e, b, line in lines:
+        if line.cell_len < pad:
+            line.append(" " * (pad - line.cell_len))
         side = [f"{e.num_batched_tokens}{'/' + str(budget) if budget else ''} tok",
                 f"KV {e.kv_blocks_used}/{e.kv_blocks_total} blocks"]
         if b.waiting:
@@ -226,7 +233,7 @@ def print_batches(console: Console, trace: Trace, tl: Timeline) -> None:
         if b.preempted:
             tail.append("  · preempted " + " ".join(b.preempted), "bold red")
         if b.finished:
-            tail.append("  · finished " + " ".join(f"{l}({r})" for l, r in b.finished), "green")
+            tail.append("  · finished " + " ".join(f"{who}({why})" for who, why in b.finished), "green")
         line.append_text(tail)
         console.print(line)
 
@@ -237,6 +244,10 @@ def print_summary(console: Console, trace: Trace) -> None:
     console.print()
     console.rule("Summary", align="left", style="dim")
     for r in trace.requests:
+        if r.error:
+            lbl = r.samples[0].label if r.samples else "?"
+            console.print(Text.assemble((f"{lbl:<3}", letter_style(trace, lbl)), ("refused: ", "bold red"), r.error))
+            continue
         for s in r.samples:
             line = Text.assemble((f"{s.label:<3}", letter_style(trace, s.label)), (f"TTFT {ms(r.ttft)}", "bold"))
             if r.queue_time is not None and r.ttft is not None:

@@ -53,8 +53,13 @@ def legacy_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogpro
                 else tokenizer.decode([tok])
             lp.tokens.append(text)
             lp.token_logprobs.append(finite_logprob(chosen.logprob) if chosen is not None else None)
-            lp.top_logprobs.append({(v.decoded_token if v.decoded_token is not None else tokenizer.decode([t])): finite_logprob(v.logprob)
-                                    for t, v in pos.items()})
+            top: dict[str, float] = {}
+            # Several tokens can print the same (byte-level pieces of one character all show as
+            # U+FFFD); the likelier one keeps the key, so the chosen token's entry is never undercut.
+            for t, v in sorted(pos.items(), key=lambda tv: -tv[1].logprob):
+                key = v.decoded_token if v.decoded_token is not None else tokenizer.decode([t])
+                top.setdefault(key, finite_logprob(v.logprob))
+            lp.top_logprobs.append(top)
         lp.text_offset.append(offset)
         offset += len(text)
     return lp
