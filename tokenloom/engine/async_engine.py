@@ -29,7 +29,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, NamedTuple
 
 from tokenloom.config import EngineArgs
@@ -122,6 +122,16 @@ class EngineSnapshot(NamedTuple):
 
 
 _STOP = object()
+
+
+class _suppress_all:
+    """`contextlib.suppress(Exception)`, spelled out so the intent reads at the call site."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        return exc_type is not None and issubclass(exc_type, Exception)
 
 
 class AsyncLLMEngine:
@@ -289,8 +299,12 @@ class AsyncLLMEngine:
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
                                     priority=cmd.priority, cache_salt=cmd.cache_salt)
-        except ValueError as e:  # validated already; this is e.g. a duplicate id
-            self._deliver(cmd.stream._fail, RequestFailedError(str(e)))
+        except Exception as e:  # validated already, so a bug or a duplicate id: fail this request only
+            if not isinstance(e, ValueError):
+                logger.exception("add_request(%s) failed", cmd.request_id)
+            with _suppress_all():
+                self.engine.abort_request(cmd.request_id)  # in case it got half-way in
+            self._deliver(cmd.stream._fail, RequestFailedError(f"the engine refused the request: {e}"))
             return
         self._streams[cmd.request_id] = cmd.stream
 
@@ -298,7 +312,8 @@ class AsyncLLMEngine:
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return  # finished already, or never added
-        n = self.engine.groups[request_id].params.n if request_id in self.engine.groups else 1
+        group = self.engine.groups.get(request_id)
+        n = group.params.n if group is not None else 1
         self.engine.abort_request(request_id)
         if self.metrics is not None:
             self.metrics.observe_abort(request_id, n)

@@ -127,8 +127,12 @@ class LLMEngine:
         if args.num_kv_blocks is not None:
             num_blocks = args.num_kv_blocks
         else:
-            budget = parse_size(args.kv_cache_memory) if args.kv_cache_memory is not None else _default_kv_bytes(self.device)
-            num_blocks = budget // per_block
+            if args.kv_cache_memory is not None:
+                num_blocks = parse_size(args.kv_cache_memory) // per_block
+            else:
+                # Never more than max_num_seqs full-length requests can use: small models stay small.
+                useful = args.max_num_seqs * -(-max_model_len // block_size)
+                num_blocks = min(_default_kv_bytes(self.device) // per_block, useful)
         if num_blocks * block_size < max_model_len:
             raise ValueError(
                 f"the KV cache ({num_blocks} blocks of {block_size} tokens) cannot hold one request of "

@@ -11,6 +11,7 @@ stop (SIGINT / SIGTERM), 1 if the model cannot be loaded or the port cannot be b
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from tokenloom.config import EngineArgs
@@ -25,13 +26,26 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"error: model given twice ({args.model_tag!r} and --model {args.model!r})", file=sys.stderr)
             return 2
         args.model = args.model_tag
+    # Loading a model takes a while; a SIGTERM meanwhile is a request to stop, not a crash.
+    # (Once uvicorn runs it installs its own handlers, and restores this one when done.)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         server, _ = build_server(args)
+    except KeyboardInterrupt:
+        print("interrupted while loading the model; exiting", file=sys.stderr)
+        return 0
     except (ValueError, OSError) as e:  # bad path, bad flag combination, no bundled model yet, ...
         print(f"error: {e}", file=sys.stderr)
         return 1
-    server.run()
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

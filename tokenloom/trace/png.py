@@ -49,7 +49,7 @@ def render_png(trace: Trace, path: str | Path, *, dpi: int = 130) -> Path:
     ax = fig.add_subplot(gs[0])
     ax_kv = fig.add_subplot(gs[1], sharex=ax)
     ax_tok = fig.add_subplot(gs[2], sharex=ax)
-    small = 7 if n > 40 else 8
+    small = 6 if n > 80 else 7 if n > 40 else 8
 
     for r, rid in enumerate(tl.rows):
         for i, cell in enumerate(tl.cells[rid]):
