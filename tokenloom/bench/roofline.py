@@ -61,15 +61,16 @@ def decode_point(llm: Any, spec: Any, dtype: str, batch: int, context: int, step
     step_flops = float(np.mean([sum(spec.flops_per_token(e.kv_len_after) for e in ev.entries) for ev in full]))
     t_mem = step_bytes / bandwidth
     t_comp = step_flops / flops
-    fwd_med = float(np.median(fwd))
-    dur_med = float(np.median(dur))
+    # Means, not medians, so step = forward + overhead holds in the table.
+    fwd_med = float(np.mean(fwd))
+    dur_med = float(np.mean(dur))
     return {
         "batch": batch,
         "context": context,
         "steps": len(full),
         "step_ms": dur_med * 1e3,
         "forward_ms": fwd_med * 1e3,
-        "overhead_ms": float(np.median(dur - fwd)) * 1e3,
+        "overhead_ms": (dur_med - fwd_med) * 1e3,
         "tokens_per_s": batch / dur_med,
         "mbytes_per_step": step_bytes / 1e6,
         "gflop_per_step": step_flops / 1e9,
@@ -87,10 +88,10 @@ def decode_point(llm: Any, spec: Any, dtype: str, batch: int, context: int, step
 def _display(r: dict[str, Any]) -> dict[str, Any]:
     """Short column names so the table fits a terminal."""
     return {
-        "batch": r["batch"], "ctx": r["context"], "step ms": r["step_ms"], "fwd ms": r["forward_ms"],
-        "ovh ms": r["overhead_ms"], "tok/s": r["tokens_per_s"], "mem roof ms": r["roof_mem_ms"],
-        "cmp roof ms": r["roof_compute_ms"], "% mem roof": 100 * r["frac_mem_roof"],
-        "% cmp roof": 100 * r["frac_compute_roof"], "bound": r["bound"],
+        "batch": r["batch"], "ctx": r["context"], "step": r["step_ms"], "fwd": r["forward_ms"],
+        "ovh": r["overhead_ms"], "tok/s": r["tokens_per_s"], "mem roof": r["roof_mem_ms"],
+        "cmp roof": r["roof_compute_ms"], "%mem": 100 * r["frac_mem_roof"],
+        "%cmp": 100 * r["frac_compute_roof"], "bound": r["bound"][:3],
     }
 
 
@@ -133,9 +134,10 @@ def main(args: argparse.Namespace) -> int:
             r = rows[-1]
             console.print(f"  batch {b:>3} ctx {c:>5}: step {r['step_ms']:.2f} ms "
                           f"(forward {r['forward_ms']:.2f}), roofline {max(r['roof_mem_ms'], r['roof_compute_ms']):.2f} ms")
-    console.print(report.rows_table([_display(r) for r in rows], "Decode step: achieved vs roofline"))
-    console.print("% of roof = roofline time / measured forward time (100% = at the roof); "
-                  "overhead = step duration - forward time (scheduling and bookkeeping)")
+    console.print(report.rows_table([_display(r) for r in rows], "Decode step: achieved vs roofline (times in ms)",
+                                    digits=1))
+    console.print("%mem / %cmp = memory / compute roofline time as a share of the measured forward time "
+                  "(100 = at the roof); ovh = step - fwd (scheduling and bookkeeping); bound = the higher roof")
     if args.output_json:
         doc = report.build_report("roofline", config=report.args_to_config(args),
                                   results={"machine_roofline": machine, "model": model, "points": rows,

@@ -24,6 +24,7 @@ A slow client therefore costs one object, never a growing backlog.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -122,16 +123,6 @@ class EngineSnapshot(NamedTuple):
 
 
 _STOP = object()
-
-
-class _suppress_all:
-    """`contextlib.suppress(Exception)`, spelled out so the intent reads at the call site."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        return exc_type is not None and issubclass(exc_type, Exception)
 
 
 class AsyncLLMEngine:
@@ -302,7 +293,7 @@ class AsyncLLMEngine:
         except Exception as e:  # validated already, so a bug or a duplicate id: fail this request only
             if not isinstance(e, ValueError):
                 logger.exception("add_request(%s) failed", cmd.request_id)
-            with _suppress_all():
+            with contextlib.suppress(Exception):
                 self.engine.abort_request(cmd.request_id)  # in case it got half-way in
             self._deliver(cmd.stream._fail, RequestFailedError(f"the engine refused the request: {e}"))
             return

@@ -26,6 +26,13 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"error: model given twice ({args.model_tag!r} and --model {args.model!r})", file=sys.stderr)
             return 2
         args.model = args.model_tag
+    if args.model is None:
+        from tokenloom.bundled import BUNDLED_MODEL_DIR
+
+        if not (BUNDLED_MODEL_DIR / "config.json").exists():
+            print(f"error: no MODEL given and the bundled model is missing ({BUNDLED_MODEL_DIR}); "
+                  "pass a model directory, e.g. one made by `tokenloom make-model`", file=sys.stderr)
+            return 1
     # Loading a model takes a while; a SIGTERM meanwhile is a request to stop, not a crash.
     # (Once uvicorn runs it installs its own handlers, and restores this one when done.)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
