@@ -22,8 +22,8 @@ import httpx
 import openai
 import pytest
 
-from server_fixtures import (ThreadedServer, copy_without_chat_template, make_tiny_model, metric, sse_events,
-                             wait_until)
+from server_fixtures import (ThreadedServer, copy_without_chat_template, make_tiny_model, metric, metric_values,
+                             sse_events, wait_until)
 from tokenloom.bench.launcher import ServerProcess, free_port, start_server
 
 ENGINE_FLAGS = ["--max-model-len", "256", "--num-kv-blocks", "160", "--max-num-seqs", "32", "--seed", "0"]
@@ -52,8 +52,8 @@ def subprocess_server(model_dir: Path, tmp_path_factory):
 
     def launch() -> None:
         try:
-            holder["server"] = start_server(str(model_dir), [*ENGINE_FLAGS, "--served-model-name", NAME,
-                                                             "--shutdown-timeout", "20"],
+            holder["server"] = start_server(str(model_dir), ["--max-model-len", "1024", "--num-kv-blocks", "160",
+                                                             "--served-model-name", NAME, "--shutdown-timeout", "3"],
                                             port=port, log_path=log, timeout=240)
         except BaseException as e:  # surfaced when the test asks for the server
             holder["error"] = e
@@ -369,6 +369,23 @@ def test_metrics_exported(srv, client):
     assert "vllm:" not in text and "python_gc" not in text  # our own registry, not the global one
 
 
+def test_metrics_observer_serves_an_offline_run_too(llm):
+    from tokenloom import SamplingParams
+    from tokenloom.engine.metrics_observer import EngineMetrics
+
+    m = EngineMetrics("offline").attach(llm.llm_engine)
+    try:
+        outs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        m.observe_outputs(outs)
+    finally:
+        llm.llm_engine.remove_observer(m.on_step)
+    text = m.render().decode()
+    assert metric_values(text, "tokenloom:generation_tokens_total") == [sum(len(o.outputs[0].token_ids) for o in outs)]
+    assert metric_values(text, "tokenloom:e2e_request_latency_seconds_count") == [3.0]
+    assert metric_values(text, "tokenloom:prompt_tokens_total") == [sum(len(o.prompt_token_ids) for o in outs)]
+    assert metric_values(text, "tokenloom:kv_cache_usage_perc") == [0.0]
+
+
 # ---- disconnects -----------------------------------------------------------------
 
 def test_stream_disconnect_aborts_and_frees_kv(srv):
@@ -383,6 +400,10 @@ def test_stream_disconnect_aborts_and_frees_kv(srv):
             if got == 3:
                 break
         assert metric(srv.base_url, "tokenloom:kv_cache_usage_perc") > 0
+        # the engine steps on its own thread: the event loop keeps answering meanwhile
+        t0 = time.monotonic()
+        assert httpx.get(srv.base_url + "/health", timeout=5).status_code == 200
+        assert time.monotonic() - t0 < 2.0
     # the connection is closed: the request must be aborted and its KV blocks returned
     assert wait_until(lambda: _idle(srv.base_url), 10), httpx.get(srv.base_url + "/metrics").text
     assert metric(srv.base_url, "tokenloom:request_success_total", finished_reason="abort") == aborted + 1
@@ -506,22 +527,31 @@ def test_queue_full_is_503(guarded):
 
 
 def test_sigterm_finishes_in_flight_and_exits_0(subprocess_server):
+    """SIGTERM: stop accepting; a short stream finishes, one that outlives the grace period
+    (--shutdown-timeout 3) is aborted with an error chunk and [DONE]; exit status 0."""
     server = subprocess_server()
-    body = {"model": NAME, "prompt": "d", "max_tokens": 40, "ignore_eos": True, "temperature": 0, "stream": True}
-    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as r:
+    url = server.base_url + "/v1/completions"
+    long_events: list = []
+
+    def long_stream() -> None:
+        body = {"model": NAME, "prompt": "e", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url, json=body, timeout=60) as r:
+            long_events.extend(sse_events(r.iter_lines()))
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    assert wait_until(lambda: metric(server.base_url, "tokenloom:num_requests_running") >= 1, 30)
+    body = {"model": NAME, "prompt": "d", "max_tokens": 20, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
         it = r.iter_lines()
         next(line for line in it if line.startswith("data:"))
         server.proc.send_signal(signal.SIGTERM)
         events = sse_events(it)
-    assert events[-1] == "[DONE]"  # the in-flight stream was allowed to finish
+    assert events[-1] == "[DONE]"  # the short in-flight stream was allowed to finish
     assert events[-2]["choices"][0]["finish_reason"] == "length"
+    t.join(60)
+    assert long_events[-1] == "[DONE]"
+    assert long_events[-2]["error"]["code"] == "shutting_down"
     assert server.proc.wait(timeout=60) == 0
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(server.base_url + "/health", timeout=0.5)
-        except httpx.HTTPError:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("the server still answers after SIGTERM")
+    with pytest.raises(httpx.TransportError):
+        httpx.get(server.base_url + "/health", timeout=2)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import queue
 import threading
@@ -47,7 +46,12 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """The engine could not finish a request (its add was refused, or a step failed)."""
+    """The engine did not finish a request: its add was refused, a step failed (status 500),
+    or the server is shutting down (status 503)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
 
 
 class RequestStream:
@@ -137,7 +141,6 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._ids = itertools.count()
         self._adds_submitted = 0  # event-loop thread only
         self._snapshot = EngineSnapshot(0, 0, 0, 0.0)
         self._stopping = False
@@ -173,15 +176,14 @@ class AsyncLLMEngine:
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot
 
-    def new_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}"
-
     # ---- lifecycle ------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start the engine thread; outputs are delivered to `loop` (default: the running one)."""
         if self._thread is not None:
             raise RuntimeError("the engine thread is already started")
         self._loop = loop or asyncio.get_running_loop()
+        # daemon: if the process is torn down without shutdown() (a forced second Ctrl-C), a
+        # thread busy in a forward pass must not keep it alive.
         self._thread = threading.Thread(target=self._run, name="tokenloom-engine", daemon=True)
         self._thread.start()
 
@@ -222,6 +224,12 @@ class AsyncLLMEngine:
         """Abort a request (no-op if it already finished); applied before the next step."""
         if self._thread is not None and self._thread.is_alive():
             self._inbox.put(("abort", request_id))
+
+    def abort_all(self, reason: str) -> None:
+        """End every in-flight request now; their streams fail with `reason` (status 503).
+        Used when a graceful shutdown runs out of patience."""
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(("abort_all", reason))
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        **kw: Any) -> AsyncIterator[RequestOutput]:
@@ -267,10 +275,12 @@ class AsyncLLMEngine:
                     elif isinstance(cmd, _Add):
                         adds_applied += 1
                         self._apply_add(cmd)
-                    else:
+                    elif cmd[0] == "abort":
                         self._apply_abort(cmd[1])
+                    else:  # ("abort_all", reason)
+                        self._abort_all(cmd[1], status=503)
                 if stop:
-                    self._abort_all("the server is shutting down")
+                    self._abort_all("the server is shutting down", status=503)
                     self._publish(adds_applied)
                     return
                 if cmds and self.metrics is not None:
@@ -309,10 +319,10 @@ class AsyncLLMEngine:
         if self.metrics is not None:
             self.metrics.observe_abort(request_id, n)
 
-    def _abort_all(self, reason: str) -> None:
+    def _abort_all(self, reason: str, status: int = 500) -> None:
         for rid, stream in list(self._streams.items()):
             self._apply_abort(rid)
-            self._deliver(stream._fail, RequestFailedError(reason))
+            self._deliver(stream._fail, RequestFailedError(reason, status))
 
     def _step(self) -> None:
         try:

@@ -116,6 +116,20 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="client keeps at most this many requests in flight (like `bench serve --max-concurrency`)")
+    c = p.add_argument_group("calibration and validation (--hardware local)")
+    c.add_argument("--calibrated", action="store_true",
+                   help="--hardware local with --model DIR: use the cost model fitted to this engine's real steps "
+                        "(tokenloom.sim.calibrate; measured once per machine/model/dtype/engine version, then cached)")
+    c.add_argument("--recalibrate", action="store_true", help="re-run the engine calibration even if cached")
+    c.add_argument("--compare-with", default=None, metavar="BENCH.json",
+                   help="validate: simulate the exact workload and engine flags of a `tokenloom bench serve "
+                        "--launch DIR` result with the calibrated local cost model and print measured vs simulated "
+                        "(median TTFT, median/P95 TPOT, output throughput) with relative errors; other workload, "
+                        "engine and cost-model flags are ignored")
+    c.add_argument("--tolerance", type=float, default=0.15,
+                   help="--compare-with: largest acceptable |relative error| (default: 0.15)")
     add_workload_args(p, num_prompts=1000)
     o = p.add_argument_group("output")
     o.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
@@ -322,14 +336,27 @@ def run_simulate(args: argparse.Namespace) -> int:
     from tokenloom.sim.model_spec import load_config, load_model_spec
     from tokenloom.sim.simulator import SimConfig, Simulator
 
+    if args.compare_with:
+        from tokenloom.sim.validate import main as validate_main
+
+        return validate_main(args)
     console = _console()
     try:
         hw = get_hardware(args.hardware, refresh_local=args.refresh_local)
         spec = load_model_spec(args.model)
         config, _ = load_config(args.model)
-        cm = CostModel(spec, hw, None if args.dtype == "auto" else args.dtype,
-                       mem_efficiency=args.mem_efficiency, compute_efficiency=args.compute_efficiency,
-                       overhead_s=None if args.overhead_ms is None else args.overhead_ms / 1e3)
+        if args.calibrated:
+            from tokenloom.sim.calibrate import calibrated_cost_model
+
+            if hw.name != LOCAL:
+                raise ValueError("--calibrated is a fit of this engine on this machine: use it with --hardware local")
+            cm = calibrated_cost_model(args.model, args.dtype, block_size=args.block_size, refresh=args.recalibrate,
+                                       log=lambda s: console.print(s, markup=False))
+            console.print("calibrated: " + "; ".join(cm.calibration.summary_lines()), markup=False, soft_wrap=True)
+        else:
+            cm = CostModel(spec, hw, None if args.dtype == "auto" else args.dtype,
+                           mem_efficiency=args.mem_efficiency, compute_efficiency=args.compute_efficiency,
+                           overhead_s=None if args.overhead_ms is None else args.overhead_ms / 1e3)
         sim_cfg = SimConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -353,7 +380,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         f"{sc.max_num_batched_tokens}, max_model_len {sc.max_model_len}, {sim.num_kv_blocks:,} KV blocks x "
         f"{sim_cfg.block_size} tokens | mem eff {cm.mem_efficiency:g}, compute eff {cm.compute_efficiency:g}, "
         f"overhead {fmt_time(cm.overhead_s)}/step", markup=False)
-    res = sim.run(reqs, seed=args.seed)
+    res = sim.run(reqs, seed=args.seed, max_concurrency=args.max_concurrency)
     if first.events:
         console.print("\n".join(step_lines(first.events)), markup=False, soft_wrap=True)
     summary = metrics.summarize(res.records, duration=res.duration_s, goodput_slos=slos, percentiles=percentiles)
@@ -371,7 +398,9 @@ def run_simulate(args: argparse.Namespace) -> int:
             config={**report.args_to_config(args), "scheduler": sc, "num_kv_blocks": res.num_kv_blocks,
                     "cost_model": {"dtype": cm.dtype, "mem_efficiency": cm.mem_efficiency,
                                    "compute_efficiency": cm.compute_efficiency, "overhead_s": cm.overhead_s,
-                                   "per_seq_overhead_s": cm.per_seq_overhead_s}},
+                                   "per_seq_overhead_s": cm.per_seq_overhead_s,
+                                   **({"calibration": cm.calibration.to_dict(with_samples=False)}
+                                      if hasattr(cm, "calibration") else {})}},
             workload={"spec": wl_spec.to_dict(), "stats": workload_stats(reqs)},
             results={"summary": summary, "groups": groups, "steps": steps},
             # The "machine" is the simulated one; the host only ran the arithmetic.

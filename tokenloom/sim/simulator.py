@@ -29,6 +29,7 @@ efficiencies and overheads against `bench latency` / `bench roofline` on real ha
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 import time
@@ -120,7 +121,10 @@ class CostModelExecutor:
                 decode.append(s.num_computed_before)
             else:
                 prefill.append((s.num_new_tokens, s.num_computed_before))
-        dt = self.cost_model.step_time(prefill, decode)
+        # A calibrated model (`sim.calibrate.EngineCostModel`) also needs to know which entries
+        # sample a token (a chunk short of the prompt's end computes no logits row).
+        scheduled_time = getattr(self.cost_model, "scheduled_step_time", None)
+        dt = scheduled_time(out) if scheduled_time is not None else self.cost_model.step_time(prefill, decode)
         sampled: dict[str, int] = {}
         toks, k, n = self._tokens, self._next, self._TABLE
         for s in out.scheduled:
@@ -181,7 +185,11 @@ class Simulator:
                     f"{self.max_model_len}")
         return None
 
-    def run(self, requests: Sequence[BenchRequest], seed: int = 0, vocab_range: tuple[int, int] | None = None) -> SimResult:
+    def run(self, requests: Sequence[BenchRequest], seed: int = 0, vocab_range: tuple[int, int] | None = None,
+            max_concurrency: int | None = None) -> SimResult:
+        """Simulate `requests`.  `max_concurrency` mimics `bench serve --max-concurrency`: a client
+        that keeps at most that many requests in flight holds the others back until one finishes
+        (their `send_time` is then when a slot freed, and latencies count from it)."""
         wall0 = time.perf_counter()
         kv = KVCacheManager(self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
         sched = Scheduler(self.scheduler_config, kv)
@@ -195,23 +203,31 @@ class Simulator:
                                  expected_output_len=r.output_len) for r in requests]
         order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_time, i))
         live: dict[str, tuple[int, Request]] = {}
+        # Client-side slots: the times they became free (a min-heap); none when unlimited.
+        slots: list[float] | None = [0.0] * max_concurrency if max_concurrency else None
         t = 0.0
         nxt = 0
         while nxt < len(order) or sched.has_unfinished():
-            while nxt < len(order) and requests[order[nxt]].arrival_time <= t:
+            while nxt < len(order) and requests[order[nxt]].arrival_time <= t and (slots is None or slots):
                 i = order[nxt]
                 nxt += 1
                 r = requests[i]
+                if slots is not None:
+                    free_at = heapq.heappop(slots)
+                    if free_at > r.arrival_time:  # held back by the client until a slot freed
+                        records[i].send_time = free_at
                 err = self._check(r)
                 if err is not None:
                     records[i].success, records[i].error = False, err
+                    if slots is not None:  # refused at once: its slot is free again
+                        heapq.heappush(slots, records[i].start)
                     continue
                 req = Request(
                     request_id=ids[i],
                     prompt_token_ids=list(r.prompt_token_ids),
                     sampling_params=SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0,
                                                    detokenize=False),
-                    arrival_time=r.arrival_time,
+                    arrival_time=records[i].start,
                     max_tokens=r.output_len,
                 )
                 sched.add_request(req)
@@ -229,6 +245,8 @@ class Simulator:
             for req in sched.update_from_output(out, sampled, t):
                 i, _ = live.pop(req.request_id)
                 records[i].end_time = req.finished_time
+                if slots is not None:
+                    heapq.heappush(slots, t)
             event = sched.make_event(out, sampled, start, t, dt)
             for fn in observers:
                 fn(event)

@@ -137,9 +137,29 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None) -> FastAPI:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, minus one habit: after a graceful shutdown it re-raises the signal it caught,
-    so SIGTERM would end the process with -15 and SIGINT with a KeyboardInterrupt.  We promise
-    exit status 0 after a clean stop, so the handlers are installed and simply restored."""
+    """uvicorn with two changes to its shutdown.
+
+    - In-flight requests get `grace` seconds to finish; then the engine aborts them, so each
+      stream ends with an error chunk and `[DONE]` (and each plain request with a 503) instead
+      of uvicorn cancelling the handler mid-write and cutting the connection.  uvicorn's own
+      timeout stays as a backstop, a little later.
+    - uvicorn re-raises the signal it caught once it is done, so SIGTERM would end the process
+      with -15 and SIGINT with a KeyboardInterrupt; we promise exit status 0 after a clean
+      stop, so the handlers are installed and simply restored.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: float):
+        super().__init__(config)
+        self.engine = engine
+        self.grace = grace
+
+    async def shutdown(self, sockets=None) -> None:
+        timer = asyncio.get_running_loop().call_later(
+            self.grace, self.engine.abort_all, f"the server is shutting down (in-flight requests get {self.grace:g}s)")
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -164,7 +184,8 @@ def build_server(args: argparse.Namespace) -> tuple[_Server, AsyncLLMEngine]:
     names = args.served_model_name or [engine.model_name]
     ctx = ServingContext(engine, names, args.max_queued_requests)
     app = build_app(ctx, api_key=args.api_key)
+    grace = max(0.0, args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=not args.disable_access_log,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    return _Server(config), engine
+                            timeout_graceful_shutdown=grace + 5.0)  # backstop; see _Server
+    return _Server(config, engine, grace), engine

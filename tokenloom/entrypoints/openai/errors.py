@@ -81,6 +81,9 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         return bad_request(f"the request body is not valid JSON: {ctx.get('error', first.get('msg'))}",
                            code="invalid_json")
     param = _param_of(first.get("loc", ()))
+    if param is None:  # the body as a whole: missing, not an object, or not sent as JSON
+        return bad_request(f"the request body must be a JSON object sent with Content-Type: application/json "
+                           f"({first.get('msg')})", code="invalid_json")
     msgs = []
     seen: set[str] = set()
     for e in errors:

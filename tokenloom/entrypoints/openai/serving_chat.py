@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from tokenloom.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from tokenloom.entrypoints.llm import render_chat
@@ -22,11 +22,11 @@ from tokenloom.entrypoints.openai.errors import bad_request, sse_error
 from tokenloom.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                                    ChatLogprobs, ChatMessage, ChatResponseMessage,
                                                    ChatTokenLogprob, TopLogprob)
-from tokenloom.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, abort_all, add_requests,
-                                                         collect_final, dumps, finite_logprob, engine_failure, make_usage,
-                                                         merge_streams, new_id, sampling_params, sse,
-                                                         validate_prompt)
-from tokenloom.outputs import PositionLogprobs, RequestOutput
+from tokenloom.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, SSEResponse, abort_all,
+                                                         add_requests, collect_final, dumps, engine_failure,
+                                                         finite_logprob, make_usage, merge_streams, new_id,
+                                                         sampling_params, sse, validate_prompt)
+from tokenloom.outputs import Logprob, PositionLogprobs, RequestOutput
 
 
 def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
@@ -55,29 +55,36 @@ def render_messages(ctx: ServingContext, messages: Sequence[ChatMessage], *, cha
                           "start the server with --chat-template FILE, or use /v1/completions",
                           param="messages", code="missing_chat_template")
     try:
-        if template_kwargs:
-            ids = tok.apply_chat_template(msgs, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                                          tokenize=True, **template_kwargs)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
-        return render_chat(tok, msgs, chat_template, add_generation_prompt)
+        if not template_kwargs:
+            return render_chat(tok, msgs, chat_template, add_generation_prompt)
+        # Extra template variables (vLLM's chat_template_kwargs, e.g. enable_thinking).
+        ids = tok.apply_chat_template(msgs, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                      tokenize=True, **template_kwargs)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
     except Exception as e:  # jinja errors (raise_exception in templates), bad kwargs, ...
         raise bad_request(f"the chat template could not render these messages: {type(e).__name__}: {e}",
                           param="messages", code="chat_template_error") from None
 
 
-def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs], top_n: int, tokenizer) -> ChatLogprobs:
+def _decoded(tokenizer, tok: int, lp: Logprob | None) -> str:
+    return lp.decoded_token if lp is not None and lp.decoded_token is not None else tokenizer.decode([tok])
+
+
+def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs], top_n: int,
+                  tokenizer) -> ChatLogprobs:
+    """Chat-format logprobs: per token its text, bytes, logprob and the `top_n` likeliest."""
     content = []
     for tok, pos in zip(token_ids, positions):
         chosen = pos.get(tok)
-        text = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else tokenizer.decode([tok])
+        text = _decoded(tokenizer, tok, chosen)
         tops = sorted(((t, v) for t, v in pos.items() if v.rank is not None and v.rank <= top_n),
-                      key=lambda tv: tv[1].rank)
-        content.append(ChatTokenLogprob(
-            token=text, logprob=finite_logprob(chosen.logprob) if chosen is not None else -9999.0, bytes=list(text.encode("utf-8")),
-            top_logprobs=[TopLogprob(token=(s := v.decoded_token or ""), logprob=finite_logprob(v.logprob), bytes=list(s.encode("utf-8")))
-                          for t, v in tops[:top_n]]))
+                      key=lambda tv: tv[1].rank)[:top_n]
+        top_list = []
+        for t, v in tops:
+            s = _decoded(tokenizer, t, v)
+            top_list.append(TopLogprob(token=s, logprob=finite_logprob(v.logprob), bytes=list(s.encode("utf-8"))))
+        content.append(ChatTokenLogprob(token=text, logprob=finite_logprob(chosen.logprob) if chosen else -9999.0,
+                                        bytes=list(text.encode("utf-8")), top_logprobs=top_list))
     return ChatLogprobs(content=content)
 
 
@@ -116,18 +123,18 @@ def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[_Prepared
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
     p, streams = _prepare(ctx, req)
     if req.stream:
-        return StreamingResponse(_stream(ctx, p, streams), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return SSEResponse(_stream(ctx, p, streams), on_close=lambda: abort_all(ctx, streams))
     finals = await collect_final(ctx, streams, raw)
     if finals is None:
         return JSONResponse({}, status_code=499)
     out = finals[0]
-    choices = [
-        ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                   logprobs=chat_logprobs(c.token_ids, c.logprobs or [], p.top_n, p.tokenizer) if p.top_n is not None else None,
-                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        for c in out.outputs
-    ]
+    choices = []
+    for c in out.outputs:
+        logprobs = None
+        if p.top_n is not None:
+            logprobs = chat_logprobs(c.token_ids, c.logprobs or [], p.top_n, p.tokenizer)
+        choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     resp = ChatCompletionResponse(id=p.request_id, model=p.model, choices=choices, usage=make_usage(finals))
     return Response(resp.model_dump_json(), media_type="application/json")
 

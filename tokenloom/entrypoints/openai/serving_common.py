@@ -16,9 +16,10 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from tokenloom.engine.async_engine import (AsyncLLMEngine, EngineDeadError, RequestFailedError,
                                            RequestStream)
@@ -147,7 +148,8 @@ def abort_all(ctx: ServingContext, streams: Sequence[RequestStream]) -> None:
 def engine_failure(e: BaseException) -> OpenAIError:
     if isinstance(e, EngineDeadError):
         return OpenAIError(503, str(e), code="engine_unavailable")
-    return OpenAIError(500, str(e), code="engine_error")
+    status = getattr(e, "status", 500)
+    return OpenAIError(status, str(e), code="shutting_down" if status == 503 else "engine_error")
 
 
 async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -213,6 +215,24 @@ def make_usage(outputs: Sequence[RequestOutput], *, completion_tokens: int | Non
     cached = sum(o.num_cached_tokens for o in outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+class SSEResponse(StreamingResponse):
+    """An SSE stream that aborts its engine requests however the response ends.
+
+    The generator's own `finally` is not enough: if the client is gone before the first
+    chunk, Starlette never starts the generator, so its cleanup would never run."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 def dumps(obj: Any) -> str:

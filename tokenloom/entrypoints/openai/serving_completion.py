@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from tokenloom.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from tokenloom.entrypoints.openai.errors import bad_request, sse_error
 from tokenloom.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                    CompletionResponse)
-from tokenloom.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, abort_all, add_requests,
-                                                         collect_final, dumps, finite_logprob, engine_failure, make_usage,
-                                                         merge_streams, new_id, sampling_params, sse,
-                                                         validate_prompt)
+from tokenloom.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, SSEResponse, abort_all,
+                                                         add_requests, collect_final, dumps, engine_failure,
+                                                         finite_logprob, make_usage, merge_streams, new_id,
+                                                         sampling_params, sse, validate_prompt)
 from tokenloom.outputs import PositionLogprobs, RequestOutput
 
 
@@ -66,8 +66,9 @@ def legacy_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogpro
 
 
 def _concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
-    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs + b.token_logprobs,
-                              tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs + b.top_logprobs)
+    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset, tokens=a.tokens + b.tokens,
+                              token_logprobs=a.token_logprobs + b.token_logprobs,
+                              top_logprobs=a.top_logprobs + b.top_logprobs)
 
 
 @dataclass
@@ -130,8 +131,7 @@ def _jsonable_prompt_logprobs(out: RequestOutput) -> list | None:
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     p, streams = _prepare(ctx, req)
     if req.stream:
-        return StreamingResponse(_stream(ctx, p, streams), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return SSEResponse(_stream(ctx, p, streams), on_close=lambda: abort_all(ctx, streams))
     finals = await collect_final(ctx, streams, raw)
     if finals is None:  # the client is gone (its requests are aborted); nobody reads this
         return JSONResponse({}, status_code=499)

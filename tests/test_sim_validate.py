@@ -1,0 +1,276 @@
+"""Simulator validation: the comparison math, the calibration fit, and the simulator
+reproducing the real engine's step-by-step batches.
+
+The last one is the heart of "the simulator runs the real scheduler": with a clock that
+charges every step the same time, the simulator and a real `LLM` on a tiny model, fed
+the same requests at the same steps under the same limits, must batch the same
+requests in the same steps with the same token counts -- chunking and preemption
+included.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tokenloom.bench.workloads import BenchRequest, WorkloadSpec, generate_workload, workload_stats
+from tokenloom.sim.calibrate import (Calibration, EngineCostModel, StepFeatures, _predict, calibration_key, fit)
+from tokenloom.sim.estimate import CostModel
+from tokenloom.sim.hardware import get_hardware
+from tokenloom.sim.model_spec import load_model_spec
+from tokenloom.sim.simulator import SimConfig, Simulator
+from tokenloom.sim.validate import (MetricComparison, all_targets_ok, compare, markdown_table, metric_value,
+                                    rebuild_requests, relative_error)
+
+
+# ---------------------------------------------------------------- error math
+def test_relative_error_is_signed_and_relative_to_the_measurement() -> None:
+    assert relative_error(100.0, 110.0) == pytest.approx(0.10)
+    assert relative_error(200.0, 170.0) == pytest.approx(-0.15)
+    assert relative_error(50.0, 50.0) == 0.0
+    assert math.isnan(relative_error(0.0, 5.0))
+    assert math.isnan(relative_error(math.nan, 5.0)) and math.isnan(relative_error(5.0, math.nan))
+
+
+def _summary(ttft_med: float, tpot_med: float, tpot_p95: float, out_tps: float) -> dict:
+    return {"ttft_ms": {"median": ttft_med, "p95": 2 * ttft_med}, "tpot_ms": {"median": tpot_med, "p95": tpot_p95},
+            "itl_ms": {"median": tpot_med}, "e2el_ms": {"median": 10 * tpot_med}, "output_throughput": out_tps,
+            "duration_s": 30.0}
+
+
+def test_compare_rows_tolerance_and_verdict() -> None:
+    measured = _summary(1000.0, 200.0, 400.0, 50.0)
+    simulated = _summary(1150.0, 180.0, 470.0, 50.0)  # +15%, -10%, +17.5%, 0%
+    rows = {r.key: r for r in compare(measured, simulated)}
+    assert rows["ttft_median"].rel_error == pytest.approx(0.15) and rows["ttft_median"].ok  # the bound is inclusive
+    assert rows["tpot_median"].rel_error == pytest.approx(-0.10) and rows["tpot_median"].ok
+    assert rows["tpot_p95"].rel_error == pytest.approx(0.175) and not rows["tpot_p95"].ok
+    assert rows["output_throughput"].rel_error == 0.0
+    assert [r.key for r in compare(measured, simulated) if r.target] == [
+        "ttft_median", "tpot_median", "tpot_p95", "output_throughput"]
+    assert not all_targets_ok(list(rows.values()))
+    assert all_targets_ok(compare(measured, simulated, tolerance=0.2))
+    # A context row out of tolerance does not fail the verdict; a missing headline figure does.
+    assert all_targets_ok(compare(measured, {**simulated, "duration_s": 99.0}, tolerance=0.2))
+    missing = {k: v for k, v in simulated.items() if k != "output_throughput"}
+    assert not all_targets_ok(compare(measured, missing, tolerance=0.2))
+    assert math.isnan(metric_value(missing, ("output_throughput",)))
+    assert metric_value({"a": {"b": None}}, ("a", "b")) != metric_value({"a": {"b": None}}, ("a", "b"))  # NaN
+
+
+def test_markdown_table_prints_signed_percentages() -> None:
+    rows = [MetricComparison("x", "median TTFT (ms)", 1000.0, 1100.0, 0.1, True, 0.15),
+            MetricComparison("y", "P95 TPOT (ms)", 200.0, 190.0, -0.05, True, 0.15)]
+    text = markdown_table(rows)
+    assert "| median TTFT (ms) | 1,000.0 | 1,100.0 | +10.0% |" in text
+    assert "| P95 TPOT (ms) | 200.0 | 190.0 | -5.0% |" in text
+
+
+# ---------------------------------------------------------------- calibration model and fit
+QWEN = load_model_spec("qwen2.5-0.5b")
+TRUE = Calibration(bandwidth=12e9, flop_rate=80e9, attn_flop_rate=20e9, overhead_s=0.004, per_seq_overhead_s=0.0003)
+
+
+def _shapes() -> list[list[tuple[int, int, bool]]]:
+    shapes = []
+    for b in (1, 2, 4, 8, 16, 32):
+        shapes.append([(1, 30 + 5 * i, True) for i in range(b)])
+        shapes.append([(1, 600 + i, True) for i in range(b)])
+    for n in (8, 32, 96, 256, 512):
+        shapes.append([(n, 0, True)])
+        shapes.append([(n, 512, False)])
+    shapes.append([(1, 100, True)] * 6 + [(200, 0, True), (60, 300, False)])
+    return shapes
+
+
+def test_fit_recovers_the_parameters_that_made_the_steps() -> None:
+    feats = StepFeatures(QWEN, "float32")
+    shapes = _shapes()
+    samples = list(zip(shapes, _predict(TRUE, feats, shapes)))
+    cal = fit(samples, feats, bandwidth_ref=10e9, flop_rate_ref=100e9)
+    assert cal.bandwidth == pytest.approx(TRUE.bandwidth, rel=0.03)
+    assert cal.flop_rate == pytest.approx(TRUE.flop_rate, rel=0.03)
+    assert cal.overhead_s == pytest.approx(TRUE.overhead_s, rel=0.15, abs=3e-4)
+    assert cal.max_abs_rel_error < 0.03 and cal.num_steps == len(shapes)
+    assert cal.mem_efficiency == pytest.approx(1.2, rel=0.03)
+    assert Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))) == cal
+
+
+def test_engine_cost_model_charges_the_logits_matmul_only_when_sampling() -> None:
+    cm = EngineCostModel(QWEN, get_hardware("rtx4090"), "float32", TRUE)
+    feats = StepFeatures(QWEN, "float32")
+    with_head = cm.entries_cost([(256, 0, True)]).time_s
+    without = cm.entries_cost([(256, 0, False)]).time_s
+    head_bytes = QWEN.logits_matmul_params * 4
+    assert with_head - without == pytest.approx(max(head_bytes / TRUE.bandwidth, 2 * QWEN.logits_matmul_params / TRUE.flop_rate))
+    assert head_bytes == feats.head_bytes
+    # The parent's interface assumes every entry samples; decode steps grow with the batch.
+    assert cm.step_time([(256, 0)], []) == pytest.approx(with_head)
+    assert cm.decode_cost(8, 100).time_s > cm.decode_cost(1, 100).time_s > TRUE.overhead_s
+    assert cm.step_time([], []) == 0.0
+
+
+# ---------------------------------------------------------------- simulator vs the real engine
+class UnitCost(CostModel):
+    """Every step takes exactly one second: step k runs over [k, k+1] on the virtual clock."""
+
+    def step_time(self, prefill, decode_context_lens) -> float:
+        return 1.0
+
+
+def _shape(events, prefix: str) -> list[tuple]:
+    out = []
+    for ev in events:
+        entries = tuple((int(e.request_id[len(prefix):]), e.phase, e.num_tokens, e.kv_len_before,
+                         e.sampled_token_id is not None, e.finished) for e in ev.entries)
+        preempted = tuple(int(r[len(prefix):]) for r in ev.preempted)
+        out.append((entries, preempted, ev.num_waiting))
+    return out
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_simulator_batches_exactly_like_the_engine(model_factory, chunked: bool) -> None:
+    from tokenloom.entrypoints.llm import LLM
+    from tokenloom.sampling_params import SamplingParams
+
+    model = model_factory("tiny-llama")
+    # 26 blocks of 4 tokens hold ~100 tokens of KV: three requests of up to 67 tokens must preempt.
+    limits = dict(max_num_seqs=3, max_num_batched_tokens=24 if chunked else 96, block_size=4, num_kv_blocks=26,
+                  max_model_len=96, enable_chunked_prefill=chunked, enable_prefix_caching=True)
+    wl = generate_workload(WorkloadSpec(name="random", num_prompts=7, input_len=(6, 45), output_len=(12, 40),
+                                        vocab_range=(5, 1000), seed=3))
+    shared = wl[0].prompt_token_ids[:8]  # two requests share a 2-block prefix: prefix-cache hits in both runs
+    wl[4] = BenchRequest(shared + wl[4].prompt_token_ids[8:], wl[4].output_len)
+    arrive_at_step = [0, 0, 1, 2, 2, 5, 6]
+
+    # Real engine: request i joins just before step arrive_at_step[i].
+    llm = LLM(str(model), **limits)
+    eng = llm.llm_engine
+    real_events: list = []
+    eng.add_observer(real_events.append)
+    step = nxt = 0
+    while nxt < len(wl) or eng.has_unfinished_requests():
+        while nxt < len(wl) and arrive_at_step[nxt] <= step:
+            r = wl[nxt]
+            eng.add_request(f"r{nxt}", {"prompt_token_ids": r.prompt_token_ids},
+                            SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0))
+            nxt += 1
+        assert eng.has_unfinished_requests(), "the workload must keep the engine busy (no idle jumps)"
+        eng.step()
+        step += 1
+
+    # Simulator: one second per step, so arriving at k - 0.5 s means joining just before step k.
+    spec = load_model_spec(str(model))
+    cm = UnitCost(spec, get_hardware("rtx4090"), "float32")
+    reqs = [BenchRequest(r.prompt_token_ids, r.output_len, max(0.0, k - 0.5)) for r, k in zip(wl, arrive_at_step)]
+    sim_events: list = []
+    res = Simulator(cm, SimConfig(**limits), observers=[sim_events.append]).run(reqs)
+
+    real, sim = _shape(real_events, "r"), _shape(sim_events, "sim-")
+    assert len(real) == len(sim)
+    for k, (a, b) in enumerate(zip(real, sim)):
+        assert a == b, f"step {k}: engine {a} vs simulator {b}"
+    # The run exercised what makes the comparison meaningful.
+    phases = {e[1] for entries, _, _ in real for e in entries}
+    assert "decode" in phases and ("prefill_chunk" in phases) == chunked
+    assert any(p for _, p, _ in real), "expected KV pressure to preempt someone"
+    assert max(len(entries) for entries, _, _ in real) == 3
+    assert res.prefix_cache_hit_rate > 0
+    assert [r.output_len for r in res.records] == [r.output_len for r in wl]
+
+
+# ---------------------------------------------------------------- client concurrency in the simulator
+def test_simulator_max_concurrency_holds_requests_back() -> None:
+    spec = load_model_spec("qwen2.5-0.5b")
+    cm = UnitCost(spec, get_hardware("rtx4090"), "float16")
+    cfg = SimConfig(max_model_len=256, num_kv_blocks=64)
+    reqs = [BenchRequest(list(range(5, 15)), 3, 0.0) for _ in range(3)]
+    res = Simulator(cm, cfg).run(reqs, max_concurrency=1)
+    a, b, c = res.records
+    # One at a time: prefill + 2 decodes = 3 steps each.
+    assert (a.first_token_time, a.end_time) == (1.0, 3.0)
+    assert b.send_time == 3.0 and (b.first_token_time, b.end_time) == (4.0, 6.0)
+    assert c.send_time == 6.0 and c.end_time == 9.0
+    assert res.steps.num_seqs == [1] * 9
+    free = Simulator(cm, cfg).run(reqs)
+    assert free.steps.num_seqs == [3, 3, 3] and all(r.send_time is None for r in free.records)
+
+
+# ---------------------------------------------------------------- `simulate --compare-with`, end to end
+def _fake_local_caches(tmp_path, monkeypatch, model_dir: str) -> Calibration:
+    """Pre-seed the microbench and calibration caches so no measurement runs."""
+    from tokenloom.sim import microbench
+
+    monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path / "cache"))
+    key = microbench.cache_key()
+    mb = {"key": key, "device_name": "test cpu", "memory_bytes": 2**34, "mem_bandwidth": 10e9,
+          "matmul_flops": {"float16": 1e10, "bfloat16": 1e10, "float32": 5e10}, "op_overhead_s": 1e-5}
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "microbench.json").write_text(json.dumps({"version": 1, "entries": {key: mb}}))
+    spec = load_model_spec(model_dir)
+    cal = Calibration(bandwidth=5e9, flop_rate=2e10, attn_flop_rate=1e10, overhead_s=0.002, per_seq_overhead_s=1e-4,
+                      microbench_bandwidth=10e9, microbench_flop_rate=5e10)
+    ckey = calibration_key(spec, "float32", 16)
+    (tmp_path / "cache" / "calibration.json").write_text(
+        json.dumps({"version": 1, "entries": {ckey: cal.to_dict()}}))
+    return cal
+
+
+def _bench_doc(model_dir: str, summary: dict, groups: dict | None = None) -> dict:
+    spec = WorkloadSpec(name="mixed-long", num_prompts=12, input_len=(8, 40), output_len=(4, 12), seed=2,
+                        vocab_range=(5, 1000), request_rate=50.0, long_fraction=0.25, long_len=120,
+                        max_model_len=256)
+    reqs = generate_workload(spec)
+    return {"benchmark": "serve",
+            "config": {"launch": model_dir, "dtype": "auto", "max_num_seqs": 4, "max_num_batched_tokens": 64,
+                       "max_model_len": 256, "block_size": 16, "num_kv_blocks": 64, "kv_cache_memory": None,
+                       "enable_chunked_prefill": True, "enable_prefix_caching": True, "scheduling_policy": "fcfs",
+                       "max_concurrency": None, "load_workload": None},
+            "workload": {"spec": spec.to_dict(), "stats": workload_stats(reqs)},
+            "results": {"summary": summary, "groups": groups or {}}}
+
+
+def test_compare_with_end_to_end(model_factory, tmp_path, monkeypatch, capsys) -> None:
+    from tokenloom.entrypoints.cli import main
+
+    model = str(model_factory("tiny-llama"))
+    _fake_local_caches(tmp_path, monkeypatch, model)
+    # First pass: dummy "measurements" 10% below... whatever the simulator says.
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(_bench_doc(model, _summary(1.0, 1.0, 1.0, 1.0))))
+    out = tmp_path / "validation.json"
+    rc = main(["simulate", "--compare-with", str(path), "--output-json", str(out)])
+    assert rc == 1  # made-up measurements cannot match
+    doc = json.loads(out.read_text())
+    sim_summary, sim_groups = doc["simulated"]["summary"], doc["simulated"]["groups"]
+    assert doc["workload"] == "mixed-long" and doc["num_requests"] == 12 and doc["sim_config"]["num_kv_blocks"] == 64
+    assert set(sim_groups) == {"short", "long"}
+
+    # Second pass: the "measurements" are the simulation itself, scaled by 1.1 -> every error is -1/11.
+    scaled = json.loads(json.dumps(sim_summary))
+    for k in ("ttft_ms", "tpot_ms"):
+        for q in ("median", "p95"):
+            scaled[k][q] *= 1.1
+    scaled["output_throughput"] *= 1.1
+    path.write_text(json.dumps(_bench_doc(model, scaled, sim_groups)))
+    capsys.readouterr()
+    rc = main(["simulate", "--compare-with", str(path), "--output-json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    doc = json.loads(out.read_text())
+    errs = {r["key"]: r["rel_error"] for r in doc["comparison"]}
+    for k in ("ttft_median", "tpot_median", "tpot_p95", "output_throughput"):
+        assert errs[k] == pytest.approx(-1 / 11)
+    assert doc["within_tolerance"] and doc["groups"]["long"][0]["rel_error"] == pytest.approx(0.0)
+    assert "-9.1%" in text and "4/4 headline figures within 15%" in text and "group 'long'" in text
+    assert doc["calibration"]["bandwidth"] == 5e9
+
+
+def test_rebuilt_workload_must_match_the_recorded_one(tmp_path) -> None:
+    doc = _bench_doc("/nonexistent", {})
+    assert len(rebuild_requests(doc)) == 12
+    doc["workload"]["stats"]["total_input_tokens"] += 1
+    with pytest.raises(ValueError, match="differs from the measured one"):
+        rebuild_requests(doc)

@@ -1,0 +1,546 @@
+"""Calibration: the cost model fitted to *this engine on this machine*.
+
+`estimate.CostModel` times a step as `max(bytes / bandwidth, FLOPs / peak) + overhead`
+with datasheet (or microbenchmark) rates -- the right shape for a GPU running fused
+kernels.  To predict what `tokenloom serve` really does on `--hardware local`, three
+things the plain roofline leaves out have to be modelled, and the rates have to be the
+ones our eager PyTorch forward pass actually reaches:
+
+1. **Two matmul rooflines, not one.**  Every step runs the decoder layers over all T
+   new tokens, but the vocabulary projection only over the S rows that sample a token
+   (the last position of each request that catches up this step).  Each is its own
+   GEMM with its own arithmetic intensity, so each gets its own roofline::
+
+       layers:  max(W_layers / bw,  2 * P_layers * T / F)
+       logits:  max(W_head   / bw,  2 * P_head   * S / F)     (0 when S = 0)
+
+   A 256-token prefill chunk is compute-bound in the layers yet memory-bound in the
+   head (one row reads the whole vocab matrix: 27% of Qwen2.5-0.5B's weights); one max
+   over the whole step would hide that read.  A chunk that stops short of the prompt's
+   end samples nothing and skips the head altogether.
+
+2. **Padded attention.**  The model runner gathers each request's KV blocks into a
+   dense `[rows, L_max]` tensor (L_max = the longest block table in the group, in
+   whole blocks) and runs one masked attention for the decodes and one for the
+   prefill chunks (queries padded to the longest chunk).  So attention costs
+   `padded query x key pairs x 4 * layers * heads * head_dim` FLOPs at a rate F_attn
+   of its own, plus the gather: the KV of `rows x L_max` positions copied (read +
+   write) and read again by the attention, `3 * kv_bytes_per_token` each, at bw.
+
+3. **Python per step and per request.**  Scheduling, input preparation, sampling,
+   detokenizing and stop checks cost a fixed `o` per step plus `o_seq` per scheduled
+   request, whatever the model.
+
+So, for one step::
+
+    t = o + o_seq * N + layers + logits + A_flops / F_attn + G_bytes / bw
+
+Fitting.  `run_calibration` runs the real engine (`LLM`, in this process) over a fixed
+plan of requests chosen to produce a spread of step shapes -- decode batches of 1 to
+16, single prefills of 8 to 384 tokens, a long prompt chunked at 512 tokens (chunks
+with and without a logits row, attention at 500-900 positions), a mixed burst -- and
+records every `StepEvent`.  The target is the step's *period*: its duration plus the
+median gap to the next step (the engine loop's own work between steps).  `fit` then
+searches bw and F on a log grid around the microbenchmark figures
+(`tokenloom.sim.microbench`) and, for each grid point, solves for o, o_seq and
+1/F_attn by non-negative least squares on *relative* error (a 150 ms decode step
+matters as much as a 3 s prefill).  The best grid point wins.
+
+The result -- fitted rates, their ratio to the microbenchmarks, the fit's error and the
+raw step samples -- is cached as JSON next to the microbenchmark cache, keyed by the
+machine (CPU, threads, torch), the model's shape, the dtype, the block size and a hash
+of the engine's hot-path source files, so editing the engine invalidates it.
+
+    cm = calibrated_cost_model("/tmp/m/qwen2.5-0.5b")     # measures once (~1 min), then cached
+    Simulator(cm, SimConfig(...)).run(requests)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from tokenloom.sim.estimate import CostModel, StepCost
+from tokenloom.sim.hardware import Hardware
+from tokenloom.sim.model_spec import ModelSpec, load_model_spec, normalize_dtype
+
+CALIBRATION_VERSION = 1
+_CACHE_FILE = "calibration.json"
+
+# One scheduled request in a step: (new tokens, tokens already in its KV cache, samples a token).
+Entry = tuple[int, int, bool]
+
+# The engine's step: these files decide how long it takes.  Their hash is part of the cache key.
+_HOT_PATH = ("runner/model_runner.py", "runner/sampler.py", "model/attention.py", "model/layers.py",
+             "model/llama.py", "engine/llm_engine.py", "engine/detokenizer.py", "core/scheduler.py",
+             "core/kv_cache.py")
+
+
+# ---------------------------------------------------------------- step features
+@dataclass(frozen=True)
+class StepParts:
+    """A step's work before any rate is applied (see the module docstring)."""
+
+    num_seqs: int
+    num_tokens: int
+    num_sampled: int
+    layer_bytes: float
+    layer_flops: float
+    head_bytes: float  # 0 when no row samples
+    head_flops: float
+    attn_flops: float  # padded query x key pairs x attention FLOPs per pair
+    kv_bytes: float  # KV gathered for attention (x3) + new K/V written
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+class StepFeatures:
+    """Turns step entries into `StepParts` for one model, dtype and block size."""
+
+    def __init__(self, spec: ModelSpec, dtype: str, block_size: int = 16) -> None:
+        nb = {"float16": 2, "bfloat16": 2, "float32": 4}[normalize_dtype(dtype)]
+        self.block_size = block_size
+        streamed = spec.streamed_weight_bytes(dtype)
+        self.head_bytes = spec.logits_matmul_params * nb
+        # Norms and biases travel with the layers; the vocab matrix is the head's.
+        self.layer_bytes = streamed - self.head_bytes
+        self.layer_flops_per_token = 2 * spec.layer_matmul_params
+        self.head_flops_per_row = 2 * spec.logits_matmul_params
+        self.attn_flops_per_pair = spec.attention_flops_per_position
+        self.kv_bytes_per_token = spec.kv_bytes_per_token(dtype)
+
+    def parts(self, entries: Sequence[Entry]) -> StepParts:
+        bs = self.block_size
+        tokens = sampled = 0
+        dec_rows = dec_len = 0
+        pre_rows = pre_q = pre_len = 0
+        for n, c, s in entries:
+            tokens += n
+            sampled += bool(s)
+            if n == 1 and c > 0:  # a decode (or a one-token chunk after a cached prefix: same work)
+                dec_rows += 1
+                dec_len = max(dec_len, _round_up(c + 1, bs))
+            else:
+                pre_rows += 1
+                pre_q = max(pre_q, n)
+                pre_len = max(pre_len, _round_up(c + n, bs))
+        pairs = dec_rows * dec_len + pre_rows * pre_q * pre_len
+        gathered = dec_rows * dec_len + pre_rows * pre_len
+        return StepParts(
+            num_seqs=len(entries),
+            num_tokens=tokens,
+            num_sampled=sampled,
+            layer_bytes=float(self.layer_bytes) if entries else 0.0,
+            layer_flops=float(tokens * self.layer_flops_per_token),
+            head_bytes=float(self.head_bytes) if sampled else 0.0,
+            head_flops=float(sampled * self.head_flops_per_row),
+            attn_flops=float(pairs * self.attn_flops_per_pair),
+            kv_bytes=float((3 * gathered + tokens) * self.kv_bytes_per_token),
+        )
+
+
+# ---------------------------------------------------------------- the calibrated parameters
+@dataclass(frozen=True)
+class Calibration:
+    """Fitted rates and overheads of this engine on this machine (plus how well they fit)."""
+
+    bandwidth: float  # B/s the weight streaming achieves
+    flop_rate: float  # FLOP/s the GEMMs achieve
+    attn_flop_rate: float  # FLOP/s of the padded attention (math.inf: no measurable cost)
+    overhead_s: float  # per step: scheduling, input prep, the loop between steps
+    per_seq_overhead_s: float  # per scheduled request: sampling, detokenizing, bookkeeping
+    block_size: int = 16
+    # Fit quality on the calibration steps: relative errors |pred - real| / real.
+    num_steps: int = 0
+    median_abs_rel_error: float = math.nan
+    p90_abs_rel_error: float = math.nan
+    max_abs_rel_error: float = math.nan
+    # References: the microbenchmarks of the same machine, and what the fit is relative to them.
+    microbench_bandwidth: float = math.nan
+    microbench_flop_rate: float = math.nan
+    step_gap_s: float = 0.0  # median time between one step's end and the next one's start (in overhead_s)
+    key: str = ""
+    measured_at: str = ""
+    model: str = ""
+    dtype: str = ""
+    calibration_wall_s: float = math.nan
+    samples: list[dict] = field(default_factory=list)  # {"entries": [[n, c, sample], ...], "period_s": t}
+
+    @property
+    def mem_efficiency(self) -> float:
+        return self.bandwidth / self.microbench_bandwidth
+
+    @property
+    def compute_efficiency(self) -> float:
+        return self.flop_rate / self.microbench_flop_rate
+
+    def to_dict(self, with_samples: bool = True) -> dict:
+        d = asdict(self)
+        if not with_samples:
+            d.pop("samples")
+        for k, v in d.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                d[k] = None  # JSON has no inf/nan
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        for k in ("attn_flop_rate",):
+            if kw.get(k) is None:
+                kw[k] = math.inf
+        for k in ("median_abs_rel_error", "p90_abs_rel_error", "max_abs_rel_error", "microbench_bandwidth",
+                  "microbench_flop_rate", "calibration_wall_s"):
+            if kw.get(k) is None:
+                kw[k] = math.nan
+        return cls(**kw)
+
+    def summary_lines(self) -> list[str]:
+        attn = "negligible" if math.isinf(self.attn_flop_rate) else f"{self.attn_flop_rate / 1e9:.1f} GFLOP/s"
+        return [
+            f"weight streaming {self.bandwidth / 1e9:.2f} GB/s ({self.mem_efficiency:.2f} x microbench copy "
+            f"{self.microbench_bandwidth / 1e9:.2f} GB/s)",
+            f"GEMMs {self.flop_rate / 1e9:.1f} GFLOP/s ({self.compute_efficiency:.2f} x microbench matmul "
+            f"{self.microbench_flop_rate / 1e9:.1f} GFLOP/s), padded attention {attn}",
+            f"overhead {self.overhead_s * 1e3:.2f} ms/step (loop gap {self.step_gap_s * 1e3:.2f} ms) + "
+            f"{self.per_seq_overhead_s * 1e3:.3f} ms/request",
+            f"fit on {self.num_steps} engine steps: median |error| {100 * self.median_abs_rel_error:.1f}%, "
+            f"p90 {100 * self.p90_abs_rel_error:.1f}%, max {100 * self.max_abs_rel_error:.1f}%",
+        ]
+
+
+# ---------------------------------------------------------------- the cost model
+class EngineCostModel(CostModel):
+    """`CostModel` with the calibrated step formula (module docstring) and rates.
+
+    `step_time(prefill, decode)` keeps the parent's interface (each prefill entry is
+    assumed to sample, as the parent assumes); the simulator calls
+    `scheduled_step_time(out)` instead, which knows which entries really sample.
+    """
+
+    def __init__(self, spec: ModelSpec, hardware: Hardware, dtype: str | None, calibration: Calibration) -> None:
+        super().__init__(spec, hardware, dtype, mem_efficiency=1.0, compute_efficiency=1.0,
+                         overhead_s=calibration.overhead_s, per_seq_overhead_s=calibration.per_seq_overhead_s)
+        self.calibration = calibration
+        # The fitted rates replace the parent's peak x efficiency.
+        self.bandwidth = calibration.bandwidth
+        self.flop_rate = calibration.flop_rate
+        self.attn_flop_rate = calibration.attn_flop_rate
+        self.mem_efficiency = calibration.bandwidth / hardware.mem_bandwidth
+        self.compute_efficiency = calibration.flop_rate / hardware.flops_for(self.dtype)
+        self.features = StepFeatures(spec, self.dtype, calibration.block_size)
+
+    def entries_cost(self, entries: Sequence[Entry]) -> StepCost:
+        if not entries:
+            return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        p = self.features.parts(entries)
+        bw, F = self.bandwidth, self.flop_rate
+        layers = max(p.layer_bytes / bw, p.layer_flops / F)
+        head = max(p.head_bytes / bw, p.head_flops / F) if p.num_sampled else 0.0
+        attn = p.attn_flops / self.attn_flop_rate + p.kv_bytes / bw
+        over = self.overhead_s + self.per_seq_overhead_s * p.num_seqs
+        nbytes = p.layer_bytes + p.head_bytes + p.kv_bytes
+        flops = p.layer_flops + p.head_flops + p.attn_flops
+        return StepCost(nbytes, flops, nbytes / bw, flops / F, over, layers + head + attn + over)
+
+    def step_cost(self, prefill: Sequence[tuple[int, int]], decode_context_lens: Sequence[int]) -> StepCost:
+        entries = [(1, c, True) for c in decode_context_lens] + [(n, c, True) for n, c in prefill]
+        return self.entries_cost(entries)
+
+    def decode_cost(self, batch_size: int, context_len: int) -> StepCost:
+        return self.step_cost([], [context_len] * batch_size)
+
+    def scheduled_step_time(self, out: Any) -> float:
+        """Seconds for a `SchedulerOutput`: entries with their real sample flags."""
+        return self.entries_cost([(s.num_new_tokens, s.num_computed_before, bool(s.sample))
+                                  for s in out.scheduled]).time_s
+
+
+# ---------------------------------------------------------------- fitting
+def _nnls_small(A, b):
+    """min ||A x - b|| with x >= 0, for a handful of columns: try every active set."""
+    import itertools
+
+    import numpy as np
+
+    k = A.shape[1]
+    best_x, best_r = np.zeros(k), float(b @ b)
+    for r in range(1, k + 1):
+        for cols in itertools.combinations(range(k), r):
+            sub = A[:, cols]
+            x, *_ = np.linalg.lstsq(sub, b, rcond=None)
+            if (x < 0).any():
+                continue
+            res = b - sub @ x
+            rr = float(res @ res)
+            if rr < best_r:
+                best_r = rr
+                best_x = np.zeros(k)
+                best_x[list(cols)] = x
+    return best_x, best_r
+
+
+def fit(samples: Sequence[tuple[Sequence[Entry], float]], features: StepFeatures, *,
+        bandwidth_ref: float, flop_rate_ref: float, grid: int = 32, lo: float = 0.05, hi: float = 3.0,
+        rounds: int = 3) -> Calibration:
+    """Fit bw, F (log grid) and o, o_seq, 1/F_attn (NNLS) to measured step periods.
+
+    `samples`: (entries, measured seconds).  Minimizes the sum of squared *relative*
+    errors.  The grid spans [lo, hi] x the reference rates, then zooms in `rounds` times.
+    """
+    import numpy as np
+
+    if not samples:
+        raise ValueError("no calibration steps to fit")
+    parts = [features.parts(e) for e, _ in samples]
+    y = np.array([t for _, t in samples], dtype=float)
+    if (y <= 0).any():
+        raise ValueError("step times must be > 0")
+    w = 1.0 / y
+    lb = np.array([p.layer_bytes for p in parts])
+    lf = np.array([p.layer_flops for p in parts])
+    hb = np.array([p.head_bytes for p in parts])
+    hf = np.array([p.head_flops for p in parts])
+    has_head = np.array([p.num_sampled > 0 for p in parts])
+    kvb = np.array([p.kv_bytes for p in parts])
+    # Linear part: o * 1 + o_seq * N + (1 / F_attn) * attention FLOPs, weighted by 1/y.
+    A = np.stack([np.ones_like(y), np.array([p.num_seqs for p in parts], dtype=float),
+                  np.array([p.attn_flops for p in parts])], axis=1)
+    scale = np.maximum(np.abs(A).max(axis=0), 1e-30)  # column scaling keeps lstsq well conditioned
+    Aw = (A / scale) * w[:, None]
+
+    def solve(bw: float, F: float):
+        base = np.maximum(lb / bw, lf / F) + np.where(has_head, np.maximum(hb / bw, hf / F), 0.0) + kvb / bw
+        x, loss = _nnls_small(Aw, (y - base) * w)
+        return loss, x / scale
+
+    best = None
+    blo, bhi = bandwidth_ref * lo, bandwidth_ref * hi
+    flo, fhi = flop_rate_ref * lo, flop_rate_ref * hi
+    for _ in range(rounds):
+        for bw in np.geomspace(blo, bhi, grid):
+            for F in np.geomspace(flo, fhi, grid):
+                loss, x = solve(bw, F)
+                if best is None or loss < best[0]:
+                    best = (loss, bw, F, x)
+        _, bw, F, _ = best
+        # Zoom: +-2 grid cells around the best point.
+        step_b = (bhi / blo) ** (2.0 / (grid - 1))
+        step_f = (fhi / flo) ** (2.0 / (grid - 1))
+        blo, bhi, flo, fhi = bw / step_b, bw * step_b, F / step_f, F * step_f
+    _, bw, F, (o, o_seq, inv_attn) = best
+    cal = Calibration(bandwidth=float(bw), flop_rate=float(F),
+                      attn_flop_rate=math.inf if inv_attn <= 0 else float(1.0 / inv_attn),
+                      overhead_s=float(o), per_seq_overhead_s=float(o_seq), block_size=features.block_size,
+                      microbench_bandwidth=float(bandwidth_ref), microbench_flop_rate=float(flop_rate_ref))
+    errs = np.abs(np.array(_predict(cal, features, [e for e, _ in samples])) - y) / y
+    return _replace(cal, num_steps=len(samples), median_abs_rel_error=float(np.median(errs)),
+                    p90_abs_rel_error=float(np.percentile(errs, 90)), max_abs_rel_error=float(errs.max()))
+
+
+def _replace(cal: Calibration, **kw: Any) -> Calibration:
+    import dataclasses
+
+    return dataclasses.replace(cal, **kw)
+
+
+def _predict(cal: Calibration, features: StepFeatures, entries_list: Iterable[Sequence[Entry]]) -> list[float]:
+    out = []
+    for entries in entries_list:
+        p = features.parts(entries)
+        bw, F = cal.bandwidth, cal.flop_rate
+        t = max(p.layer_bytes / bw, p.layer_flops / F)
+        if p.num_sampled:
+            t += max(p.head_bytes / bw, p.head_flops / F)
+        t += p.attn_flops / cal.attn_flop_rate + p.kv_bytes / bw
+        out.append(t + cal.overhead_s + cal.per_seq_overhead_s * p.num_seqs)
+    return out
+
+
+# ---------------------------------------------------------------- measuring the engine
+def calibration_plan(vocab: tuple[int, int], max_model_len: int, seed: int = 0) -> list[tuple[str, list[tuple[list[int], int]]]]:
+    """Named groups of (prompt token ids, output tokens), each run as one `generate` call.
+
+    Chosen for a spread of step shapes on an engine with max_num_seqs 16 and a 512-token
+    budget: decode batches 1..16 at short context, lone prefills of 8..384 tokens, a
+    long prompt chunked at 512 (a chunk with no logits row, attention to ~900
+    positions) and a mixed burst where prefill chunks share steps with decodes.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng([seed, 7])
+    lo, hi = vocab
+
+    def prompt(n: int) -> list[int]:
+        return rng.integers(lo, hi, size=n).tolist()
+
+    long_len = max(16, min(900, max_model_len - 16))
+    plan: list[tuple[str, list[tuple[list[int], int]]]] = []
+    for b in (1, 2, 4, 8, 16):
+        plan.append((f"decode batch {b}", [(prompt(24 + i), 7) for i in range(b)]))
+    plan.append(("lone prefills", []))
+    for n in (8, 32, 96, 192, 384):
+        plan.append((f"prefill {n}", [(prompt(min(n, max_model_len - 4)), 2)]))
+    plan = [p for p in plan if p[1]]
+    plan.append((f"long prompt {long_len} + decode", [(prompt(long_len), 6), (prompt(40), 12)]))
+    plan.append(("mixed burst", [(prompt(int(n)), int(o)) for n, o in
+                                 zip(rng.integers(40, 200, size=6), rng.integers(6, 14, size=6))]))
+    return plan
+
+
+def run_calibration(model: str, dtype: str = "auto", *, block_size: int = 16, num_threads: int | None = None,
+                    seed: int = 0, log: Callable[[str], None] | None = None) -> tuple[list[tuple[list[Entry], float]], float, dict]:
+    """Run the calibration plan on the real engine; ([(entries, period_s)], median gap_s, info)."""
+    from tokenloom.bench.workloads import vocab_range_for
+    from tokenloom.entrypoints.llm import LLM
+    from tokenloom.sampling_params import SamplingParams
+
+    log = log or (lambda s: None)
+    max_len_cfg = int(load_config_dict(model).get("max_position_embeddings") or 2048)
+    max_model_len = min(2048, max_len_cfg)
+    llm = LLM(model, dtype=dtype, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=max_model_len,
+              block_size=block_size, num_kv_blocks=16 * _round_up(max_model_len, block_size) // block_size,
+              enable_prefix_caching=False, num_threads=num_threads, seed=seed)
+    events: list = []
+    llm.add_observer(events.append)
+    vocab = vocab_range_for(llm.get_tokenizer(), llm.llm_engine.vocab_size)
+    plan = calibration_plan(vocab, max_model_len, seed)
+    # Warm-up: the first forward passes pay one-time costs (allocator, lazy init).
+    llm.generate([{"prompt_token_ids": list(range(vocab[0], vocab[0] + 16))}] * 2,
+                 SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0), use_tqdm=False)
+    runs: list[list] = []
+    for name, reqs in plan:
+        events.clear()
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p, _ in reqs],
+                     [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for _, o in reqs],
+                     use_tqdm=False)
+        runs.append(list(events))
+        log(f"  {name}: {len(events)} steps in {time.perf_counter() - t0:.1f} s")
+    gaps = [b.start_time - a.end_time for evs in runs for a, b in zip(evs, evs[1:])]
+    gap = statistics.median(gaps) if gaps else 0.0
+    samples = []
+    for evs in runs:
+        for ev in evs:
+            entries = [(e.num_tokens, e.kv_len_before, e.sampled_token_id is not None) for e in ev.entries]
+            samples.append((entries, ev.duration + gap))
+    info = {"threads": _torch_threads(), "dtype": str(llm.llm_engine.loaded.dtype).replace("torch.", ""),
+            "block_size": block_size}
+    del llm
+    return samples, gap, info
+
+
+def load_config_dict(model: str) -> dict:
+    from tokenloom.sim.model_spec import load_config
+
+    return load_config(model)[0]
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+# ---------------------------------------------------------------- cache
+def engine_fingerprint() -> str:
+    """Hash of the engine's hot-path source: a changed engine needs a new calibration."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha1()
+    for rel in _HOT_PATH:
+        p = root / rel
+        h.update(rel.encode())
+        h.update(p.read_bytes() if p.exists() else b"-")
+    return h.hexdigest()[:12]
+
+
+def model_fingerprint(spec: ModelSpec) -> str:
+    d = spec.to_dict()
+    d.pop("name", None)
+    d.pop("torch_dtype", None)
+    return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def calibration_key(spec: ModelSpec, dtype: str, block_size: int) -> str:
+    from tokenloom.sim import microbench
+
+    return (f"{microbench.cache_key()}|model={model_fingerprint(spec)}|dtype={dtype}|block={block_size}"
+            f"|engine={engine_fingerprint()}|v{CALIBRATION_VERSION}")
+
+
+def _cache_path() -> Path:
+    from tokenloom.sim import microbench
+
+    return microbench.cache_dir() / _CACHE_FILE
+
+
+def _read_cache() -> dict:
+    try:
+        data = json.loads(_cache_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data.get("entries", {}) if isinstance(data, dict) else {}
+
+
+def _write_cache(key: str, cal: Calibration) -> None:
+    path = _cache_path()
+    entries = _read_cache()
+    entries[key] = cal.to_dict()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"version": CALIBRATION_VERSION, "entries": entries}, indent=1), encoding="utf-8")
+    os.replace(tmp, path)  # readers never see half a file
+
+
+def resolve_dtype(spec: ModelSpec, dtype: str | None) -> str:
+    return normalize_dtype(dtype) if dtype and dtype != "auto" else spec.default_dtype()
+
+
+def calibrate(model: str, dtype: str | None = "auto", *, block_size: int = 16, refresh: bool = False,
+              log: Callable[[str], None] | None = None) -> Calibration:
+    """The cached calibration for `model` (a directory with weights) on this machine; measures if needed."""
+    from tokenloom.sim.hardware import local_hardware
+
+    log = log or (lambda s: None)
+    spec = load_model_spec(model)
+    dt = resolve_dtype(spec, dtype)
+    key = calibration_key(spec, dt, block_size)
+    if not refresh:
+        cached = _read_cache().get(key)
+        if cached is not None:
+            return Calibration.from_dict(cached)
+    if not Path(model).is_dir():
+        raise ValueError(f"calibrating needs the model's weights: {model!r} is not a model directory "
+                         f"(make one with `tokenloom make-model --preset NAME --out DIR`)")
+    hw = local_hardware()
+    log(f"calibrating {spec.name} ({dt}) on this machine: running the engine over a fixed plan of step shapes...")
+    t0 = time.perf_counter()
+    samples, gap, _ = run_calibration(model, dt, block_size=block_size, log=log)
+    cal = fit(samples, StepFeatures(spec, dt, block_size), bandwidth_ref=hw.mem_bandwidth,
+              flop_rate_ref=hw.flops_for(dt))
+    cal = _replace(cal, step_gap_s=gap, key=key, model=spec.name, dtype=dt,
+                   measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                   calibration_wall_s=time.perf_counter() - t0,
+                   samples=[{"entries": [list(e) for e in entries], "period_s": t} for entries, t in samples])
+    _write_cache(key, cal)
+    return cal
+
+
+def calibrated_cost_model(model: str, dtype: str | None = "auto", *, block_size: int = 16, refresh: bool = False,
+                          log: Callable[[str], None] | None = None) -> EngineCostModel:
+    """`EngineCostModel` for `model` on `--hardware local` (calibrating once, then cached)."""
+    from tokenloom.sim.hardware import local_hardware
+
+    cal = calibrate(model, dtype, block_size=block_size, refresh=refresh, log=log)
+    spec = load_model_spec(model)
+    return EngineCostModel(spec, local_hardware(), resolve_dtype(spec, dtype), cal)
