@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tokenloom.bundled import BUNDLED_MODEL_DIR, BUNDLED_MODEL_NAME, bits_per_byte
 from tokenloom.model import tokenizer_builder as tb
 
-# Held-out bound for the fixed slice below: the measured value (see docs/bundled-model.md) plus
-# margin for platform numerics, never looser than the 2.0 the issue requires.
-HELDOUT_SLICE_BPB_BOUND = 2.0
+# Held-out bound for the fixed slice below: measured 1.731 on Python 3.11 (docs/bundled-model.md)
+# plus margin for platform numerics.  Other Python versions have other stdlib files in the slice,
+# so there only the 2.0 the issue requires is checked.
+MEASURED_ON_PYTHON = (3, 11)
+HELDOUT_SLICE_BPB_BOUND = 1.85 if sys.version_info[:2] == MEASURED_ON_PYTHON else 2.0
 SLICE_FILES = 3
 SLICE_CHARS = 8000
 

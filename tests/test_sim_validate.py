@@ -98,6 +98,18 @@ def test_fit_recovers_the_parameters_that_made_the_steps() -> None:
     assert Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))) == cal
 
 
+def test_fit_drops_steps_disturbed_by_other_processes() -> None:
+    feats = StepFeatures(QWEN, "float32")
+    shapes = _shapes()
+    times = _predict(TRUE, feats, shapes)
+    for i in (3, 10, 17):  # another process stole the cores during these steps
+        times[i] *= 2.5
+    cal = fit(list(zip(shapes, times)), feats, bandwidth_ref=10e9, flop_rate_ref=100e9)
+    assert cal.num_dropped == 3 and cal.num_steps == len(shapes) - 3
+    assert cal.flop_rate == pytest.approx(TRUE.flop_rate, rel=0.03)
+    assert cal.bandwidth == pytest.approx(TRUE.bandwidth, rel=0.03)
+
+
 def test_engine_cost_model_charges_the_logits_matmul_only_when_sampling() -> None:
     cm = EngineCostModel(QWEN, get_hardware("rtx4090"), "float32", TRUE)
     feats = StepFeatures(QWEN, "float32")

@@ -203,7 +203,7 @@ class AsyncLLMEngine:
         state: raises ValueError (PromptTooLongError for max_model_len) so the caller can answer
         400 before anything is queued.  Only reads the engine's constants and the tokenizer."""
         text, ids = self.engine.process_prompt(prompt)
-        self.engine._resolve_max_tokens(params, len(ids))
+        self.engine.resolve_max_tokens(params, len(ids))
         return text, ids
 
     def add_request(self, request_id: str, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,

@@ -196,7 +196,8 @@ class LLMEngine:
             )
         return text, ids
 
-    def _resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> int:
+    def resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> int:
+        """max_tokens made concrete; raises PromptTooLongError if prompt + max_tokens > max_model_len."""
         room = self.max_model_len - prompt_len
         if params.max_tokens is None:
             return room
@@ -219,10 +220,10 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> None:
         params = params or SamplingParams()
-        if request_id in self.groups:
+        if request_id in self.groups or request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.process_prompt(prompt)
-        max_tokens = self._resolve_max_tokens(params, len(ids))
+        max_tokens = self.resolve_max_tokens(params, len(ids))
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         samples: list[_Sample] = []
         for i in range(params.n):
@@ -231,6 +232,8 @@ class LLMEngine:
                 seed = None if params.seed is None else params.seed + i
                 child_params = dataclasses.replace(params, n=1, seed=seed)
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
+            if params.n > 1 and rid in self._children:
+                raise ValueError(f"request id {request_id!r} collides with the samples of another request")
             req = Request(
                 request_id=rid,
                 prompt_token_ids=ids,

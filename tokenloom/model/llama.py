@@ -122,11 +122,14 @@ class CausalLM(nn.Module):
     def __init__(self, a: ModelArgs, max_positions: int):
         super().__init__()
         self.args = a
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        # _weight skips nn.Embedding's random init (pointless before loading, and on the meta
+        # device it drags in torch._dynamo, seconds of start-up).
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, _weight=torch.empty(a.vocab_size, a.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling)
+        with torch.device("cpu"):  # real tables even when the rest is built on the meta device
+            self.rope = RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling)
 
     def forward(
         self,

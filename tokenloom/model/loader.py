@@ -145,9 +145,10 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int)
     tdtype = resolve_dtype(dtype, cfg, device)
     with torch.device("meta"):
         model = CausalLM(a, max_positions)
+    rope = model.rope  # built on the CPU, in float32, even under the meta device
+    model.rope = None
     model = model.to_empty(device=device)
-    # rope tables were created on meta: rebuild them for real, in float32
-    model.rope = type(model.rope)(a.head_dim, max_positions, a.rope_theta, a.rope_scaling).to(device)
+    model.rope = rope.to(device)
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     with torch.no_grad():

@@ -177,7 +177,7 @@ class Simulator:
         return self.scheduler_config.max_model_len
 
     def _check(self, r: BenchRequest) -> str | None:
-        # The engine's own admission rules (LLMEngine.process_prompt / _resolve_max_tokens).
+        # The engine's own admission rules (LLMEngine.process_prompt / resolve_max_tokens).
         if r.prompt_len < 1:
             return "the prompt is empty: at least one token is needed"
         if r.prompt_len + r.output_len > self.max_model_len:
