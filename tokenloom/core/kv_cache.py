@@ -206,6 +206,10 @@ class KVCacheManager:
 
         With a prefix hit (first admission), the hit blocks are adopted first.
         Returns False, changing nothing, if the pool is too small right now."""
+        if hit is None:  # the decode fast path: most steps need no new block
+            ids = self.table_ids.get(req.request_id)
+            if ids is not None and req.num_computed_tokens + num_new_tokens <= len(ids) * self.block_size:
+                return True
         need = self._blocks_needed(req, num_new_tokens, hit)
         if need > self._free_after_touch(hit):
             return False

@@ -266,12 +266,14 @@ class Scheduler:
         entries = []
         for s in out.scheduled:
             req = s.request
+            c = s.num_computed_before
+            fed = [req.token_at(c)] if s.num_new_tokens == 1 else req.token_slice(c, c + s.num_new_tokens)
             entries.append(
                 StepEntry(
                     request_id=req.request_id,
                     phase=s.phase,
                     num_tokens=s.num_new_tokens,
-                    token_ids=req.token_slice(s.num_computed_before, s.num_computed_before + s.num_new_tokens),
+                    token_ids=fed,
                     kv_len_before=s.num_computed_before,
                     kv_len_after=s.num_computed_before + s.num_new_tokens,
                     num_prompt_tokens=req.num_prompt_tokens,

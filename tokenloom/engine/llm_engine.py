@@ -296,7 +296,10 @@ class LLMEngine:
         return self.kv.usage()
 
     # ---- the step -----------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One engine iteration.  Returns cumulative outputs of the requests that progressed
+        (only the finished ones with finished_only=True: offline callers skip building
+        per-step snapshots nobody reads)."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -349,7 +352,8 @@ class LLMEngine:
                 self.groups.pop(g.request_id, None)
                 for x in g.samples:
                     self._children.pop(x.req.request_id, None)
-            outputs.append(self._make_output(g))
+            if g.finished or not finished_only:
+                outputs.append(self._make_output(g))
         self.step_count += 1
         if self.observers:
             event = self.scheduler.make_event(out, res.sampled, start, time.perf_counter(), res.model_time)

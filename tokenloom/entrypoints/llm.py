@@ -69,7 +69,7 @@ class LLM:
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         bar.update(len(results))
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            for out in engine.step(finished_only=True):
                 if out.finished:
                     results[out.request_id] = out
                     bar.update(1)

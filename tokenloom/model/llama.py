@@ -145,5 +145,19 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = self.norm(hidden)
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(h, w).float()
+        if self.lm_head is not None:
+            return self.lm_head(h).float()
+        return torch.nn.functional.linear(h, self.embed_tokens.weight).float()  # tied embeddings
+
+    def prepack(self) -> int:
+        """CPU fp32 fast path: oneDNN-packed weights for every matmul (see packed_linear.py).
+
+        With tied embeddings the lm_head gets its own packed copy: it is the largest
+        matmul of a decode step, worth the extra memory."""
+        from tokenloom.model.packed_linear import PackedLinear, prepack_linears
+
+        n = prepack_linears(self)
+        if self.lm_head is None:
+            self.lm_head = PackedLinear(self.embed_tokens.weight, None)
+            n += 1
+        return n

@@ -138,7 +138,7 @@ class LoadedModel:
     device: torch.device
 
 
-def load_model(path: Path, dtype: str, device: torch.device, max_positions: int) -> LoadedModel:
+def load_model(path: Path, dtype: str, device: torch.device, max_positions: int, pack_weights: bool = True) -> LoadedModel:
     cfg = load_config(path)
     arch = resolve_architecture(cfg)
     a = ModelArgs.from_hf_config(cfg, arch)
@@ -183,6 +183,10 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int)
         if filled.get(pname, 0) != expect:
             raise ValueError(f"checkpoint at {path} is missing weights for {pname}")
     model.eval()
+    from tokenloom.model.packed_linear import packing_supported
+
+    if pack_weights and packing_supported(device, tdtype):
+        model.prepack()
     return LoadedModel(model=model, args=a, hf_config=cfg, path=path, dtype=tdtype, device=device)
 
 

@@ -1,0 +1,67 @@
+"""CPU fast path: linear layers with weights pre-packed for oneDNN.
+
+Decode is matmul-bound on a CPU: every step multiplies a few activation rows by every
+weight matrix.  PyTorch's default CPU GEMM (MKL) handles these skinny products poorly
+on some processors; measured on this project's AMD EPYC test machine (fp32, 2 threads,
+[M, 896] x [896, 9728]):
+
+    rows M            1        8        32       256
+    F.linear (MKL)    6 GB/s   8 GF/s   20 GF/s  52 GF/s
+    oneDNN packed    12 GB/s  23 GF/s   62 GF/s 123 GF/s
+
+so weights are reordered once, at load time, into oneDNN's blocked layout and every
+step calls oneDNN directly.  Only float32 on CPU, and only when the op works here
+(bf16 packing needs AVX-512 or AVX-NE-CONVERT); anything else keeps `nn.Linear`,
+so CUDA and other devices run the plain code path unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Reorder hint: oneDNN picks a blocking for this many rows.  Measured on the test machine
+# (16 [9728, 896] matrices): hint 1 streams batch-1 decode fastest (11.4 GB/s) but loses
+# ~15% at 8-32 rows; hint 32 is the reverse (8.3 GB/s at one row); hint 2 gives up little
+# anywhere (10.5 GB/s at 1 row, 67 GFLOP/s at 32, 109 at 128).
+_PACK_ROWS_HINT = 2
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_ROWS_HINT)
+
+
+def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    try:  # private ops: make sure this torch build has them and they compute the right thing
+        w = torch.randn(8, 4)
+        x = torch.randn(3, 4)
+        y = torch.ops.mkldnn._linear_pointwise(x, _pack(w), None, "none", [], "")
+        return bool(torch.allclose(y, x @ w.t(), atol=1e-5))
+    except (RuntimeError, AttributeError):
+        return False
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W held in oneDNN's packed layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight_packed", _pack(weight), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Replace every nn.Linear in `model` by a PackedLinear; returns how many were packed."""
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                n += 1
+    return n
