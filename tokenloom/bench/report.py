@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenloom.bench.metrics import BenchSummary, Distribution
+from tokenloom.sim.hardware import cpu_model_name
 
 SCHEMA_VERSION = 1
 
@@ -31,21 +32,10 @@ SCHEMA_VERSION = 1
 # ---------------------------------------------------------------------------
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info() -> dict[str, Any]:
     """Where the benchmark ran.  Imports torch (already loaded by any engine run)."""
     info: dict[str, Any] = {
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model_name(),
         "logical_cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": sys.version.split()[0],

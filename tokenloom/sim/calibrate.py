@@ -2,24 +2,29 @@
 
 `estimate.CostModel` times a step as `max(bytes / bandwidth, FLOPs / peak) + overhead`
 with datasheet (or microbenchmark) rates -- the right shape for a GPU running fused
-kernels.  To predict what `tokenloom serve` really does on `--hardware local`, three
-things the plain roofline leaves out have to be modelled, and the rates have to be the
-ones our eager PyTorch forward pass actually reaches:
+kernels.  To predict what `tokenloom serve` really does on `--hardware local`, four
+things the plain roofline leaves out are modelled, and the rates are the ones our
+eager PyTorch forward pass actually reaches, fitted to its real steps:
 
 1. **Two matmul rooflines, not one.**  Every step runs the decoder layers over all T
    new tokens, but the vocabulary projection only over the S rows that sample a token
    (the last position of each request that catches up this step).  Each is its own
    GEMM with its own arithmetic intensity, so each gets its own roofline::
 
-       layers:  max(W_layers / bw,  2 * P_layers * T / F)
-       logits:  max(W_head   / bw,  2 * P_head   * S / F)     (0 when S = 0)
+       layers:  combine(W_layers / bw,  2 * P_layers * T / F)
+       logits:  combine(W_head   / bw,  2 * P_head   * S / F)     (0 when S = 0)
 
    A 256-token prefill chunk is compute-bound in the layers yet memory-bound in the
-   head (one row reads the whole vocab matrix: 27% of Qwen2.5-0.5B's weights); one max
-   over the whole step would hide that read.  A chunk that stops short of the prompt's
-   end samples nothing and skips the head altogether.
+   head (one row reads the whole vocab matrix: 27% of Qwen2.5-0.5B's weights); one
+   roofline over the whole step would hide that read.  A chunk that stops short of the
+   prompt's end samples nothing and skips the head altogether.
 
-2. **Padded attention.**  The model runner gathers each request's KV blocks into a
+2. **Overlap is measured, not assumed.**  `combine` is `max` when streaming the weights
+   and computing overlap (a GPU: separate memory system, thousands of threads) and
+   `sum` when they do not (a CPU, where the same two cores load the weights and do the
+   FLOPs).  The fit tries both and keeps the one that explains the steps better.
+
+3. **Padded attention.**  The model runner gathers each request's KV blocks into a
    dense `[rows, L_max]` tensor (L_max = the longest block table in the group, in
    whole blocks) and runs one masked attention for the decodes and one for the
    prefill chunks (queries padded to the longest chunk).  So attention costs
@@ -27,31 +32,40 @@ ones our eager PyTorch forward pass actually reaches:
    of its own, plus the gather: the KV of `rows x L_max` positions copied (read +
    write) and read again by the attention, `3 * kv_bytes_per_token` each, at bw.
 
-3. **Python per step and per request.**  Scheduling, input preparation, sampling,
-   detokenizing and stop checks cost a fixed `o` per step plus `o_seq` per scheduled
-   request, whatever the model.
+4. **Fixed costs.**  Eager PyTorch pays a dispatch cost per op: `dispatch` = the
+   microbenchmarked per-op time x the model's op count (`ModelSpec.eager_ops_per_step`).
+   Outside the model, the engine's Python -- scheduling, input preparation, sampling,
+   detokenizing, stop checks, the loop between steps -- costs `o` per step plus
+   `o_seq` per scheduled request.
 
-So, for one step::
+So, for one step of N requests::
 
-    t = o + o_seq * N + layers + logits + A_flops / F_attn + G_bytes / bw
+    forward = dispatch + layers + logits + A_flops / F_attn + G_bytes / bw
+    t       = forward + o + o_seq * N
 
 Fitting.  `run_calibration` runs the real engine (`LLM`, in this process) over a fixed
 plan of requests chosen to produce a spread of step shapes -- decode batches of 1 to
 16, single prefills of 8 to 384 tokens, a long prompt chunked at 512 tokens (chunks
 with and without a logits row, attention at 500-900 positions), a mixed burst -- and
-records every `StepEvent`.  The target is the step's *period*: its duration plus the
-median gap to the next step (the engine loop's own work between steps).  `fit` then
-searches bw and F on a log grid around the microbenchmark figures
-(`tokenloom.sim.microbench`) and, for each grid point, solves for o, o_seq and
-1/F_attn by non-negative least squares on *relative* error (a 150 ms decode step
-matters as much as a 3 s prefill).  The best grid point wins.
+records every `StepEvent`, which carries both the step's duration and the model's
+share of it (`forward_time`).  The two parts are fitted separately, so nothing
+constant has to be split between them by guesswork:
+
+* `o`, `o_seq`: least squares on the engine's own time per step (duration - forward
+  time + the median gap between steps) against N.
+* bw, F, F_attn and `combine`: the forward times, by a log grid over bw and F around
+  the microbenchmark figures (`tokenloom.sim.microbench`) with 1/F_attn solved at
+  each point (non-negative), minimising the squared *relative* error (a 250 ms decode
+  step matters as much as a 4 s prefill); both `combine`s, best wins.  On a shared
+  machine a few steps are slowed by other processes: the fit is repeated without the
+  steps it missed by far (see `fit`).
 
 The result -- fitted rates, their ratio to the microbenchmarks, the fit's error and the
 raw step samples -- is cached as JSON next to the microbenchmark cache, keyed by the
 machine (CPU, threads, torch), the model's shape, the dtype, the block size and a hash
 of the engine's hot-path source files, so editing the engine invalidates it.
 
-    cm = calibrated_cost_model("/tmp/m/qwen2.5-0.5b")     # measures once (~1 min), then cached
+    cm = calibrated_cost_model("/tmp/m/qwen2.5-0.5b")     # measures once (~1-2 min), then cached
     Simulator(cm, SimConfig(...)).run(requests)
 """
 
@@ -157,15 +171,18 @@ class Calibration:
     bandwidth: float  # B/s the weight streaming achieves
     flop_rate: float  # FLOP/s the GEMMs achieve
     attn_flop_rate: float  # FLOP/s of the padded attention (math.inf: no measurable cost)
-    overhead_s: float  # per step: scheduling, input prep, the loop between steps
-    per_seq_overhead_s: float  # per scheduled request: sampling, detokenizing, bookkeeping
+    overhead_s: float  # engine Python per step, outside the model (incl. the loop between steps)
+    per_seq_overhead_s: float  # engine Python per scheduled request: sampling, detokenizing, bookkeeping
+    overlap: str = "max"  # how memory and compute time combine: "max" (overlap) or "sum" (none)
+    dispatch_s: float = 0.0  # eager op dispatch per forward (microbench per-op time x ops)
     block_size: int = 16
-    # Fit quality on the calibration steps: relative errors |pred - real| / real.
+    # Fit quality on the calibration steps: relative errors |pred - real| / real of whole steps.
     num_steps: int = 0
     num_dropped: int = 0  # calibration steps left out of the fit as disturbed (see `fit`)
     median_abs_rel_error: float = math.nan
     p90_abs_rel_error: float = math.nan
     max_abs_rel_error: float = math.nan
+    other_overlap_error: float = math.nan  # median |error| of the best fit with the other `overlap`
     # References: the microbenchmarks of the same machine, and what the fit is relative to them.
     microbench_bandwidth: float = math.nan
     microbench_flop_rate: float = math.nan
@@ -175,7 +192,8 @@ class Calibration:
     model: str = ""
     dtype: str = ""
     calibration_wall_s: float = math.nan
-    samples: list[dict] = field(default_factory=list)  # {"entries": [[n, c, sample], ...], "period_s": t}
+    # {"entries": [[n, c, sample], ...], "period_s": step + gap, "forward_s": model time}
+    samples: list[dict] = field(default_factory=list)
 
     @property
     def mem_efficiency(self) -> float:
@@ -197,28 +215,39 @@ class Calibration:
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
         kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        for k in ("attn_flop_rate",):
-            if kw.get(k) is None:
-                kw[k] = math.inf
-        for k in ("median_abs_rel_error", "p90_abs_rel_error", "max_abs_rel_error", "microbench_bandwidth",
-                  "microbench_flop_rate", "calibration_wall_s"):
+        if kw.get("attn_flop_rate") is None:
+            kw["attn_flop_rate"] = math.inf
+        for k in ("median_abs_rel_error", "p90_abs_rel_error", "max_abs_rel_error", "other_overlap_error",
+                  "microbench_bandwidth", "microbench_flop_rate", "calibration_wall_s"):
             if kw.get(k) is None:
                 kw[k] = math.nan
         return cls(**kw)
 
     def summary_lines(self) -> list[str]:
         attn = "negligible" if math.isinf(self.attn_flop_rate) else f"{self.attn_flop_rate / 1e9:.1f} GFLOP/s"
+        other = "max" if self.overlap == "sum" else "sum"
         return [
             f"weight streaming {self.bandwidth / 1e9:.2f} GB/s ({self.mem_efficiency:.2f} x microbench copy "
             f"{self.microbench_bandwidth / 1e9:.2f} GB/s)",
             f"GEMMs {self.flop_rate / 1e9:.1f} GFLOP/s ({self.compute_efficiency:.2f} x microbench matmul "
             f"{self.microbench_flop_rate / 1e9:.1f} GFLOP/s), padded attention {attn}",
-            f"overhead {self.overhead_s * 1e3:.2f} ms/step (loop gap {self.step_gap_s * 1e3:.2f} ms) + "
-            f"{self.per_seq_overhead_s * 1e3:.3f} ms/request",
+            f"memory and compute combine by {self.overlap} (the best fit with {other} misses by "
+            f"{100 * self.other_overlap_error:.1f}% median)",
+            f"op dispatch {self.dispatch_s * 1e3:.2f} ms/forward; engine {self.overhead_s * 1e3:.2f} ms/step "
+            f"(loop gap {self.step_gap_s * 1e3:.2f} ms) + {self.per_seq_overhead_s * 1e3:.3f} ms/request",
             f"fit on {self.num_steps} engine steps ({self.num_dropped} more dropped as disturbed): "
             f"median |error| {100 * self.median_abs_rel_error:.1f}%, "
             f"p90 {100 * self.p90_abs_rel_error:.1f}%, max {100 * self.max_abs_rel_error:.1f}%",
         ]
+
+
+def _combine(overlap: str, mem_t, comp_t):
+    """Memory and compute time of one GEMM: overlapped (max) or not (sum); works on numpy arrays too."""
+    if overlap == "sum":
+        return mem_t + comp_t
+    import numpy as np
+
+    return np.maximum(mem_t, comp_t)
 
 
 # ---------------------------------------------------------------- the cost model
@@ -232,7 +261,8 @@ class EngineCostModel(CostModel):
 
     def __init__(self, spec: ModelSpec, hardware: Hardware, dtype: str | None, calibration: Calibration) -> None:
         super().__init__(spec, hardware, dtype, mem_efficiency=1.0, compute_efficiency=1.0,
-                         overhead_s=calibration.overhead_s, per_seq_overhead_s=calibration.per_seq_overhead_s)
+                         overhead_s=calibration.overhead_s + calibration.dispatch_s,
+                         per_seq_overhead_s=calibration.per_seq_overhead_s)
         self.calibration = calibration
         # The fitted rates replace the parent's peak x efficiency.
         self.bandwidth = calibration.bandwidth
@@ -246,14 +276,13 @@ class EngineCostModel(CostModel):
         if not entries:
             return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         p = self.features.parts(entries)
-        bw, F = self.bandwidth, self.flop_rate
-        layers = max(p.layer_bytes / bw, p.layer_flops / F)
-        head = max(p.head_bytes / bw, p.head_flops / F) if p.num_sampled else 0.0
-        attn = p.attn_flops / self.attn_flop_rate + p.kv_bytes / bw
-        over = self.overhead_s + self.per_seq_overhead_s * p.num_seqs
+        cal = self.calibration
+        forward = _forward_time(cal, p)
+        over = cal.overhead_s + cal.per_seq_overhead_s * p.num_seqs
         nbytes = p.layer_bytes + p.head_bytes + p.kv_bytes
         flops = p.layer_flops + p.head_flops + p.attn_flops
-        return StepCost(nbytes, flops, nbytes / bw, flops / F, over, layers + head + attn + over)
+        return StepCost(nbytes, flops, nbytes / cal.bandwidth, flops / cal.flop_rate, over + cal.dispatch_s,
+                        forward + over)
 
     def step_cost(self, prefill: Sequence[tuple[int, int]], decode_context_lens: Sequence[int]) -> StepCost:
         entries = [(1, c, True) for c in decode_context_lens] + [(n, c, True) for n, c in prefill]
@@ -268,7 +297,82 @@ class EngineCostModel(CostModel):
                                   for s in out.scheduled]).time_s
 
 
+def _forward_time(cal: Calibration, p: StepParts) -> float:
+    bw, F = cal.bandwidth, cal.flop_rate
+    t = float(_combine(cal.overlap, p.layer_bytes / bw, p.layer_flops / F))
+    if p.num_sampled:
+        t += float(_combine(cal.overlap, p.head_bytes / bw, p.head_flops / F))
+    return t + p.attn_flops / cal.attn_flop_rate + p.kv_bytes / bw + cal.dispatch_s
+
+
+def _predict(cal: Calibration, features: StepFeatures, entries_list: Iterable[Sequence[Entry]]) -> list[float]:
+    """Whole-step seconds (forward + engine overhead) for each step."""
+    out = []
+    for entries in entries_list:
+        p = features.parts(entries)
+        out.append(_forward_time(cal, p) + cal.overhead_s + cal.per_seq_overhead_s * p.num_seqs)
+    return out
+
+
 # ---------------------------------------------------------------- fitting
+Sample = tuple[Sequence[Entry], float, float]  # (entries, step period s, model forward s)
+
+
+def fit(samples: Sequence[Sample], features: StepFeatures, *, bandwidth_ref: float, flop_rate_ref: float,
+        dispatch_s: float = 0.0, trim: bool = True, overlaps: Sequence[str] = ("max", "sum"),
+        **grid_kw: Any) -> Calibration:
+    """Fit the engine overhead (o, o_seq) and the forward pass (bw, F, F_attn, overlap).
+
+    `samples`: (entries, step period, forward time) per measured step.  The forward fit
+    minimizes the sum of squared relative errors.  With `trim` it is done twice, the
+    second time without the steps the first fit missed by more than 3x its median
+    error (never more than 20% of them, never one within 5%): on a shared machine a few
+    steps are slowed by other processes.  Reported errors are those of whole steps
+    (forward + overhead) over the steps kept; `num_dropped` says how many were not.
+    """
+    import numpy as np
+
+    if not samples:
+        raise ValueError("no calibration steps to fit")
+    # 1) the engine's own time: period - forward = o + o_seq * N.
+    n_seq = np.array([len(e) for e, _, _ in samples], dtype=float)
+    y_eng = np.array([max(0.0, t - f) for _, t, f in samples])
+    A = np.stack([np.ones_like(n_seq), n_seq], axis=1)
+    (o, o_seq), _ = _nnls_small(A, y_eng)
+    # 2) the forward pass, for each way memory and compute may combine.
+    kept = list(samples)
+    fits = [_fit_forward(kept, features, bandwidth_ref, flop_rate_ref, dispatch_s, ov, **grid_kw) for ov in overlaps]
+    if trim and len(samples) >= 10:
+        best = min(fits, key=lambda c: c[1])[0]
+        kept = [samples[i] for i in _kept(samples, features, best)]
+        if len(kept) < len(samples):
+            fits = [_fit_forward(kept, features, bandwidth_ref, flop_rate_ref, dispatch_s, ov, **grid_kw)
+                    for ov in overlaps]
+    ranked = sorted(fits, key=lambda c: c[1])
+    cal = _replace(ranked[0][0], overhead_s=float(o), per_seq_overhead_s=float(o_seq),
+                   num_dropped=len(samples) - len(kept))
+    y = np.array([t for _, t, _ in kept])
+    errs = np.abs(np.array(_predict(cal, features, [e for e, _, _ in kept])) - y) / y
+    other = math.nan
+    if len(ranked) > 1:
+        oc = _replace(ranked[1][0], overhead_s=float(o), per_seq_overhead_s=float(o_seq))
+        other = float(np.median(np.abs(np.array(_predict(oc, features, [e for e, _, _ in kept])) - y) / y))
+    return _replace(cal, num_steps=len(kept), median_abs_rel_error=float(np.median(errs)),
+                    p90_abs_rel_error=float(np.percentile(errs, 90)), max_abs_rel_error=float(errs.max()),
+                    other_overlap_error=other)
+
+
+def _kept(samples: Sequence[Sample], features: StepFeatures, cal: Calibration) -> list[int]:
+    """Indices of the steps whose forward time `cal` explains (see `fit`)."""
+    import numpy as np
+
+    yf = np.array([f for _, _, f in samples])
+    pf = np.array([_forward_time(cal, features.parts(e)) for e, _, _ in samples])
+    errs = np.abs(pf - yf) / yf
+    cut = max(3 * float(np.median(errs)), float(np.percentile(errs, 80)), 0.05)  # within 5% is never noise
+    return [i for i, e in enumerate(errs) if e <= cut]
+
+
 def _nnls_small(A, b):
     """min ||A x - b|| with x >= 0, for a handful of columns: try every active set."""
     import itertools
@@ -292,42 +396,18 @@ def _nnls_small(A, b):
     return best_x, best_r
 
 
-def fit(samples: Sequence[tuple[Sequence[Entry], float]], features: StepFeatures, *,
-        bandwidth_ref: float, flop_rate_ref: float, trim: bool = True, **kw: Any) -> Calibration:
-    """Fit bw, F (log grid) and o, o_seq, 1/F_attn (NNLS) to measured step periods.
-
-    `samples`: (entries, measured seconds).  Minimizes the sum of squared *relative*
-    errors.  On a shared machine a few steps are slowed by other processes; with `trim`
-    the fit is done twice, the second time without the steps the first fit missed by
-    more than 3x its median error (never more than 20% of them, never one within 5%).  The reported errors
-    are over the steps kept; `num_dropped` says how many were not.
-    """
+def _fit_forward(samples: Sequence[Sample], features: StepFeatures, bandwidth_ref: float, flop_rate_ref: float,
+                 dispatch_s: float, overlap: str, grid: int = 32, lo: float = 0.05, hi: float = 3.0,
+                 rounds: int = 3) -> tuple[Calibration, float]:
+    """(calibration, loss): log grid over bw and F, zoomed `rounds` times; 1/F_attn by NNLS."""
     import numpy as np
 
-    cal = _fit_once(samples, features, bandwidth_ref, flop_rate_ref, **kw)
-    if not trim or len(samples) < 10:
-        return cal
-    y = np.array([t for _, t in samples], dtype=float)
-    errs = np.abs(np.array(_predict(cal, features, [e for e, _ in samples])) - y) / y
-    cut = max(3 * float(np.median(errs)), float(np.percentile(errs, 80)), 0.05)  # within 5% is never noise
-    kept = [s for s, e in zip(samples, errs) if e <= cut]
-    if len(kept) == len(samples):
-        return cal
-    return _replace(_fit_once(kept, features, bandwidth_ref, flop_rate_ref, **kw),
-                    num_dropped=len(samples) - len(kept))
-
-
-def _fit_once(samples: Sequence[tuple[Sequence[Entry], float]], features: StepFeatures, bandwidth_ref: float,
-              flop_rate_ref: float, grid: int = 32, lo: float = 0.05, hi: float = 3.0, rounds: int = 3) -> Calibration:
-    """One weighted least-squares fit (see `fit`): log grid over bw and F, zoomed `rounds` times."""
-    import numpy as np
-
-    if not samples:
-        raise ValueError("no calibration steps to fit")
-    parts = [features.parts(e) for e, _ in samples]
-    y = np.array([t for _, t in samples], dtype=float)
+    if overlap not in ("max", "sum"):
+        raise ValueError(f"overlap must be 'max' or 'sum', got {overlap!r}")
+    parts = [features.parts(e) for e, _, _ in samples]
+    y = np.array([f for _, _, f in samples], dtype=float)
     if (y <= 0).any():
-        raise ValueError("step times must be > 0")
+        raise ValueError("forward times must be > 0")
     w = 1.0 / y
     lb = np.array([p.layer_bytes for p in parts])
     lf = np.array([p.layer_flops for p in parts])
@@ -335,16 +415,16 @@ def _fit_once(samples: Sequence[tuple[Sequence[Entry], float]], features: StepFe
     hf = np.array([p.head_flops for p in parts])
     has_head = np.array([p.num_sampled > 0 for p in parts])
     kvb = np.array([p.kv_bytes for p in parts])
-    # Linear part: o * 1 + o_seq * N + (1 / F_attn) * attention FLOPs, weighted by 1/y.
-    A = np.stack([np.ones_like(y), np.array([p.num_seqs for p in parts], dtype=float),
-                  np.array([p.attn_flops for p in parts])], axis=1)
-    scale = np.maximum(np.abs(A).max(axis=0), 1e-30)  # column scaling keeps lstsq well conditioned
-    Aw = (A / scale) * w[:, None]
+    attn = np.array([p.attn_flops for p in parts]) * w
+    aa = float(attn @ attn)
 
-    def solve(bw: float, F: float):
-        base = np.maximum(lb / bw, lf / F) + np.where(has_head, np.maximum(hb / bw, hf / F), 0.0) + kvb / bw
-        x, loss = _nnls_small(Aw, (y - base) * w)
-        return loss, x / scale
+    def solve(bw: float, F: float) -> tuple[float, float]:
+        base = (_combine(overlap, lb / bw, lf / F) + np.where(has_head, _combine(overlap, hb / bw, hf / F), 0.0)
+                + kvb / bw + dispatch_s)
+        r = (y - base) * w
+        x = max(0.0, float(attn @ r) / aa) if aa > 0 else 0.0  # 1 / F_attn, non-negative
+        res = r - attn * x
+        return float(res @ res), x
 
     best = None
     blo, bhi = bandwidth_ref * lo, bandwidth_ref * hi
@@ -360,33 +440,19 @@ def _fit_once(samples: Sequence[tuple[Sequence[Entry], float]], features: StepFe
         step_b = (bhi / blo) ** (2.0 / (grid - 1))
         step_f = (fhi / flo) ** (2.0 / (grid - 1))
         blo, bhi, flo, fhi = bw / step_b, bw * step_b, F / step_f, F * step_f
-    _, bw, F, (o, o_seq, inv_attn) = best
+    loss, bw, F, inv_attn = best
     cal = Calibration(bandwidth=float(bw), flop_rate=float(F),
                       attn_flop_rate=math.inf if inv_attn <= 0 else float(1.0 / inv_attn),
-                      overhead_s=float(o), per_seq_overhead_s=float(o_seq), block_size=features.block_size,
-                      microbench_bandwidth=float(bandwidth_ref), microbench_flop_rate=float(flop_rate_ref))
-    errs = np.abs(np.array(_predict(cal, features, [e for e, _ in samples])) - y) / y
-    return _replace(cal, num_steps=len(samples), median_abs_rel_error=float(np.median(errs)),
-                    p90_abs_rel_error=float(np.percentile(errs, 90)), max_abs_rel_error=float(errs.max()))
+                      overhead_s=0.0, per_seq_overhead_s=0.0, overlap=overlap, dispatch_s=float(dispatch_s),
+                      block_size=features.block_size, microbench_bandwidth=float(bandwidth_ref),
+                      microbench_flop_rate=float(flop_rate_ref))
+    return cal, loss
 
 
 def _replace(cal: Calibration, **kw: Any) -> Calibration:
     import dataclasses
 
     return dataclasses.replace(cal, **kw)
-
-
-def _predict(cal: Calibration, features: StepFeatures, entries_list: Iterable[Sequence[Entry]]) -> list[float]:
-    out = []
-    for entries in entries_list:
-        p = features.parts(entries)
-        bw, F = cal.bandwidth, cal.flop_rate
-        t = max(p.layer_bytes / bw, p.layer_flops / F)
-        if p.num_sampled:
-            t += max(p.head_bytes / bw, p.head_flops / F)
-        t += p.attn_flops / cal.attn_flop_rate + p.kv_bytes / bw
-        out.append(t + cal.overhead_s + cal.per_seq_overhead_s * p.num_seqs)
-    return out
 
 
 # ---------------------------------------------------------------- measuring the engine
@@ -421,8 +487,8 @@ def calibration_plan(vocab: tuple[int, int], max_model_len: int, seed: int = 0) 
 
 
 def run_calibration(model: str, dtype: str = "auto", *, block_size: int = 16, num_threads: int | None = None,
-                    seed: int = 0, log: Callable[[str], None] | None = None) -> tuple[list[tuple[list[Entry], float]], float, dict]:
-    """Run the calibration plan on the real engine; ([(entries, period_s)], median gap_s, info)."""
+                    seed: int = 0, log: Callable[[str], None] | None = None) -> tuple[list[Sample], float, dict]:
+    """Run the calibration plan on the real engine; ([(entries, period_s, forward_s)], median gap_s, info)."""
     from tokenloom.bench.workloads import vocab_range_for
     from tokenloom.entrypoints.llm import LLM
     from tokenloom.sampling_params import SamplingParams
@@ -455,7 +521,7 @@ def run_calibration(model: str, dtype: str = "auto", *, block_size: int = 16, nu
     for evs in runs:
         for ev in evs:
             entries = [(e.num_tokens, e.kv_len_before, e.sampled_token_id is not None) for e in ev.entries]
-            samples.append((entries, ev.duration + gap))
+            samples.append((entries, ev.duration + gap, ev.forward_time))
     info = {"threads": _torch_threads(), "dtype": str(llm.llm_engine.loaded.dtype).replace("torch.", ""),
             "block_size": block_size}
     del llm
@@ -548,12 +614,14 @@ def calibrate(model: str, dtype: str | None = "auto", *, block_size: int = 16, r
     log(f"calibrating {spec.name} ({dt}) on this machine: running the engine over a fixed plan of step shapes...")
     t0 = time.perf_counter()
     samples, gap, _ = run_calibration(model, dt, block_size=block_size, log=log)
+    dispatch = hw.op_overhead_s * spec.eager_ops_per_step  # measured per-op cost x ops per forward
     cal = fit(samples, StepFeatures(spec, dt, block_size), bandwidth_ref=hw.mem_bandwidth,
-              flop_rate_ref=hw.flops_for(dt))
+              flop_rate_ref=hw.flops_for(dt), dispatch_s=dispatch)
     cal = _replace(cal, step_gap_s=gap, key=key, model=spec.name, dtype=dt,
                    measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                    calibration_wall_s=time.perf_counter() - t0,
-                   samples=[{"entries": [list(e) for e in entries], "period_s": t} for entries, t in samples])
+                   samples=[{"entries": [list(e) for e in entries], "period_s": t, "forward_s": f}
+                            for entries, t, f in samples])
     _write_cache(key, cal)
     return cal
 

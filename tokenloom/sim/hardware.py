@@ -21,6 +21,7 @@ Conventions (so numbers from different datasheets are comparable):
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass, field
 
 GiB = 2**30
@@ -165,3 +166,15 @@ def get_hardware(name: str, *, refresh_local: bool = False) -> Hardware:
         return CATALOG[key]
     except KeyError:
         raise UnknownHardwareError(f"unknown hardware {name!r}; known: {', '.join(hardware_names())}") from None
+
+
+def cpu_model_name() -> str:
+    """This machine's CPU model name (from /proc/cpuinfo where there is one)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown-cpu"
