@@ -70,7 +70,14 @@ def test_markdown_table_prints_signed_percentages() -> None:
 
 # ---------------------------------------------------------------- calibration model and fit
 QWEN = load_model_spec("qwen2.5-0.5b")
-TRUE = Calibration(bandwidth=12e9, flop_rate=80e9, attn_flop_rate=20e9, overhead_s=0.004, per_seq_overhead_s=0.0003)
+TRUE = Calibration(bandwidth=12e9, flop_rate=80e9, attn_flop_rate=20e9, gather_rate=2e9, overhead_s=0.004,
+                   per_seq_overhead_s=0.0003, overlap="sum", dispatch_s=0.005)
+
+
+def _samples(cal: Calibration, shapes, feats) -> list:
+    """(entries, period, forward) as the engine would report them if `cal` were the truth."""
+    periods = _predict(cal, feats, shapes)
+    return [(e, t, t - cal.overhead_s - cal.per_seq_overhead_s * len(e)) for e, t in zip(shapes, periods)]
 
 
 def _shapes() -> list[list[tuple[int, int, bool]]]:
@@ -78,6 +85,7 @@ def _shapes() -> list[list[tuple[int, int, bool]]]:
     for b in (1, 2, 4, 8, 16, 32):
         shapes.append([(1, 30 + 5 * i, True) for i in range(b)])
         shapes.append([(1, 600 + i, True) for i in range(b)])
+        shapes.append([(8, 592, True) for i in range(b)])
     for n in (8, 32, 96, 256, 512):
         shapes.append([(n, 0, True)])
         shapes.append([(n, 512, False)])
@@ -85,26 +93,33 @@ def _shapes() -> list[list[tuple[int, int, bool]]]:
     return shapes
 
 
-def test_fit_recovers_the_parameters_that_made_the_steps() -> None:
+@pytest.mark.parametrize("overlap", ["sum", "max"])
+def test_fit_recovers_the_parameters_that_made_the_steps(overlap: str) -> None:
+    import dataclasses
+
+    truth = dataclasses.replace(TRUE, overlap=overlap)
     feats = StepFeatures(QWEN, "float32")
     shapes = _shapes()
-    samples = list(zip(shapes, _predict(TRUE, feats, shapes)))
-    cal = fit(samples, feats, bandwidth_ref=10e9, flop_rate_ref=100e9)
-    assert cal.bandwidth == pytest.approx(TRUE.bandwidth, rel=0.03)
-    assert cal.flop_rate == pytest.approx(TRUE.flop_rate, rel=0.03)
-    assert cal.overhead_s == pytest.approx(TRUE.overhead_s, rel=0.15, abs=3e-4)
-    assert cal.max_abs_rel_error < 0.03 and cal.num_steps == len(shapes)
+    cal = fit(_samples(truth, shapes, feats), feats, bandwidth_ref=10e9, flop_rate_ref=100e9,
+              dispatch_s=truth.dispatch_s)
+    assert cal.overlap == overlap and cal.other_overlap_error > 0.01  # the data tell the two apart
+    assert cal.bandwidth == pytest.approx(truth.bandwidth, rel=0.03)
+    assert cal.flop_rate == pytest.approx(truth.flop_rate, rel=0.03)
+    assert cal.overhead_s == pytest.approx(truth.overhead_s, rel=1e-6)
+    assert cal.per_seq_overhead_s == pytest.approx(truth.per_seq_overhead_s, rel=1e-6)
+    assert cal.max_abs_rel_error < 0.03 and cal.num_steps == len(shapes) and cal.num_dropped == 0
     assert cal.mem_efficiency == pytest.approx(1.2, rel=0.03)
     assert Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))) == cal
 
 
 def test_fit_drops_steps_disturbed_by_other_processes() -> None:
     feats = StepFeatures(QWEN, "float32")
-    shapes = _shapes()
-    times = _predict(TRUE, feats, shapes)
+    samples = _samples(TRUE, _shapes(), feats)
     for i in (3, 10, 17):  # another process stole the cores during these steps
-        times[i] *= 2.5
-    cal = fit(list(zip(shapes, times)), feats, bandwidth_ref=10e9, flop_rate_ref=100e9)
+        e, t, f = samples[i]
+        samples[i] = (e, t + 1.5 * f, 2.5 * f)
+    cal = fit(samples, feats, bandwidth_ref=10e9, flop_rate_ref=100e9, dispatch_s=TRUE.dispatch_s)
+    shapes = _shapes()
     assert cal.num_dropped == 3 and cal.num_steps == len(shapes) - 3
     assert cal.flop_rate == pytest.approx(TRUE.flop_rate, rel=0.03)
     assert cal.bandwidth == pytest.approx(TRUE.bandwidth, rel=0.03)
@@ -116,7 +131,8 @@ def test_engine_cost_model_charges_the_logits_matmul_only_when_sampling() -> Non
     with_head = cm.entries_cost([(256, 0, True)]).time_s
     without = cm.entries_cost([(256, 0, False)]).time_s
     head_bytes = QWEN.logits_matmul_params * 4
-    assert with_head - without == pytest.approx(max(head_bytes / TRUE.bandwidth, 2 * QWEN.logits_matmul_params / TRUE.flop_rate))
+    # TRUE says memory and compute do not overlap: the head costs its read plus its FLOPs.
+    assert with_head - without == pytest.approx(head_bytes / TRUE.bandwidth + 2 * QWEN.logits_matmul_params / TRUE.flop_rate)
     assert head_bytes == feats.head_bytes
     # The parent's interface assumes every entry samples; decode steps grow with the batch.
     assert cm.step_time([(256, 0)], []) == pytest.approx(with_head)
@@ -222,8 +238,8 @@ def _fake_local_caches(tmp_path, monkeypatch, model_dir: str) -> Calibration:
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "microbench.json").write_text(json.dumps({"version": 1, "entries": {key: mb}}))
     spec = load_model_spec(model_dir)
-    cal = Calibration(bandwidth=5e9, flop_rate=2e10, attn_flop_rate=1e10, overhead_s=0.002, per_seq_overhead_s=1e-4,
-                      microbench_bandwidth=10e9, microbench_flop_rate=5e10)
+    cal = Calibration(bandwidth=5e9, flop_rate=2e10, attn_flop_rate=1e10, gather_rate=1e9, overhead_s=0.002,
+                      per_seq_overhead_s=1e-4, microbench_bandwidth=10e9, microbench_flop_rate=5e10)
     ckey = calibration_key(spec, "float32", 16)
     (tmp_path / "cache" / "calibration.json").write_text(
         json.dumps({"version": 1, "entries": {ckey: cal.to_dict()}}))

@@ -154,10 +154,14 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
     with torch.no_grad():
         for f in _weight_files(path):
             with safe_open(str(f), framework="pt", device="cpu") as sf:
-                for name in sf.keys():
-                    tgt = _target(name, a)
-                    if tgt is None:
-                        continue
+                names = list(sf.keys())
+            for name in names:
+                tgt = _target(name, a)
+                if tgt is None:
+                    continue
+                # One mapping per tensor: pages of the mmapped file are released as soon as
+                # the tensor is copied, so loading never holds the file and the model at once.
+                with safe_open(str(f), framework="pt", device="cpu") as sf:
                     pname, idx = tgt
                     if pname not in params:
                         raise ValueError(f"checkpoint tensor {name!r} has no place in {arch} ({pname})")
@@ -166,7 +170,8 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
                     if idx is None:
                         if tuple(t.shape) != tuple(p.shape):
                             raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != expected {tuple(p.shape)}")
-                        p.data = t.to(device=device, dtype=tdtype)
+                        # copy=True: a zero-copy view would pin the whole mmapped file in memory
+                        p.data = t.to(device=device, dtype=tdtype, copy=True)
                         filled[pname] = filled.get(pname, 0) + 1
                     else:
                         lo, hi = _shard_bounds(pname, idx, a)
@@ -174,6 +179,7 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
                             p.data = torch.empty(p.shape, dtype=tdtype, device=device)
                         p.data[lo:hi].copy_(t)
                         filled[pname] = filled.get(pname, 0) + 1
+                    del t
     for pname, p in params.items():
         expect = 1
         if "qkv_proj" in pname:
@@ -183,6 +189,7 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
         if filled.get(pname, 0) != expect:
             raise ValueError(f"checkpoint at {path} is missing weights for {pname}")
     model.eval()
+    del params  # drop our references, so packing can free each unpacked weight as it goes
     from tokenloom.model.packed_linear import packing_supported
 
     if pack_weights and packing_supported(device, tdtype):

@@ -57,11 +57,16 @@ class PackedLinear(nn.Module):
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear in `model` by a PackedLinear; returns how many were packed."""
-    n = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
-                n += 1
-    return n
+    """Replace every nn.Linear in `model` by a PackedLinear; returns how many were packed.
+
+    One layer at a time, keeping no reference to the replaced module, so each unpacked
+    weight is freed as soon as its packed copy exists: peak memory stays near one copy
+    of the weights instead of two."""
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        setattr(parent, attr, PackedLinear(old.weight, old.bias))
+        del old
+    return len(names)

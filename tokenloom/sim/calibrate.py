@@ -28,9 +28,11 @@ eager PyTorch forward pass actually reaches, fitted to its real steps:
    dense `[rows, L_max]` tensor (L_max = the longest block table in the group, in
    whole blocks) and runs one masked attention for the decodes and one for the
    prefill chunks (queries padded to the longest chunk).  So attention costs
-   `padded query x key pairs x 4 * layers * heads * head_dim` FLOPs at a rate F_attn
-   of its own, plus the gather: the KV of `rows x L_max` positions copied (read +
-   write) and read again by the attention, `3 * kv_bytes_per_token` each, at bw.
+   `padded query x key pairs x 4 * layers * heads * head_dim` FLOPs at a rate F_attn,
+   plus moving the KV of `rows x L_max` gathered positions (`kv_bytes_per_token` each)
+   at a rate G -- its own rate, because the gather copies it and grouped-query
+   attention may expand it to every query head before the kernel reads it.  New K/V
+   (`T x kv_bytes_per_token`) is written at bw.
 
 4. **Fixed costs.**  Eager PyTorch pays a dispatch cost per op: `dispatch` = the
    microbenchmarked per-op time x the model's op count (`ModelSpec.eager_ops_per_step`).
@@ -40,22 +42,23 @@ eager PyTorch forward pass actually reaches, fitted to its real steps:
 
 So, for one step of N requests::
 
-    forward = dispatch + layers + logits + A_flops / F_attn + G_bytes / bw
+    forward = dispatch + layers + logits + A_flops / F_attn + gathered_KV_bytes / G + new_KV_bytes / bw
     t       = forward + o + o_seq * N
 
 Fitting.  `run_calibration` runs the real engine (`LLM`, in this process) over a fixed
 plan of requests chosen to produce a spread of step shapes -- decode batches of 1 to
 16, single prefills of 8 to 384 tokens, a long prompt chunked at 512 tokens (chunks
-with and without a logits row, attention at 500-900 positions), a mixed burst -- and
+with and without a logits row, attention at 500-900 positions), decode batches at ~600
+tokens of context, a mixed burst -- and
 records every `StepEvent`, which carries both the step's duration and the model's
 share of it (`forward_time`).  The two parts are fitted separately, so nothing
 constant has to be split between them by guesswork:
 
 * `o`, `o_seq`: least squares on the engine's own time per step (duration - forward
   time + the median gap between steps) against N.
-* bw, F, F_attn and `combine`: the forward times, by a log grid over bw and F around
-  the microbenchmark figures (`tokenloom.sim.microbench`) with 1/F_attn solved at
-  each point (non-negative), minimising the squared *relative* error (a 250 ms decode
+* bw, F, F_attn, G and `combine`: the forward times, by a log grid over bw and F
+  around the microbenchmark figures (`tokenloom.sim.microbench`) with 1/F_attn and 1/G
+  solved at each point (non-negative least squares), minimising the squared *relative* error (a 250 ms decode
   step matters as much as a 4 s prefill); both `combine`s, best wins.  On a shared
   machine a few steps are slowed by other processes: the fit is repeated without the
   steps it missed by far (see `fit`).
@@ -92,10 +95,9 @@ _CACHE_FILE = "calibration.json"
 # One scheduled request in a step: (new tokens, tokens already in its KV cache, samples a token).
 Entry = tuple[int, int, bool]
 
-# The engine's step: these files decide how long it takes.  Their hash is part of the cache key.
-_HOT_PATH = ("runner/model_runner.py", "runner/sampler.py", "model/attention.py", "model/layers.py",
-             "model/llama.py", "engine/llm_engine.py", "engine/detokenizer.py", "core/scheduler.py",
-             "core/kv_cache.py")
+# The engine's step: the sources in these packages decide how long it takes.  Their hash is
+# part of the cache key, so a calibration never outlives the code it measured.
+_HOT_PATH = ("core", "engine", "model", "runner")
 
 
 # ---------------------------------------------------------------- step features
@@ -111,7 +113,8 @@ class StepParts:
     head_bytes: float  # 0 when no row samples
     head_flops: float
     attn_flops: float  # padded query x key pairs x attention FLOPs per pair
-    kv_bytes: float  # KV gathered for attention (x3) + new K/V written
+    gather_bytes: float  # KV of the padded positions gathered for attention
+    kv_write_bytes: float  # new K/V written into the cache
 
 
 def _round_up(x: int, m: int) -> int:
@@ -159,7 +162,8 @@ class StepFeatures:
             head_bytes=float(self.head_bytes) if sampled else 0.0,
             head_flops=float(sampled * self.head_flops_per_row),
             attn_flops=float(pairs * self.attn_flops_per_pair),
-            kv_bytes=float((3 * gathered + tokens) * self.kv_bytes_per_token),
+            gather_bytes=float(gathered * self.kv_bytes_per_token),
+            kv_write_bytes=float(tokens * self.kv_bytes_per_token),
         )
 
 
@@ -171,6 +175,7 @@ class Calibration:
     bandwidth: float  # B/s the weight streaming achieves
     flop_rate: float  # FLOP/s the GEMMs achieve
     attn_flop_rate: float  # FLOP/s of the padded attention (math.inf: no measurable cost)
+    gather_rate: float  # B/s at which attention moves the gathered KV (math.inf: no measurable cost)
     overhead_s: float  # engine Python per step, outside the model (incl. the loop between steps)
     per_seq_overhead_s: float  # engine Python per scheduled request: sampling, detokenizing, bookkeeping
     overlap: str = "max"  # how memory and compute time combine: "max" (overlap) or "sum" (none)
@@ -215,8 +220,9 @@ class Calibration:
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
         kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        if kw.get("attn_flop_rate") is None:
-            kw["attn_flop_rate"] = math.inf
+        for k in ("attn_flop_rate", "gather_rate"):
+            if kw.get(k) is None:
+                kw[k] = math.inf
         for k in ("median_abs_rel_error", "p90_abs_rel_error", "max_abs_rel_error", "other_overlap_error",
                   "microbench_bandwidth", "microbench_flop_rate", "calibration_wall_s"):
             if kw.get(k) is None:
@@ -225,12 +231,13 @@ class Calibration:
 
     def summary_lines(self) -> list[str]:
         attn = "negligible" if math.isinf(self.attn_flop_rate) else f"{self.attn_flop_rate / 1e9:.1f} GFLOP/s"
+        gather = "negligible" if math.isinf(self.gather_rate) else f"{self.gather_rate / 1e9:.2f} GB/s"
         other = "max" if self.overlap == "sum" else "sum"
         return [
             f"weight streaming {self.bandwidth / 1e9:.2f} GB/s ({self.mem_efficiency:.2f} x microbench copy "
             f"{self.microbench_bandwidth / 1e9:.2f} GB/s)",
             f"GEMMs {self.flop_rate / 1e9:.1f} GFLOP/s ({self.compute_efficiency:.2f} x microbench matmul "
-            f"{self.microbench_flop_rate / 1e9:.1f} GFLOP/s), padded attention {attn}",
+            f"{self.microbench_flop_rate / 1e9:.1f} GFLOP/s), padded attention {attn}, KV gather {gather}",
             f"memory and compute combine by {self.overlap} (the best fit with {other} misses by "
             f"{100 * self.other_overlap_error:.1f}% median)",
             f"op dispatch {self.dispatch_s * 1e3:.2f} ms/forward; engine {self.overhead_s * 1e3:.2f} ms/step "
@@ -279,7 +286,7 @@ class EngineCostModel(CostModel):
         cal = self.calibration
         forward = _forward_time(cal, p)
         over = cal.overhead_s + cal.per_seq_overhead_s * p.num_seqs
-        nbytes = p.layer_bytes + p.head_bytes + p.kv_bytes
+        nbytes = p.layer_bytes + p.head_bytes + p.gather_bytes + p.kv_write_bytes
         flops = p.layer_flops + p.head_flops + p.attn_flops
         return StepCost(nbytes, flops, nbytes / cal.bandwidth, flops / cal.flop_rate, over + cal.dispatch_s,
                         forward + over)
@@ -302,7 +309,8 @@ def _forward_time(cal: Calibration, p: StepParts) -> float:
     t = float(_combine(cal.overlap, p.layer_bytes / bw, p.layer_flops / F))
     if p.num_sampled:
         t += float(_combine(cal.overlap, p.head_bytes / bw, p.head_flops / F))
-    return t + p.attn_flops / cal.attn_flop_rate + p.kv_bytes / bw + cal.dispatch_s
+    return (t + p.attn_flops / cal.attn_flop_rate + p.gather_bytes / cal.gather_rate + p.kv_write_bytes / bw
+            + cal.dispatch_s)
 
 
 def _predict(cal: Calibration, features: StepFeatures, entries_list: Iterable[Sequence[Entry]]) -> list[float]:
@@ -414,17 +422,17 @@ def _fit_forward(samples: Sequence[Sample], features: StepFeatures, bandwidth_re
     hb = np.array([p.head_bytes for p in parts])
     hf = np.array([p.head_flops for p in parts])
     has_head = np.array([p.num_sampled > 0 for p in parts])
-    kvb = np.array([p.kv_bytes for p in parts])
-    attn = np.array([p.attn_flops for p in parts]) * w
-    aa = float(attn @ attn)
+    kvw = np.array([p.kv_write_bytes for p in parts])
+    # Linear, non-negative: 1/F_attn x attention FLOPs + 1/G x gathered KV bytes (columns scaled to ~1).
+    M = np.stack([np.array([p.attn_flops for p in parts]), np.array([p.gather_bytes for p in parts])], axis=1)
+    scale = np.maximum(M.max(axis=0), 1e-30)
+    Mw = (M / scale) * w[:, None]
 
-    def solve(bw: float, F: float) -> tuple[float, float]:
+    def solve(bw: float, F: float) -> tuple[float, np.ndarray]:
         base = (_combine(overlap, lb / bw, lf / F) + np.where(has_head, _combine(overlap, hb / bw, hf / F), 0.0)
-                + kvb / bw + dispatch_s)
-        r = (y - base) * w
-        x = max(0.0, float(attn @ r) / aa) if aa > 0 else 0.0  # 1 / F_attn, non-negative
-        res = r - attn * x
-        return float(res @ res), x
+                + kvw / bw + dispatch_s)
+        x, loss = _nnls_small(Mw, (y - base) * w)
+        return loss, x / scale
 
     best = None
     blo, bhi = bandwidth_ref * lo, bandwidth_ref * hi
@@ -440,9 +448,10 @@ def _fit_forward(samples: Sequence[Sample], features: StepFeatures, bandwidth_re
         step_b = (bhi / blo) ** (2.0 / (grid - 1))
         step_f = (fhi / flo) ** (2.0 / (grid - 1))
         blo, bhi, flo, fhi = bw / step_b, bw * step_b, F / step_f, F * step_f
-    loss, bw, F, inv_attn = best
+    loss, bw, F, (inv_attn, inv_gather) = best
     cal = Calibration(bandwidth=float(bw), flop_rate=float(F),
                       attn_flop_rate=math.inf if inv_attn <= 0 else float(1.0 / inv_attn),
+                      gather_rate=math.inf if inv_gather <= 0 else float(1.0 / inv_gather),
                       overhead_s=0.0, per_seq_overhead_s=0.0, overlap=overlap, dispatch_s=float(dispatch_s),
                       block_size=features.block_size, microbench_bandwidth=float(bandwidth_ref),
                       microbench_flop_rate=float(flop_rate_ref))
@@ -459,10 +468,12 @@ def _replace(cal: Calibration, **kw: Any) -> Calibration:
 def calibration_plan(vocab: tuple[int, int], max_model_len: int, seed: int = 0) -> list[tuple[str, list[tuple[list[int], int]]]]:
     """Named groups of (prompt token ids, output tokens), each run as one `generate` call.
 
-    Chosen for a spread of step shapes on an engine with max_num_seqs 16 and a 512-token
-    budget: decode batches 1..16 at short context, lone prefills of 8..384 tokens, a
-    long prompt chunked at 512 (a chunk with no logits row, attention to ~900
-    positions) and a mixed burst where prefill chunks share steps with decodes.
+    Chosen for a spread of step shapes on an engine with max_num_seqs 16, a 512-token
+    budget and prefix caching: decode batches 1..16 at short context, lone prefills of
+    8..384 tokens, a long prompt chunked at 512 (a chunk with no logits row, attention
+    to ~900 positions), decode batches of 4 and 12 at ~600 tokens of context (their
+    prompts share a prefix computed once, so the long contexts cost one prefill) and a
+    mixed burst where prefill chunks share steps with decodes.
     """
     import numpy as np
 
@@ -475,12 +486,15 @@ def calibration_plan(vocab: tuple[int, int], max_model_len: int, seed: int = 0) 
     long_len = max(16, min(900, max_model_len - 16))
     plan: list[tuple[str, list[tuple[list[int], int]]]] = []
     for b in (1, 2, 4, 8, 16):
-        plan.append((f"decode batch {b}", [(prompt(24 + i), 7) for i in range(b)]))
-    plan.append(("lone prefills", []))
+        plan.append((f"decode batch {b}", [(prompt(24 + i), 9) for i in range(b)]))
     for n in (8, 32, 96, 192, 384):
         plan.append((f"prefill {n}", [(prompt(min(n, max_model_len - 4)), 2)]))
-    plan = [p for p in plan if p[1]]
     plan.append((f"long prompt {long_len} + decode", [(prompt(long_len), 6), (prompt(40), 12)]))
+    prefix_len = max(16, min(600, max_model_len - 40))
+    prefix = prompt(prefix_len)
+    plan.append((f"shared prefix {prefix_len}", [(prefix, 1)]))
+    for b, out in ((4, 8), (12, 6)):
+        plan.append((f"decode batch {b} at context {prefix_len}", [(prefix + prompt(8), out) for _ in range(b)]))
     plan.append(("mixed burst", [(prompt(int(n)), int(o)) for n, o in
                                  zip(rng.integers(40, 200, size=6), rng.integers(6, 14, size=6))]))
     return plan
@@ -498,7 +512,7 @@ def run_calibration(model: str, dtype: str = "auto", *, block_size: int = 16, nu
     max_model_len = min(2048, max_len_cfg)
     llm = LLM(model, dtype=dtype, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=max_model_len,
               block_size=block_size, num_kv_blocks=16 * _round_up(max_model_len, block_size) // block_size,
-              enable_prefix_caching=False, num_threads=num_threads, seed=seed)
+              enable_prefix_caching=True, num_threads=num_threads, seed=seed)
     events: list = []
     llm.add_observer(events.append)
     vocab = vocab_range_for(llm.get_tokenizer(), llm.llm_engine.vocab_size)
@@ -545,10 +559,10 @@ def engine_fingerprint() -> str:
     """Hash of the engine's hot-path source: a changed engine needs a new calibration."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha1()
-    for rel in _HOT_PATH:
-        p = root / rel
-        h.update(rel.encode())
-        h.update(p.read_bytes() if p.exists() else b"-")
+    for pkg in _HOT_PATH:
+        for p in sorted((root / pkg).glob("*.py")):
+            h.update(f"{pkg}/{p.name}".encode())
+            h.update(p.read_bytes())
     return h.hexdigest()[:12]
 
 
