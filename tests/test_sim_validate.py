@@ -240,9 +240,8 @@ def _fake_local_caches(tmp_path, monkeypatch, model_dir: str) -> Calibration:
     spec = load_model_spec(model_dir)
     cal = Calibration(bandwidth=5e9, flop_rate=2e10, attn_flop_rate=1e10, gather_rate=1e9, overhead_s=0.002,
                       per_seq_overhead_s=1e-4, microbench_bandwidth=10e9, microbench_flop_rate=5e10)
-    ckey = calibration_key(spec, "float32", 16)
-    (tmp_path / "cache" / "calibration.json").write_text(
-        json.dumps({"version": 1, "entries": {ckey: cal.to_dict()}}))
+    entries = {calibration_key(spec, "float32", 16, mode): cal.to_dict() for mode in ("serve", "offline")}
+    (tmp_path / "cache" / "calibration.json").write_text(json.dumps({"version": 1, "entries": entries}))
     return cal
 
 
@@ -302,3 +301,33 @@ def test_rebuilt_workload_must_match_the_recorded_one(tmp_path) -> None:
     doc["workload"]["stats"]["total_input_tokens"] += 1
     with pytest.raises(ValueError, match="differs from the measured one"):
         rebuild_requests(doc)
+
+
+def test_compare_with_a_sweep_simulates_every_point(model_factory, tmp_path, monkeypatch, capsys) -> None:
+    from tokenloom.entrypoints.cli import main
+
+    model = str(model_factory("tiny-llama"))
+    _fake_local_caches(tmp_path, monkeypatch, model)
+    doc = _bench_doc(model, {})
+    doc["benchmark"] = "sweep"
+    doc["config"] = {**doc["config"], "model": model, "mode": "offline", "max_concurrency": 3}
+    row = {"output_throughput": 100.0, "ttft_p50_ms": 50.0, "ttft_p95_ms": 90.0, "tpot_p50_ms": 10.0,
+           "tpot_p95_ms": 20.0}
+    doc["results"] = {"points": [
+        {"max_num_seqs": 2, "max_num_batched_tokens": 32, "chunked_prefill": True, **row},
+        {"max_num_seqs": 4, "max_num_batched_tokens": 128, "chunked_prefill": True, **row},
+        {"max_num_seqs": 4, "max_num_batched_tokens": 16, "chunked_prefill": False, "error": "invalid"}]}
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(doc))
+    out = tmp_path / "v.json"
+    rc = main(["simulate", "--compare-with", str(path), "--output-json", str(out)])
+    text = capsys.readouterr().out
+    assert rc in (0, 1) and "bench sweep: measured / simulated" in text
+    v = json.loads(out.read_text())
+    assert [p["point"]["max_num_seqs"] for p in v["points"]] == [2, 4]  # the failed point is skipped
+    first = {r["key"]: r for r in v["points"][0]["comparison"]}
+    assert first["tpot_p95"]["measured"] == 20.0 and first["ttft_p95"]["measured"] == 90.0
+    assert first["output_throughput"]["rel_error"] == pytest.approx(first["output_throughput"]["simulated"] / 100.0 - 1)
+    # Different limits, different simulated runs.
+    second = {r["key"]: r for r in v["points"][1]["comparison"]}
+    assert first["ttft_median"]["simulated"] != second["ttft_median"]["simulated"]

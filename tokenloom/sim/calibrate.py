@@ -45,21 +45,28 @@ So, for one step of N requests::
     forward = dispatch + layers + logits + A_flops / F_attn + gathered_KV_bytes / G + new_KV_bytes / bw
     t       = forward + o + o_seq * N
 
-Fitting.  `run_calibration` runs the real engine (`LLM`, in this process) over a fixed
-plan of requests chosen to produce a spread of step shapes -- decode batches of 1 to
-16, single prefills of 8 to 384 tokens, a long prompt chunked at 512 tokens (chunks
-with and without a logits row, attention at 500-900 positions), decode batches at ~600
-tokens of context, a mixed burst -- and
-records every `StepEvent`, which carries both the step's duration and the model's
-share of it (`forward_time`).  The two parts are fitted separately, so nothing
-constant has to be split between them by guesswork:
+Measuring.  `run_calibration` runs the real engine over a fixed plan of requests chosen
+to produce a spread of step shapes -- decode batches of 1 to 16, single prefills of 8
+to 384 tokens, a long prompt chunked at 512 tokens (chunks with and without a logits
+row, attention at 500-900 positions), decode batches at ~600 tokens of context, a
+mixed burst -- and records every `StepEvent`, which carries both the step's duration
+and the model's share of it (`forward_time`).  By default ("serve" mode) it measures
+the engine as `bench serve` uses it: a real `tokenloom serve` process fed over HTTP by
+a streaming client, because on a machine with few cores the server's event loop and
+the client take CPU from the forward pass (on this 2-core machine the served steps
+are ~30% slower than `LLM.generate`'s); "offline" mode runs `LLM.generate` in this
+process, for predicting offline benchmarks.
+
+Fitting.  The two parts are fitted separately, so nothing constant has to be split
+between them by guesswork:
 
 * `o`, `o_seq`: least squares on the engine's own time per step (duration - forward
   time + the median gap between steps) against N.
 * bw, F, F_attn, G and `combine`: the forward times, by a log grid over bw and F
   around the microbenchmark figures (`tokenloom.sim.microbench`) with 1/F_attn and 1/G
-  solved at each point (non-negative least squares), minimising the squared *relative* error (a 250 ms decode
-  step matters as much as a 4 s prefill); both `combine`s, best wins.  On a shared
+  solved at each point (non-negative least squares), minimising the squared
+  *relative* error (a 250 ms decode step matters as much as a 4 s prefill); both
+  `combine`s, best wins.  On a shared
   machine a few steps are slowed by other processes: the fit is repeated without the
   steps it missed by far (see `fit`).
 
@@ -97,7 +104,7 @@ Entry = tuple[int, int, bool]
 
 # The engine's step: the sources in these packages decide how long it takes.  Their hash is
 # part of the cache key, so a calibration never outlives the code it measured.
-_HOT_PATH = ("core", "engine", "model", "runner")
+_HOT_PATH = ("core", "engine", "model", "runner", "entrypoints/openai")
 
 
 # ---------------------------------------------------------------- step features
@@ -192,6 +199,7 @@ class Calibration:
     microbench_bandwidth: float = math.nan
     microbench_flop_rate: float = math.nan
     step_gap_s: float = 0.0  # median time between one step's end and the next one's start (in overhead_s)
+    mode: str = "serve"  # how the steps were measured: "serve" (HTTP server + client) or "offline"
     key: str = ""
     measured_at: str = ""
     model: str = ""
@@ -242,7 +250,8 @@ class Calibration:
             f"{100 * self.other_overlap_error:.1f}% median)",
             f"op dispatch {self.dispatch_s * 1e3:.2f} ms/forward; engine {self.overhead_s * 1e3:.2f} ms/step "
             f"(loop gap {self.step_gap_s * 1e3:.2f} ms) + {self.per_seq_overhead_s * 1e3:.3f} ms/request",
-            f"fit on {self.num_steps} engine steps ({self.num_dropped} more dropped as disturbed): "
+            f"fit on {self.num_steps} engine steps measured {'through the server' if self.mode == 'serve' else 'offline'} "
+            f"({self.num_dropped} more dropped as disturbed): "
             f"median |error| {100 * self.median_abs_rel_error:.1f}%, "
             f"p90 {100 * self.p90_abs_rel_error:.1f}%, max {100 * self.max_abs_rel_error:.1f}%",
         ]
@@ -500,23 +509,51 @@ def calibration_plan(vocab: tuple[int, int], max_model_len: int, seed: int = 0) 
     return plan
 
 
-def run_calibration(model: str, dtype: str = "auto", *, block_size: int = 16, num_threads: int | None = None,
-                    seed: int = 0, log: Callable[[str], None] | None = None) -> tuple[list[Sample], float, dict]:
-    """Run the calibration plan on the real engine; ([(entries, period_s, forward_s)], median gap_s, info)."""
+CALIBRATION_MODES = ("serve", "offline")
+
+
+def _engine_limits(model: str, block_size: int) -> dict:
+    """The calibration engine: 16 seats, a 512-token budget, prefix caching, KV for 16 full requests."""
+    max_len_cfg = int(load_config_dict(model).get("max_position_embeddings") or 2048)
+    max_model_len = min(2048, max_len_cfg)
+    return dict(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=max_model_len, block_size=block_size,
+                num_kv_blocks=16 * _round_up(max_model_len, block_size) // block_size, enable_prefix_caching=True)
+
+
+def _samples_from(runs: Sequence[Sequence[tuple[list[Entry], float, float, float]]]) -> tuple[list[Sample], float]:
+    """(entries, start, end, forward) per step, grouped by run -> samples with the median loop gap added."""
+    gaps = [b[1] - a[2] for evs in runs for a, b in zip(evs, evs[1:])]
+    gap = statistics.median(gaps) if gaps else 0.0
+    return [(entries, end - start + gap, fwd) for evs in runs for entries, start, end, fwd in evs], gap
+
+
+def run_calibration(model: str, dtype: str = "auto", *, block_size: int = 16, mode: str = "serve",
+                    num_threads: int | None = None, seed: int = 0,
+                    log: Callable[[str], None] | None = None) -> tuple[list[Sample], float, dict]:
+    """Run the calibration plan on the real engine; ([(entries, period_s, forward_s)], median gap_s, info).
+
+    mode "serve" (the default) measures the engine the way `bench serve` uses it: a real
+    `tokenloom serve` process, fed the plan over HTTP by a streaming client in this
+    process, so the steps pay for the server's event loop and the client sharing the
+    machine; the server reports its steps through the engine's observer API.
+    mode "offline" runs `LLM.generate` in this process (no HTTP, no client).
+    """
+    if mode not in CALIBRATION_MODES:
+        raise ValueError(f"calibration mode must be one of {CALIBRATION_MODES}, got {mode!r}")
+    log = log or (lambda s: None)
+    if mode == "serve":
+        return _run_calibration_served(model, dtype, block_size=block_size, num_threads=num_threads, seed=seed,
+                                       log=log)
     from tokenloom.bench.workloads import vocab_range_for
     from tokenloom.entrypoints.llm import LLM
     from tokenloom.sampling_params import SamplingParams
 
-    log = log or (lambda s: None)
-    max_len_cfg = int(load_config_dict(model).get("max_position_embeddings") or 2048)
-    max_model_len = min(2048, max_len_cfg)
-    llm = LLM(model, dtype=dtype, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=max_model_len,
-              block_size=block_size, num_kv_blocks=16 * _round_up(max_model_len, block_size) // block_size,
-              enable_prefix_caching=True, num_threads=num_threads, seed=seed)
+    limits = _engine_limits(model, block_size)
+    llm = LLM(model, dtype=dtype, num_threads=num_threads, seed=seed, **limits)
     events: list = []
     llm.add_observer(events.append)
     vocab = vocab_range_for(llm.get_tokenizer(), llm.llm_engine.vocab_size)
-    plan = calibration_plan(vocab, max_model_len, seed)
+    plan = calibration_plan(vocab, limits["max_model_len"], seed)
     # Warm-up: the first forward passes pay one-time costs (allocator, lazy init).
     llm.generate([{"prompt_token_ids": list(range(vocab[0], vocab[0] + 16))}] * 2,
                  SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0), use_tqdm=False)
@@ -527,19 +564,101 @@ def run_calibration(model: str, dtype: str = "auto", *, block_size: int = 16, nu
         llm.generate([{"prompt_token_ids": p} for p, _ in reqs],
                      [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for _, o in reqs],
                      use_tqdm=False)
-        runs.append(list(events))
+        runs.append([_event_row(ev) for ev in events])
         log(f"  {name}: {len(events)} steps in {time.perf_counter() - t0:.1f} s")
-    gaps = [b.start_time - a.end_time for evs in runs for a, b in zip(evs, evs[1:])]
-    gap = statistics.median(gaps) if gaps else 0.0
-    samples = []
-    for evs in runs:
-        for ev in evs:
-            entries = [(e.num_tokens, e.kv_len_before, e.sampled_token_id is not None) for e in ev.entries]
-            samples.append((entries, ev.duration + gap, ev.forward_time))
-    info = {"threads": _torch_threads(), "dtype": str(llm.llm_engine.loaded.dtype).replace("torch.", ""),
-            "block_size": block_size}
+    samples, gap = _samples_from(runs)
+    info = {"mode": mode, "threads": _torch_threads(), "dtype": str(llm.llm_engine.loaded.dtype).replace("torch.", "")}
     del llm
     return samples, gap, info
+
+
+def _event_row(ev: Any) -> tuple[list[Entry], float, float, float]:
+    entries = [(e.num_tokens, e.kv_len_before, e.sampled_token_id is not None) for e in ev.entries]
+    return entries, ev.start_time, ev.end_time, ev.forward_time
+
+
+def _run_calibration_served(model: str, dtype: str, *, block_size: int, num_threads: int | None, seed: int,
+                            log: Callable[[str], None]) -> tuple[list[Sample], float, dict]:
+    import subprocess
+    import sys
+    import tempfile
+
+    from tokenloom.bench.launcher import ServerProcess, free_port
+    from tokenloom.bench.serve import run_serve_benchmark
+    from tokenloom.bench.workloads import BenchRequest, vocab_range_for_model
+
+    limits = _engine_limits(model, block_size)
+    flags = ["--dtype", dtype, "--max-num-seqs", str(limits["max_num_seqs"]),
+             "--max-num-batched-tokens", str(limits["max_num_batched_tokens"]),
+             "--max-model-len", str(limits["max_model_len"]), "--block-size", str(block_size),
+             "--num-kv-blocks", str(limits["num_kv_blocks"]), "--enable-prefix-caching", "--seed", str(seed),
+             "--disable-access-log", "--log-level", "warning"]
+    if num_threads:
+        flags += ["--num-threads", str(num_threads)]
+    steps_file = Path(tempfile.mkstemp(prefix="tokenloom-calib-steps-", suffix=".jsonl")[1])
+    log_file = Path(tempfile.mkstemp(prefix="tokenloom-calib-serve-", suffix=".log")[1])
+    port = free_port()
+    cmd = [sys.executable, "-m", "tokenloom.sim.calibrate", "--steps-out", str(steps_file), "--",
+           "serve", model, "--host", "127.0.0.1", "--port", str(port), *flags]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log_file, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = ServerProcess(proc=proc, host="127.0.0.1", port=port, log_path=log_file, cmd=cmd)
+    marks: list[tuple[str, float, float]] = []
+    try:
+        server.wait_healthy(timeout=600)
+        vocab = vocab_range_for_model(model)
+        plan = calibration_plan(vocab, limits["max_model_len"], seed)
+        warm = [BenchRequest(list(range(vocab[0], vocab[0] + 16)), 3)] * 2
+        run_serve_benchmark(server.base_url, warm, num_warmups=1, progress=False)
+        for name, reqs in plan:
+            t0 = time.perf_counter()
+            run_serve_benchmark(server.base_url, [BenchRequest(p, o) for p, o in reqs], num_warmups=0,
+                                progress=False)
+            marks.append((name, t0, time.perf_counter()))
+    finally:
+        server.stop()
+    rows = [json.loads(line) for line in steps_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    steps_file.unlink(missing_ok=True)
+    if server.proc.returncode not in (0, None) and not rows:
+        raise RuntimeError(f"the calibration server failed:\n{server.log_tail()}")
+    log_file.unlink(missing_ok=True)
+    # Group the server's steps by plan item (both clocks are perf_counter on one machine).
+    runs = []
+    for name, t0, t1 in marks:
+        evs = [(r["entries"], r["start"], r["end"], r["forward"]) for r in rows if t0 <= r["start"] <= t1]
+        runs.append(evs)
+        log(f"  {name}: {len(evs)} steps in {t1 - t0:.1f} s (served)")
+    samples, gap = _samples_from(runs)
+    return samples, gap, {"mode": "serve", "dtype": dtype}
+
+
+def _serve_with_step_log(argv: Sequence[str]) -> int:
+    """`python -m tokenloom.sim.calibrate --steps-out FILE -- serve MODEL [flags]`: `tokenloom serve`
+    whose engine also writes every StepEvent's shape and times to FILE (one JSON line each)."""
+    import argparse
+
+    from tokenloom.entrypoints.cmd_serve import register
+    from tokenloom.entrypoints.openai.api_server import build_server
+
+    if len(argv) < 3 or argv[0] != "--steps-out" or argv[2] != "--":
+        raise SystemExit("usage: python -m tokenloom.sim.calibrate --steps-out FILE -- serve MODEL [flags]")
+    steps_out, rest = argv[1], list(argv[3:])
+    parser = argparse.ArgumentParser(prog="tokenloom")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(rest)
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    server, engine = build_server(args)
+    with open(steps_out, "w", encoding="utf-8") as f:
+        def record(ev: Any) -> None:  # on the engine thread, after the step: not inside its timing
+            entries, start, end, fwd = _event_row(ev)
+            f.write(json.dumps({"entries": entries, "start": start, "end": end, "forward": fwd}) + "\n")
+
+        engine.engine.add_observer(record)
+        server.run()
+        f.flush()
+    return 0
 
 
 def load_config_dict(model: str) -> dict:
@@ -573,11 +692,11 @@ def model_fingerprint(spec: ModelSpec) -> str:
     return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def calibration_key(spec: ModelSpec, dtype: str, block_size: int) -> str:
+def calibration_key(spec: ModelSpec, dtype: str, block_size: int, mode: str = "serve") -> str:
     from tokenloom.sim import microbench
 
     return (f"{microbench.cache_key()}|model={model_fingerprint(spec)}|dtype={dtype}|block={block_size}"
-            f"|engine={engine_fingerprint()}|v{CALIBRATION_VERSION}")
+            f"|mode={mode}|engine={engine_fingerprint()}|v{CALIBRATION_VERSION}")
 
 
 def _cache_path() -> Path:
@@ -608,15 +727,18 @@ def resolve_dtype(spec: ModelSpec, dtype: str | None) -> str:
     return normalize_dtype(dtype) if dtype and dtype != "auto" else spec.default_dtype()
 
 
-def calibrate(model: str, dtype: str | None = "auto", *, block_size: int = 16, refresh: bool = False,
-              log: Callable[[str], None] | None = None) -> Calibration:
-    """The cached calibration for `model` (a directory with weights) on this machine; measures if needed."""
+def calibrate(model: str, dtype: str | None = "auto", *, block_size: int = 16, mode: str = "serve",
+              refresh: bool = False, log: Callable[[str], None] | None = None) -> Calibration:
+    """The cached calibration for `model` (a directory with weights) on this machine; measures if needed.
+
+    `mode`: "serve" to predict `tokenloom serve` / `bench serve`, "offline" for in-process
+    `LLM` runs (`bench throughput`, `bench sweep --mode offline`); see `run_calibration`."""
     from tokenloom.sim.hardware import local_hardware
 
     log = log or (lambda s: None)
     spec = load_model_spec(model)
     dt = resolve_dtype(spec, dtype)
-    key = calibration_key(spec, dt, block_size)
+    key = calibration_key(spec, dt, block_size, mode)
     if not refresh:
         cached = _read_cache().get(key)
         if cached is not None:
@@ -625,13 +747,14 @@ def calibrate(model: str, dtype: str | None = "auto", *, block_size: int = 16, r
         raise ValueError(f"calibrating needs the model's weights: {model!r} is not a model directory "
                          f"(make one with `tokenloom make-model --preset NAME --out DIR`)")
     hw = local_hardware()
-    log(f"calibrating {spec.name} ({dt}) on this machine: running the engine over a fixed plan of step shapes...")
+    log(f"calibrating {spec.name} ({dt}) on this machine, {mode} mode: running the engine over a fixed plan "
+        f"of step shapes...")
     t0 = time.perf_counter()
-    samples, gap, _ = run_calibration(model, dt, block_size=block_size, log=log)
+    samples, gap, _ = run_calibration(model, dt, block_size=block_size, mode=mode, log=log)
     dispatch = hw.op_overhead_s * spec.eager_ops_per_step  # measured per-op cost x ops per forward
     cal = fit(samples, StepFeatures(spec, dt, block_size), bandwidth_ref=hw.mem_bandwidth,
               flop_rate_ref=hw.flops_for(dt), dispatch_s=dispatch)
-    cal = _replace(cal, step_gap_s=gap, key=key, model=spec.name, dtype=dt,
+    cal = _replace(cal, step_gap_s=gap, key=key, model=spec.name, dtype=dt, mode=mode,
                    measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                    calibration_wall_s=time.perf_counter() - t0,
                    samples=[{"entries": [list(e) for e in entries], "period_s": t, "forward_s": f}
@@ -640,11 +763,17 @@ def calibrate(model: str, dtype: str | None = "auto", *, block_size: int = 16, r
     return cal
 
 
-def calibrated_cost_model(model: str, dtype: str | None = "auto", *, block_size: int = 16, refresh: bool = False,
-                          log: Callable[[str], None] | None = None) -> EngineCostModel:
+def calibrated_cost_model(model: str, dtype: str | None = "auto", *, block_size: int = 16, mode: str = "serve",
+                          refresh: bool = False, log: Callable[[str], None] | None = None) -> EngineCostModel:
     """`EngineCostModel` for `model` on `--hardware local` (calibrating once, then cached)."""
     from tokenloom.sim.hardware import local_hardware
 
-    cal = calibrate(model, dtype, block_size=block_size, refresh=refresh, log=log)
+    cal = calibrate(model, dtype, block_size=block_size, mode=mode, refresh=refresh, log=log)
     spec = load_model_spec(model)
     return EngineCostModel(spec, local_hardware(), resolve_dtype(spec, dtype), cal)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_serve_with_step_log(sys.argv[1:]))

@@ -123,6 +123,9 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
                    help="--hardware local with --model DIR: use the cost model fitted to this engine's real steps "
                         "(tokenloom.sim.calibrate; measured once per machine/model/dtype/engine version, then cached)")
     c.add_argument("--recalibrate", action="store_true", help="re-run the engine calibration even if cached")
+    c.add_argument("--calibration-mode", choices=["serve", "offline"], default="serve",
+                   help="--calibrated: measure the engine through `tokenloom serve` and a streaming client "
+                        "(predicts `bench serve`; default) or in-process (predicts offline `LLM` runs)")
     c.add_argument("--compare-with", default=None, metavar="BENCH.json",
                    help="validate: simulate the exact workload and engine flags of a `tokenloom bench serve "
                         "--launch DIR` result with the calibrated local cost model and print measured vs simulated "
@@ -350,7 +353,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
             if hw.name != LOCAL:
                 raise ValueError("--calibrated is a fit of this engine on this machine: use it with --hardware local")
-            cm = calibrated_cost_model(args.model, args.dtype, block_size=args.block_size, refresh=args.recalibrate,
+            cm = calibrated_cost_model(args.model, args.dtype, block_size=args.block_size,
+                                       mode=args.calibration_mode, refresh=args.recalibrate,
                                        log=lambda s: console.print(s, markup=False))
             console.print("calibrated: " + "; ".join(cm.calibration.summary_lines()), markup=False, soft_wrap=True)
         else:

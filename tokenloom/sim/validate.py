@@ -8,7 +8,8 @@ there regenerates them exactly -- same seed, lengths, token ids and arrival time
 the `--load-workload` file it replayed), runs them through the simulator with the same
 engine limits (max_num_seqs, max_num_batched_tokens, max_model_len, block size, KV
 blocks, chunked prefill, prefix caching, client concurrency) on `--hardware local` with
-the cost model *calibrated against this engine* (`tokenloom.sim.calibrate`), and prints
+the cost model *calibrated against this engine* (`tokenloom.sim.calibrate`; measured
+through the server for `bench serve`, in-process for an offline `bench sweep`), and prints
 the measured and simulated figures side by side with the relative error
 
     error = (simulated - measured) / measured
@@ -179,20 +180,35 @@ def _engine_default_kv_blocks(model: str, dtype: str, block_size: int, max_num_s
     return max(1, min(budget // per_block, useful))
 
 
-def inputs_from_bench(doc: Mapping[str, Any]) -> BenchInputs:
-    """Model, dtype, requests and engine limits of a `bench serve --launch` JSON."""
+def _bench_model(doc: Mapping[str, Any]) -> str:
+    cfg = doc.get("config", {})
+    if doc.get("benchmark") == "sweep":
+        model = cfg.get("model")
+        if model is None:
+            from tokenloom.bundled import BUNDLED_MODEL_DIR
+
+            model = str(BUNDLED_MODEL_DIR)
+    else:
+        model = cfg.get("launch") or cfg.get("model_name")
+    if not model or not Path(model).is_dir():
+        raise ValueError(f"cannot find the benchmarked model directory ({model!r}); the benchmark must have run a "
+                         f"local model directory (bench serve --launch DIR, bench sweep --model DIR) that still exists")
+    return str(model)
+
+
+def inputs_from_bench(doc: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> BenchInputs:
+    """Model, dtype, requests and engine limits of a `bench serve --launch` JSON (or of one point
+    of a `bench sweep` JSON: the point's values given as `overrides`)."""
     from tokenloom.config import default_max_num_batched_tokens, parse_size
     from tokenloom.sim.calibrate import resolve_dtype
     from tokenloom.sim.model_spec import load_config, load_model_spec
     from tokenloom.sim.simulator import SimConfig
 
-    if doc.get("benchmark") != "serve":
-        raise ValueError(f"--compare-with wants a `tokenloom bench serve` JSON, got benchmark={doc.get('benchmark')!r}")
-    cfg = doc.get("config", {})
-    model = cfg.get("launch") or cfg.get("model_name")
-    if not model or not Path(model).is_dir():
-        raise ValueError(f"cannot find the benchmarked model directory ({model!r}); the run must have used "
-                         f"--launch DIR and DIR must still exist")
+    if doc.get("benchmark") not in ("serve", "sweep"):
+        raise ValueError(f"--compare-with wants a `tokenloom bench serve` or `bench sweep` JSON, "
+                         f"got benchmark={doc.get('benchmark')!r}")
+    cfg = {**doc.get("config", {}), **(overrides or {})}
+    model = _bench_model(doc)
     spec = load_model_spec(model)
     dtype = resolve_dtype(spec, cfg.get("dtype") or "auto")
     config, _ = load_config(model)
@@ -220,7 +236,9 @@ def inputs_from_bench(doc: Mapping[str, Any]) -> BenchInputs:
         raise ValueError("the benchmark ran with --respect-eos: output lengths were the model's choice, "
                          "which a simulator cannot know; benchmark with fixed lengths (the default)")
     return BenchInputs(model=str(model), dtype=dtype, requests=rebuild_requests(doc), sim_config=sim_cfg,
-                       max_concurrency=cfg.get("max_concurrency") or None,
+                       # `bench sweep --mode offline` adds requests at their arrival times: no client limit.
+                       max_concurrency=(cfg.get("max_concurrency") or None)
+                       if doc.get("benchmark") == "serve" or cfg.get("mode") == "serve" else None,
                        workload_name=str(spec_d.get("name", "?")), kv_blocks_note=note)
 
 
@@ -271,8 +289,8 @@ def validate(measured_path: str | Path, *, tolerance: float = DEFAULT_TOLERANCE,
 
     doc = json.loads(Path(measured_path).read_text(encoding="utf-8"))
     inp = inputs_from_bench(doc)
-    cm = calibrated_cost_model(inp.model, inp.dtype, block_size=inp.sim_config.block_size, refresh=recalibrate,
-                               log=log)
+    cm = calibrated_cost_model(inp.model, inp.dtype, block_size=inp.sim_config.block_size, mode="serve",
+                               refresh=recalibrate, log=log)
     config, _ = load_config(inp.model)
     sim = Simulator(cm, inp.sim_config, model_max_positions=config.get("max_position_embeddings"))
     res = sim.run(inp.requests, max_concurrency=inp.max_concurrency)
@@ -285,6 +303,90 @@ def validate(measured_path: str | Path, *, tolerance: float = DEFAULT_TOLERANCE,
                   for g in sorted(set(real_groups) & set(groups))}
     return Validation(str(measured_path), inp, summary, groups, res.steps.summary(), rows, group_rows,
                       cm.calibration, tolerance)
+
+
+# ---------------------------------------------------------------- a whole sweep
+SWEEP_METRICS: tuple[Metric, ...] = TARGET_METRICS + (Metric("ttft_p95", "P95 TTFT (ms)", ("ttft_ms", "p95"), False),)
+
+
+def sweep_row_summary(row: Mapping[str, Any]) -> dict:
+    """A `bench sweep` point row in the shape of a summary dict (for `compare`)."""
+    return {"output_throughput": row.get("output_throughput"),
+            "ttft_ms": {"median": row.get("ttft_p50_ms"), "p95": row.get("ttft_p95_ms")},
+            "tpot_ms": {"median": row.get("tpot_p50_ms"), "p95": row.get("tpot_p95_ms")}}
+
+
+@dataclass
+class SweepValidation:
+    measured_path: str
+    model: str
+    dtype: str
+    workload_name: str
+    num_requests: int
+    points: list[tuple[dict, list[MetricComparison]]]  # (point, comparison rows)
+    calibration: Any
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return all(all_targets_ok(rows) for _, rows in self.points)
+
+    def to_dict(self) -> dict[str, Any]:
+        from tokenloom.bench.report import to_jsonable
+
+        return to_jsonable({
+            "measured": self.measured_path, "model": self.model, "dtype": self.dtype,
+            "workload": self.workload_name, "num_requests": self.num_requests, "tolerance": self.tolerance,
+            "within_tolerance": self.ok,
+            "points": [{"point": p, "comparison": [r.to_dict() for r in rows]} for p, rows in self.points],
+            "calibration": self.calibration.to_dict(with_samples=False),
+        })
+
+
+def validate_sweep(measured_path: str | Path, doc: Mapping[str, Any], *, tolerance: float = DEFAULT_TOLERANCE,
+                   recalibrate: bool = False, log=None) -> SweepValidation:
+    """Every point of a `bench sweep` JSON, simulated with the same limits and workload."""
+    from tokenloom.bench import metrics
+    from tokenloom.sim.calibrate import calibrated_cost_model
+    from tokenloom.sim.model_spec import load_config
+    from tokenloom.sim.simulator import Simulator
+
+    points = []
+    cm = None
+    inp = None
+    for row in doc["results"]["points"]:
+        if row.get("error"):
+            continue
+        point = {"max_num_seqs": row["max_num_seqs"], "max_num_batched_tokens": row["max_num_batched_tokens"],
+                 "enable_chunked_prefill": row["chunked_prefill"]}
+        inp = inputs_from_bench(doc, point)
+        if cm is None:
+            # An offline sweep ran the engine in-process: calibrate it the same way.
+            mode = "serve" if doc.get("config", {}).get("mode") == "serve" else "offline"
+            cm = calibrated_cost_model(inp.model, inp.dtype, block_size=inp.sim_config.block_size, mode=mode,
+                                       refresh=recalibrate, log=log)
+        config, _ = load_config(inp.model)
+        sim = Simulator(cm, inp.sim_config, model_max_positions=config.get("max_position_embeddings"))
+        res = sim.run(inp.requests, max_concurrency=inp.max_concurrency)
+        summary = metrics.summarize(res.records, duration=res.duration_s).to_dict()
+        points.append((point, compare(sweep_row_summary(row), summary, tolerance=tolerance, metrics=SWEEP_METRICS)))
+    if inp is None or cm is None:
+        raise ValueError("the sweep has no successful point to compare with")
+    return SweepValidation(str(measured_path), inp.model, inp.dtype, inp.workload_name, len(inp.requests), points,
+                           cm.calibration, tolerance)
+
+
+def sweep_table(v: SweepValidation) -> Any:
+    from rich.table import Table
+
+    t = Table(title="bench sweep: measured / simulated (error)")
+    for col in ("seqs", "batched tok", "chunked", *(m.label for m in SWEEP_METRICS)):
+        t.add_column(col, justify="right")
+    for point, rows in v.points:
+        cells = [f"{_fmt(r.measured)} / {_fmt(r.simulated)} ({_err(r)})" for r in rows]
+        t.add_row(str(point["max_num_seqs"]), str(point["max_num_batched_tokens"]),
+                  "on" if point["enable_chunked_prefill"] else "off", *cells)
+    return t
 
 
 # ---------------------------------------------------------------- printing
@@ -342,13 +444,27 @@ def main(args: argparse.Namespace) -> int:
     from tokenloom.sim.cli import _console
 
     console = _console()
+    log = lambda s: console.print(s, markup=False)  # noqa: E731
     try:
-        v = validate(args.compare_with, tolerance=args.tolerance, recalibrate=args.recalibrate,
-                     log=lambda s: console.print(s, markup=False))
+        doc = json.loads(Path(args.compare_with).read_text(encoding="utf-8"))
+        if doc.get("benchmark") == "sweep":
+            v = validate_sweep(args.compare_with, doc, tolerance=args.tolerance, recalibrate=args.recalibrate,
+                               log=log)
+        else:
+            v = validate(args.compare_with, tolerance=args.tolerance, recalibrate=args.recalibrate, log=log)
     except (OSError, KeyError, ValueError) as e:
         console.print(f"error: {e}", markup=False)
         return 2
-    print_validation(v, console)
+    if isinstance(v, SweepValidation):
+        console.print(f"validate: {v.measured_path} | {v.workload_name}, {v.num_requests} requests | "
+                      f"{Path(v.model).name} ({v.dtype}) | calibrated `local` cost model: "
+                      + "; ".join(v.calibration.summary_lines()), markup=False, soft_wrap=True)
+        console.print(sweep_table(v))
+        n_ok = sum(r.ok for _, rows in v.points for r in rows if r.target)
+        n = sum(r.target for _, rows in v.points for r in rows)
+        console.print(f"{n_ok}/{n} headline figures within {100 * v.tolerance:.0f}%", markup=False)
+    else:
+        print_validation(v, console)
     if args.output_json:
         write_json(args.output_json, v.to_dict())
         console.print(f"wrote {args.output_json}", markup=False)
