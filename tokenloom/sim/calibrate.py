@@ -414,7 +414,7 @@ def _nnls_small(A, b):
 
 
 def _fit_forward(samples: Sequence[Sample], features: StepFeatures, bandwidth_ref: float, flop_rate_ref: float,
-                 dispatch_s: float, overlap: str, grid: int = 32, lo: float = 0.05, hi: float = 3.0,
+                 dispatch_s: float, overlap: str, grid: int = 32, lo: float = 0.01, hi: float = 3.0,
                  rounds: int = 3) -> tuple[Calibration, float]:
     """(calibration, loss): log grid over bw and F, zoomed `rounds` times; 1/F_attn by NNLS."""
     import numpy as np
@@ -474,15 +474,23 @@ def _replace(cal: Calibration, **kw: Any) -> Calibration:
 
 
 # ---------------------------------------------------------------- measuring the engine
-def calibration_plan(vocab: tuple[int, int], max_model_len: int, seed: int = 0) -> list[tuple[str, list[tuple[list[int], int]]]]:
-    """Named groups of (prompt token ids, output tokens), each run as one `generate` call.
+PlanItem = tuple[str, list[tuple[list[int], int, float]]]  # (name, [(prompt ids, output tokens, arrival)])
+
+
+def calibration_plan(vocab: tuple[int, int], max_model_len: int, seed: int = 0) -> list[PlanItem]:
+    """Named groups of (prompt token ids, output tokens, arrival), each run as one burst.
+
+    Arrivals are in units of one decode step of the machine (the runner measures it on
+    the "decode batch 8" item, which comes first among those that need it), so requests
+    join running batches the same way on a slow CPU and on a fast GPU.
 
     Chosen for a spread of step shapes on an engine with max_num_seqs 16, a 512-token
     budget and prefix caching: decode batches 1..16 at short context, lone prefills of
     8..384 tokens, a long prompt chunked at 512 (a chunk with no logits row, attention
     to ~900 positions), decode batches of 4 and 12 at ~600 tokens of context (their
-    prompts share a prefix computed once, so the long contexts cost one prefill) and a
-    mixed burst where prefill chunks share steps with decodes.
+    prompts share a prefix computed once, so the long contexts cost one prefill), and
+    the steps serving is made of: a batch of decodes sharing a step with one new
+    prompt (32..400 tokens) or with a long prompt's chunks, at short and long context.
     """
     import numpy as np
 
@@ -490,23 +498,35 @@ def calibration_plan(vocab: tuple[int, int], max_model_len: int, seed: int = 0) 
     lo, hi = vocab
 
     def prompt(n: int) -> list[int]:
-        return rng.integers(lo, hi, size=n).tolist()
+        return rng.integers(lo, hi, size=max(1, min(n, max_model_len - 32))).tolist()
 
     long_len = max(16, min(900, max_model_len - 16))
-    plan: list[tuple[str, list[tuple[list[int], int]]]] = []
-    for b in (1, 2, 4, 8, 16):
-        plan.append((f"decode batch {b}", [(prompt(24 + i), 9) for i in range(b)]))
+    plan: list[PlanItem] = []
+    for b in (8, 1, 2, 4, 16):
+        plan.append((f"decode batch {b}", [(prompt(24 + i), 9, 0.0) for i in range(b)]))
     for n in (8, 32, 96, 192, 384):
-        plan.append((f"prefill {n}", [(prompt(min(n, max_model_len - 4)), 2)]))
-    plan.append((f"long prompt {long_len} + decode", [(prompt(long_len), 6), (prompt(40), 12)]))
+        plan.append((f"prefill {n}", [(prompt(n), 2, 0.0)]))
+    plan.append((f"long prompt {long_len} + decode", [(prompt(long_len), 6, 0.0), (prompt(40), 12, 0.0)]))
     prefix_len = max(16, min(600, max_model_len - 40))
     prefix = prompt(prefix_len)
-    plan.append((f"shared prefix {prefix_len}", [(prefix, 1)]))
+    plan.append((f"shared prefix {prefix_len}", [(prefix, 1, 0.0)]))
     for b, out in ((4, 8), (12, 6)):
-        plan.append((f"decode batch {b} at context {prefix_len}", [(prefix + prompt(8), out) for _ in range(b)]))
-    plan.append(("mixed burst", [(prompt(int(n)), int(o)) for n, o in
+        plan.append((f"decode batch {b} at context {prefix_len}", [(prefix + prompt(8), out, 0.0) for _ in range(b)]))
+    # Serving's own shape: decodes running while new prompts arrive one at a time.
+    arrivals = [(prompt(n), 2, 3.0 + 5.0 * i) for i, n in enumerate((32, 96, 160, 256, 400))]
+    plan.append(("8 decoding + prompts of 32..400 arriving",
+                 [(prompt(24 + i), 32, 0.0) for i in range(8)] + arrivals))
+    plan.append((f"3 decoding at context {prefix_len} + a {long_len}-token prompt arriving",
+                 [(prefix + prompt(8), 16, 0.0) for _ in range(3)] + [(prompt(long_len), 2, 3.0)]))
+    plan.append(("mixed burst", [(prompt(int(n)), int(o), 0.0) for n, o in
                                  zip(rng.integers(40, 200, size=6), rng.integers(6, 14, size=6))]))
     return plan
+
+
+def _requests(items: Sequence[tuple[list[int], int, float]], step_s: float) -> list:
+    from tokenloom.bench.workloads import BenchRequest
+
+    return [BenchRequest(p, o, arrival_time=a * step_s) for p, o, a in items]
 
 
 CALIBRATION_MODES = ("serve", "offline")
@@ -544,6 +564,7 @@ def run_calibration(model: str, dtype: str = "auto", *, block_size: int = 16, mo
     if mode == "serve":
         return _run_calibration_served(model, dtype, block_size=block_size, num_threads=num_threads, seed=seed,
                                        log=log)
+    from tokenloom.bench.offline import run_offline
     from tokenloom.bench.workloads import vocab_range_for
     from tokenloom.entrypoints.llm import LLM
     from tokenloom.sampling_params import SamplingParams
@@ -558,18 +579,36 @@ def run_calibration(model: str, dtype: str = "auto", *, block_size: int = 16, mo
     llm.generate([{"prompt_token_ids": list(range(vocab[0], vocab[0] + 16))}] * 2,
                  SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0), use_tqdm=False)
     runs: list[list] = []
-    for name, reqs in plan:
+    step_s = 0.0
+    for name, items in plan:
         events.clear()
         t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p, _ in reqs],
-                     [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for _, o in reqs],
-                     use_tqdm=False)
+        run_offline(llm, _requests(items, step_s), ignore_eos=True)
         runs.append([_event_row(ev) for ev in events])
+        step_s = step_s or _decode_step_s(runs[-1])
         log(f"  {name}: {len(events)} steps in {time.perf_counter() - t0:.1f} s")
     samples, gap = _samples_from(runs)
     info = {"mode": mode, "threads": _torch_threads(), "dtype": str(llm.llm_engine.loaded.dtype).replace("torch.", "")}
     del llm
     return samples, gap, info
+
+
+def _decode_step_s(rows: Sequence[tuple[list[Entry], float, float, float]]) -> float:
+    """Median period of the decode-only steps among `rows` (the plan's arrival unit)."""
+    periods = [end - start for entries, start, end, _ in rows
+               if entries and all(n == 1 and c > 0 for n, c, _ in entries)]
+    return statistics.median(periods) if periods else 0.1
+
+
+def _rows_between(steps_file: Path, t0: float, t1: float) -> list[tuple[list[Entry], float, float, float]]:
+    """Steps the calibration server has logged so far that started in [t0, t1]."""
+    rows = []
+    for line in steps_file.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            r = json.loads(line)
+            if t0 <= r["start"] <= t1:
+                rows.append((r["entries"], r["start"], r["end"], r["forward"]))
+    return rows
 
 
 def _event_row(ev: Any) -> tuple[list[Entry], float, float, float]:
@@ -611,11 +650,13 @@ def _run_calibration_served(model: str, dtype: str, *, block_size: int, num_thre
         plan = calibration_plan(vocab, limits["max_model_len"], seed)
         warm = [BenchRequest(list(range(vocab[0], vocab[0] + 16)), 3)] * 2
         run_serve_benchmark(server.base_url, warm, num_warmups=1, progress=False)
-        for name, reqs in plan:
+        step_s = 0.0
+        for name, items in plan:
             t0 = time.perf_counter()
-            run_serve_benchmark(server.base_url, [BenchRequest(p, o) for p, o in reqs], num_warmups=0,
-                                progress=False)
+            run_serve_benchmark(server.base_url, _requests(items, step_s), num_warmups=0, progress=False)
             marks.append((name, t0, time.perf_counter()))
+            if not step_s:  # the first item is a decode batch: it sets the arrival unit
+                step_s = _decode_step_s(_rows_between(steps_file, t0, marks[-1][2]))
     finally:
         server.stop()
     rows = [json.loads(line) for line in steps_file.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -654,6 +695,7 @@ def _serve_with_step_log(argv: Sequence[str]) -> int:
         def record(ev: Any) -> None:  # on the engine thread, after the step: not inside its timing
             entries, start, end, fwd = _event_row(ev)
             f.write(json.dumps({"entries": entries, "start": start, "end": end, "forward": fwd}) + "\n")
+            f.flush()  # the calibrating client reads the log while the server runs
 
         engine.engine.add_observer(record)
         server.run()
