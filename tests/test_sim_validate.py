@@ -331,3 +331,30 @@ def test_compare_with_a_sweep_simulates_every_point(model_factory, tmp_path, mon
     # Different limits, different simulated runs.
     second = {r["key"]: r for r in v["points"][1]["comparison"]}
     assert first["ttft_median"]["simulated"] != second["ttft_median"]["simulated"]
+
+
+def test_calibration_plan_covers_the_shapes_serving_needs() -> None:
+    from tokenloom.sim.calibrate import _decode_step_s, _samples_from, calibration_plan
+
+    plan = calibration_plan((5, 1000), max_model_len=1024)
+    names = [n for n, _ in plan]
+    assert names[0] == "decode batch 8"  # the first item sets the arrival unit
+    assert all(len(p) + o <= 1024 for _, items in plan for p, o, _ in items)
+    staggered = [n for n, items in plan if any(a > 0 for _, _, a in items)]
+    assert len(staggered) == 2 and all("arriving" in n for n in staggered)
+    assert calibration_plan((5, 1000), 1024) == plan  # seeded
+    # Two runs of (entries, start, end, forward): periods get the median gap between steps.
+    runs = [[([(1, 5, True)], 0.0, 1.0, 0.9), ([(1, 6, True)], 1.1, 2.0, 0.8)],
+            [([(4, 0, True)], 5.0, 6.0, 0.95), ([(1, 4, True)], 6.3, 7.0, 0.6)]]
+    samples, gap = _samples_from(runs)
+    assert gap == pytest.approx(0.2) and [round(t, 6) for _, t, _ in samples] == [1.2, 1.1, 1.2, 0.9]
+    assert _decode_step_s(runs[0]) == pytest.approx(0.95) and _decode_step_s(runs[1][:1]) == 0.1
+
+
+def test_a_base_url_benchmark_cannot_be_replayed(tmp_path) -> None:
+    from tokenloom.sim.validate import inputs_from_bench
+
+    doc = _bench_doc("/nonexistent", {})
+    doc["config"]["launch"] = None
+    with pytest.raises(ValueError, match="--base-url"):
+        inputs_from_bench(doc)

@@ -208,6 +208,10 @@ def inputs_from_bench(doc: Mapping[str, Any], overrides: Mapping[str, Any] | Non
         raise ValueError(f"--compare-with wants a `tokenloom bench serve` or `bench sweep` JSON, "
                          f"got benchmark={doc.get('benchmark')!r}")
     cfg = {**doc.get("config", {}), **(overrides or {})}
+    if doc.get("benchmark") == "serve" and not cfg.get("launch"):
+        raise ValueError("the benchmark ran against --base-url: the server's engine flags (max_num_seqs, "
+                         "max_num_batched_tokens, ...) were not recorded; benchmark with --launch DIR and the "
+                         "engine flags so the simulator can use the same ones")
     model = _bench_model(doc)
     spec = load_model_spec(model)
     dtype = resolve_dtype(spec, cfg.get("dtype") or "auto")
