@@ -76,8 +76,15 @@ def main(args: argparse.Namespace) -> int:
         "total_token_throughput": summary.total_token_throughput,
         "rss_after_load_gib": _gib(rss_loaded),
         "peak_rss_gib": _gib(peak_rss_bytes()),
+        # The memory the engine needs by design: weights + the KV pool it allocates up
+        # front.  Peak RSS beyond that is interpreter, tokenizer, activations, allocator.
+        "weights_gib": _gib(eng.loaded.weight_bytes),
+        "kv_pool_gib": _gib(eng.runner.kv_cache_bytes),
         "steps": run.steps.summary(),
     }
+    if engine_res["peak_rss_gib"]:
+        engine_res["peak_rss_over_weights_kv"] = engine_res["peak_rss_gib"] / (
+            engine_res["weights_gib"] + engine_res["kv_pool_gib"])
     results: dict[str, Any] = {"engine": engine_res, "latency": summary}
 
     if args.baseline == "hf":
@@ -128,6 +135,9 @@ def _print(console: Console, results: dict) -> None:
             cells.append(f"{sp:.2f}x" if sp and math.isfinite(sp) else "")
         t.add_row(*cells)
     console.print(t)
+    if e.get("peak_rss_over_weights_kv"):
+        console.print(f"engine memory: weights {e['weights_gib']:.2f} GiB + KV pool {e['kv_pool_gib']:.2f} GiB; "
+                      f"peak RSS {e['peak_rss_gib']:.2f} GiB = {100 * (e['peak_rss_over_weights_kv'] - 1):+.1f}%")
     if hf:
         console.print(f"peak RSS is the process's; HF's column includes the engine still loaded "
                       f"(HF added {report.fmt(hf.get('rss_added_gib'))} GiB)")

@@ -38,22 +38,28 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
         w = torch.randn(8, 4)
         x = torch.randn(3, 4)
         y = torch.ops.mkldnn._linear_pointwise(x, _pack(w), None, "none", [], "")
-        return bool(torch.allclose(y, x @ w.t(), atol=1e-5))
+        y_plain = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return bool(torch.allclose(y, x @ w.t(), atol=1e-5) and torch.allclose(y_plain, x @ w.t(), atol=1e-5))
     except (RuntimeError, AttributeError):
         return False
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W held in oneDNN's packed layout."""
+    """y = x W^T + b with W held in oneDNN's packed layout.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    `pack=False` keeps a reference to the plain weight instead (oneDNN still runs the
+    product, reading the row-major layout): for a weight that is shared with another use,
+    such as tied embeddings, where a packed copy would cost a second copy of the matrix."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight_packed", _pack(weight), persistent=False)
+        w = _pack(weight) if pack else weight.detach()
+        self.register_buffer("weight", w, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 def prepack_linears(model: nn.Module) -> int:
