@@ -10,9 +10,9 @@ on some processors; measured on this project's AMD EPYC test machine (fp32, 2 th
     oneDNN packed    12 GB/s  23 GF/s   62 GF/s 123 GF/s
 
 so weights are reordered once, at load time, into oneDNN's blocked layout and every
-step calls oneDNN directly.  Only float32 on CPU, and only when the op works here
-(bf16 packing needs AVX-512 or AVX-NE-CONVERT); anything else keeps `nn.Linear`,
-so CUDA and other devices run the plain code path unchanged.
+step calls oneDNN directly.  Only on CPU, for float32 everywhere and bfloat16 where the
+CPU has native bf16 instructions (see `packing_supported`); anything else keeps
+`nn.Linear`, so CUDA and other devices run the plain code path unchanged.
 """
 
 from __future__ import annotations
@@ -32,14 +32,26 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    """Whether oneDNN can run packed `dtype` linears here, checked by running one.
+
+    float32 works on any x86 CPU.  bfloat16 needs native support (AVX512-BF16, AMX or
+    AVX-NE-CONVERT): on such CPUs the packed GEMV streams ~1.3x faster than PyTorch's
+    default bf16 path; elsewhere the op raises and the plain nn.Linear path is kept."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
     try:  # private ops: make sure this torch build has them and they compute the right thing
-        w = torch.randn(8, 4)
-        x = torch.randn(3, 4)
-        y = torch.ops.mkldnn._linear_pointwise(x, _pack(w), None, "none", [], "")
-        y_plain = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        return bool(torch.allclose(y, x @ w.t(), atol=1e-5) and torch.allclose(y_plain, x @ w.t(), atol=1e-5))
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(8, 4, generator=g).to(dtype)
+        x = torch.randn(3, 4, generator=g).to(dtype)
+        ref = (x.float() @ w.float().t())
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        for weight in (_pack(w), w):  # packed, and the plain layout (tied lm_head)
+            y = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+            if y.dtype != dtype or not torch.allclose(y.float(), ref, atol=tol, rtol=tol):
+                return False
+        return True
     except (RuntimeError, AttributeError):
         return False
 
