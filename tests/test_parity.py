@@ -128,3 +128,23 @@ def test_prefix_cache_hits_under_pressure_match_transformers(model_factory):
     assert first_entry.kv_len_before == 36
     eng = llm.llm_engine
     assert eng.kv.pool.num_evictions > 0 and eng.kv.pool.num_free == 30
+
+
+def test_tied_lm_head_shares_the_embedding_matrix(model_factory):
+    """With tied embeddings the packed model holds the vocab matrix once: the lm_head reads
+    the embedding in place, and `weight_bytes` (what `bench throughput` sets peak RSS
+    against) counts every weight exactly once."""
+    from tokenloom.model.loader import load_model
+    from tokenloom.model.packed_linear import packing_supported
+
+    path = model_factory("tiny-qwen2")
+    loaded = load_model(path, "float32", torch.device("cpu"), max_positions=128)
+    m = loaded.model
+    a = loaded.args
+    assert a.tie_word_embeddings
+    if packing_supported(torch.device("cpu"), torch.float32):
+        assert m.lm_head.weight.data_ptr() == m.embed_tokens.weight.data_ptr()
+    hf = _hf(path)
+    n_params = sum(p.numel() for p in hf.parameters())  # HF counts the tied matrix once too
+    rope = m.rope.cos.numel() + m.rope.sin.numel()
+    assert loaded.weight_bytes == 4 * (n_params + rope)

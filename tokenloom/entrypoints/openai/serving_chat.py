@@ -9,23 +9,22 @@ chunk with empty `choices` carries the usage.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenloom.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from tokenloom.engine.async_engine import RequestStream
 from tokenloom.entrypoints.llm import render_chat
-from tokenloom.entrypoints.openai.errors import bad_request, sse_error
+from tokenloom.entrypoints.openai.errors import bad_request
 from tokenloom.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                                    ChatLogprobs, ChatMessage, ChatResponseMessage,
                                                    ChatTokenLogprob, TopLogprob)
-from tokenloom.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, SSEResponse, abort_all,
-                                                         add_requests, collect_final, dumps, engine_failure,
-                                                         finite_logprob, make_usage, merge_streams, new_id,
-                                                         sampling_params, sse, validate_prompt)
+from tokenloom.entrypoints.openai.serving_common import (ChunkFrame, ServingContext, SSEResponse, abort_all,
+                                                         add_requests, collect_final, finite_logprob, make_usage,
+                                                         merge_streams, new_id, sampling_params, sse_body,
+                                                         validate_prompt)
 from tokenloom.outputs import Logprob, PositionLogprobs, RequestOutput
 
 
@@ -123,7 +122,7 @@ def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[_Prepared
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
     p, streams = _prepare(ctx, req)
     if req.stream:
-        return SSEResponse(_stream(ctx, p, streams), on_close=lambda: abort_all(ctx, streams))
+        return SSEResponse(sse_body(ctx, streams, _stream(ctx, p, streams)), on_close=lambda: abort_all(ctx, streams))
     finals = await collect_final(ctx, streams, raw)
     if finals is None:
         return JSONResponse({}, status_code=499)
@@ -141,54 +140,36 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
 async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream]) -> AsyncIterator[str]:
     req = p.req
-    created = int(time.time())
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    frame = ChunkFrame(p.request_id, "chat.completion.chunk", p.model, req.stream_options)
     text_sent: dict[int, int] = {}
     tokens_sent: dict[int, int] = {}
     done: set[int] = set()
-    latest: RequestOutput | None = None
-
-    def chunk(choice: dict[str, Any]) -> str:
-        obj: dict[str, Any] = {"id": p.request_id, "object": "chat.completion.chunk", "created": created,
-                               "model": p.model, "choices": [choice]}
-        if continuous and latest is not None:
-            obj["usage"] = make_usage([latest]).model_dump()
-        return sse(dumps(obj))
-
-    try:
-        # The role comes first, before any token exists: clients show "assistant is typing".
-        for j in range(req.n):
-            text_sent[j] = tokens_sent[j] = 0
-            yield chunk({"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None})
-        async for _, out in merge_streams(streams):
-            latest = out
-            for c in out.outputs:
-                j = c.index
-                if j in done:
-                    continue
-                new_ids = c.token_ids[tokens_sent[j]:]
-                finished = c.finish_reason is not None
-                if not new_ids and not finished:
-                    continue
-                delta_text = c.text[text_sent[j]:]
-                logprobs = None
-                if p.top_n is not None:
-                    new_lp = (c.logprobs or [])[tokens_sent[j]:tokens_sent[j] + len(new_ids)]
-                    logprobs = chat_logprobs(new_ids, new_lp, p.top_n, p.tokenizer).model_dump(mode="json")
-                text_sent[j], tokens_sent[j] = max(text_sent[j], len(c.text)), len(c.token_ids)
-                if finished:
-                    done.add(j)
-                yield chunk({"index": j, "delta": {"content": delta_text} if delta_text or not finished else {},
-                             "logprobs": logprobs, "finish_reason": c.finish_reason if finished else None,
-                             "stop_reason": c.stop_reason if finished else None})
-        if include_usage and latest is not None:
-            yield sse(dumps({"id": p.request_id, "object": "chat.completion.chunk", "created": created,
-                             "model": p.model, "choices": [], "usage": make_usage([latest]).model_dump()}))
-        yield SSE_DONE
-    except (EngineDeadError, RequestFailedError) as e:
-        yield sse_error(engine_failure(e))
-        yield SSE_DONE
-    finally:
-        abort_all(ctx, streams)  # client gone or error: stop the work, free the KV blocks
+    latest: list[RequestOutput] = []
+    # The role comes first, before any token exists: clients show "assistant is typing".
+    for j in range(req.n):
+        text_sent[j] = tokens_sent[j] = 0
+        yield frame.chunk({"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}, latest)
+    async for _, out in merge_streams(streams):
+        latest = [out]
+        for c in out.outputs:
+            j = c.index
+            if j in done:
+                continue
+            new_ids = c.token_ids[tokens_sent[j]:]
+            finished = c.finish_reason is not None
+            if not new_ids and not finished:
+                continue
+            delta_text = c.text[text_sent[j]:]
+            logprobs = None
+            if p.top_n is not None:
+                new_lp = (c.logprobs or [])[tokens_sent[j]:tokens_sent[j] + len(new_ids)]
+                logprobs = chat_logprobs(new_ids, new_lp, p.top_n, p.tokenizer).model_dump(mode="json")
+            text_sent[j], tokens_sent[j] = max(text_sent[j], len(c.text)), len(c.token_ids)
+            if finished:
+                done.add(j)
+            yield frame.chunk({"index": j, "delta": {"content": delta_text} if delta_text or not finished else {},
+                               "logprobs": logprobs, "finish_reason": c.finish_reason if finished else None,
+                               "stop_reason": c.stop_reason if finished else None}, latest)
+    if (usage := frame.usage_chunk(latest)) is not None:
+        yield usage

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -24,7 +25,7 @@ from fastapi.responses import StreamingResponse
 from tokenloom.engine.async_engine import (AsyncLLMEngine, EngineDeadError, RequestFailedError,
                                            RequestStream)
 from tokenloom.engine.llm_engine import PromptTooLongError
-from tokenloom.entrypoints.openai.errors import OpenAIError, bad_request
+from tokenloom.entrypoints.openai.errors import OpenAIError, bad_request, sse_error
 from tokenloom.entrypoints.openai.protocol import PromptTokensDetails, Usage, _SamplingFields
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParamError, SamplingParams
@@ -245,3 +246,43 @@ def sse(payload: str) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class ChunkFrame:
+    """The envelope shared by every chunk of one streamed response.
+
+    Each chunk repeats the response's id, object type, creation time and model; with
+    `stream_options.continuous_usage_stats` each also carries the usage so far, and with
+    `include_usage` a last chunk with empty `choices` carries the final usage."""
+
+    def __init__(self, request_id: str, object_type: str, model: str, stream_options: Any) -> None:
+        self.head = {"id": request_id, "object": object_type, "created": int(time.time()), "model": model}
+        self.include_usage = bool(stream_options and stream_options.include_usage)
+        self.continuous_usage = bool(stream_options and stream_options.continuous_usage_stats)
+
+    def chunk(self, choice: dict[str, Any], outputs: Sequence[RequestOutput]) -> str:
+        obj: dict[str, Any] = {**self.head, "choices": [choice]}
+        if self.continuous_usage and outputs:
+            obj["usage"] = make_usage(outputs).model_dump()
+        return sse(dumps(obj))
+
+    def usage_chunk(self, outputs: Sequence[RequestOutput]) -> str | None:
+        if not (self.include_usage and outputs):
+            return None
+        return sse(dumps({**self.head, "choices": [], "usage": make_usage(outputs).model_dump()}))
+
+
+async def sse_body(ctx: ServingContext, streams: Sequence[RequestStream], chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Frame `chunks` as an SSE stream: `[DONE]` after the last one, an error event first
+    if the engine fails mid-stream, and the requests aborted however the stream ends --
+    normally, on error, or when the client disconnects and the generator is closed."""
+    try:
+        async with contextlib.aclosing(chunks):
+            async for c in chunks:
+                yield c
+        yield SSE_DONE
+    except (EngineDeadError, RequestFailedError) as e:
+        yield sse_error(engine_failure(e))
+        yield SSE_DONE
+    finally:
+        abort_all(ctx, streams)  # stop the work, free the KV blocks

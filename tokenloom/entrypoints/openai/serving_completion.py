@@ -8,21 +8,20 @@ much text and how many tokens were already sent.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenloom.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
-from tokenloom.entrypoints.openai.errors import bad_request, sse_error
+from tokenloom.engine.async_engine import RequestStream
+from tokenloom.entrypoints.openai.errors import bad_request
 from tokenloom.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                    CompletionResponse)
-from tokenloom.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, SSEResponse, abort_all,
-                                                         add_requests, collect_final, dumps, engine_failure,
-                                                         finite_logprob, make_usage, merge_streams, new_id,
-                                                         sampling_params, sse, validate_prompt)
+from tokenloom.entrypoints.openai.serving_common import (ChunkFrame, ServingContext, SSEResponse, abort_all,
+                                                         add_requests, collect_final, finite_logprob, make_usage,
+                                                         merge_streams, new_id, sampling_params, sse_body,
+                                                         validate_prompt)
 from tokenloom.outputs import PositionLogprobs, RequestOutput
 
 
@@ -131,7 +130,7 @@ def _jsonable_prompt_logprobs(out: RequestOutput) -> list | None:
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     p, streams = _prepare(ctx, req)
     if req.stream:
-        return SSEResponse(_stream(ctx, p, streams), on_close=lambda: abort_all(ctx, streams))
+        return SSEResponse(sse_body(ctx, streams, _stream(ctx, p, streams)), on_close=lambda: abort_all(ctx, streams))
     finals = await collect_final(ctx, streams, raw)
     if finals is None:  # the client is gone (its requests are aborted); nobody reads this
         return JSONResponse({}, status_code=499)
@@ -155,57 +154,38 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
 
 async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream]) -> AsyncIterator[str]:
     req = p.req
-    created = int(time.time())
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    frame = ChunkFrame(p.request_id, "text_completion", p.model, req.stream_options)
     states: dict[int, _ChoiceState] = {}
     latest: dict[int, RequestOutput] = {}
-    try:
-        async for i, out in merge_streams(streams):
-            latest[i] = out
-            for c in out.outputs:
-                idx = i * req.n + c.index
-                echo_text = p.prompt_texts[i] if req.echo else ""
-                st = states.setdefault(idx, _ChoiceState(offset=len(echo_text)))
-                if st.done:
-                    continue
-                new_ids = c.token_ids[st.tokens_sent:]
-                finished = c.finish_reason is not None
-                echo_now = req.echo and not st.started
-                if not new_ids and not finished and not echo_now:
-                    continue
-                # The detokenizer only releases prefix-stable text, so a slice is the delta.
-                text = (echo_text if echo_now else "") + c.text[st.text_sent:]
-                logprobs = None
-                if req.logprobs is not None:
-                    new_lp = (c.logprobs or [])[st.tokens_sent:st.tokens_sent + len(new_ids)]
-                    logprobs = legacy_logprobs(new_ids, new_lp, p.tokenizer, st.offset)
-                    if logprobs.tokens:
-                        st.offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-                    if echo_now and out.prompt_logprobs is not None:
-                        logprobs = _concat(legacy_logprobs(out.prompt_token_ids, out.prompt_logprobs, p.tokenizer, 0),
-                                           logprobs)
-                st.started, st.done = True, finished
-                st.text_sent, st.tokens_sent = max(st.text_sent, len(c.text)), len(c.token_ids)
-                chunk: dict[str, Any] = {
-                    "id": p.request_id, "object": "text_completion", "created": created, "model": p.model,
-                    "choices": [{"index": idx, "text": text,
-                                 "logprobs": logprobs.model_dump(mode="json") if logprobs is not None else None,
-                                 "finish_reason": c.finish_reason if finished else None,
-                                 "stop_reason": c.stop_reason if finished else None}],
-                }
-                if continuous:
-                    chunk["usage"] = make_usage(list(latest.values())).model_dump()
-                yield sse(dumps(chunk))
-        if include_usage:
-            usage = make_usage([latest[i] for i in sorted(latest)])
-            yield sse(dumps({"id": p.request_id, "object": "text_completion", "created": created,
-                             "model": p.model, "choices": [], "usage": usage.model_dump()}))
-        yield SSE_DONE
-    except (EngineDeadError, RequestFailedError) as e:
-        yield sse_error(engine_failure(e))
-        yield SSE_DONE
-    finally:
-        # Runs on a normal end, on error, and when the client disconnects (the response task
-        # is cancelled or the generator closed): whatever still runs is aborted.
-        abort_all(ctx, streams)
+    async for i, out in merge_streams(streams):
+        latest[i] = out
+        for c in out.outputs:
+            idx = i * req.n + c.index
+            echo_text = p.prompt_texts[i] if req.echo else ""
+            st = states.setdefault(idx, _ChoiceState(offset=len(echo_text)))
+            if st.done:
+                continue
+            new_ids = c.token_ids[st.tokens_sent:]
+            finished = c.finish_reason is not None
+            echo_now = req.echo and not st.started
+            if not new_ids and not finished and not echo_now:
+                continue
+            # The detokenizer only releases prefix-stable text, so a slice is the delta.
+            text = (echo_text if echo_now else "") + c.text[st.text_sent:]
+            logprobs = None
+            if req.logprobs is not None:
+                new_lp = (c.logprobs or [])[st.tokens_sent:st.tokens_sent + len(new_ids)]
+                logprobs = legacy_logprobs(new_ids, new_lp, p.tokenizer, st.offset)
+                if logprobs.tokens:
+                    st.offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                if echo_now and out.prompt_logprobs is not None:
+                    logprobs = _concat(legacy_logprobs(out.prompt_token_ids, out.prompt_logprobs, p.tokenizer, 0),
+                                       logprobs)
+            st.started, st.done = True, finished
+            st.text_sent, st.tokens_sent = max(st.text_sent, len(c.text)), len(c.token_ids)
+            yield frame.chunk({"index": idx, "text": text,
+                               "logprobs": logprobs.model_dump(mode="json") if logprobs is not None else None,
+                               "finish_reason": c.finish_reason if finished else None,
+                               "stop_reason": c.stop_reason if finished else None}, list(latest.values()))
+    if (usage := frame.usage_chunk([latest[i] for i in sorted(latest)])) is not None:
+        yield usage
