@@ -59,6 +59,11 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self._forward = self.model.forward
         if compile:
+            # One graph per step kind (decode-only, prefill-only, mixed: which metadata
+            # fields are None), every size symbolic.  Without this, dynamo's "duck sizing"
+            # guards on sizes that happen to coincide (e.g. block-table width == number of
+            # decodes) and recompiles whenever they stop coinciding.
+            torch.fx.experimental._config.use_duck_shape = False
             self._forward = torch.compile(self.model.forward, dynamic=True)
 
     @property
