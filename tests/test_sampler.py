@@ -65,9 +65,32 @@ def test_logprobs_report_rank_and_top_n():
     assert abs(lp - logits.log_softmax(-1)[0, 1].item()) < 1e-6
 
 
+def test_logit_bias_and_allowed_token_ids_steer_greedy_and_sampled_rows():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 3)
+    rows = [_row(temperature=0.0, logit_bias={3: 5.0}),  # 0 + 5 beats 3
+            _row(temperature=0.0, logit_bias={0: -100.0}, logprobs=1),  # the argmax is banned
+            _row(temperature=0.0)]  # an unconstrained row in the same batch is untouched
+    out = sample(logits, rows)
+    assert out.token_ids == [3, 1, 0]
+    # logprobs are the model's raw distribution, not the biased one (as vLLM reports them)
+    assert abs(out.logprobs[1][0] - logits.log_softmax(-1)[1, 1].item()) < 1e-6
+    assert _draws(logits[:1], allowed_token_ids=[2, 3]) == {2, 3}
+    assert _draws(logits[:1], temperature=0.0, allowed_token_ids=[1, 2]) == {1}
+
+
+def test_token_ids_in_sampling_params_are_checked_against_the_vocabulary():
+    SamplingParams(logit_bias={3: 1.0}, allowed_token_ids=[0, 3]).check_vocab(4)
+    for kw in ({"logit_bias": {4: 1.0}}, {"allowed_token_ids": [1, 9]}):
+        with pytest.raises(SamplingParamError) as e:
+            SamplingParams(**kw).check_vocab(4)
+        assert e.value.param == next(iter(kw)) and "vocabulary" in str(e.value)
+
+
 @pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -5), ("min_p", 1.5),
                                          ("max_tokens", 0), ("n", 0), ("repetition_penalty", 0.0),
-                                         ("presence_penalty", 3.0), ("logprobs", 50)])
+                                         ("presence_penalty", 3.0), ("logprobs", 50),
+                                         ("logit_bias", {1: 101.0}), ("logit_bias", {-1: 1.0}),
+                                         ("allowed_token_ids", []), ("allowed_token_ids", [-2])])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(SamplingParamError) as e:
         SamplingParams(**{field: value})

@@ -305,6 +305,23 @@ def test_completion_logprobs_and_echo(client, expected):
     assert toks == r.choices[0].logprobs.tokens and offs == r.choices[0].logprobs.text_offset
 
 
+def test_logit_bias_and_allowed_token_ids(client, expected):
+    """OpenAI's logit_bias (string token ids -> bias) forces or bans tokens; vLLM's
+    allowed_token_ids limits the choice; both on completions and chat."""
+    forced = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                       logit_bias={"7": 100})
+    assert forced.choices[0].text == client.completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0, extra_body={"allowed_token_ids": [7]}).choices[0].text
+    ids = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=0,
+                                    logit_bias={"7": 100}).choices[0].logprobs.tokens
+    assert len(ids) == 4 and len(set(ids)) == 1  # the same forced token every step
+    plain = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+    assert plain.choices[0].text == expected[PROMPTS[0]]  # the bias was the request's own
+    chat = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=3, temperature=0,
+                                          logit_bias={"7": 100})
+    assert chat.choices[0].message.content == forced.choices[0].text[:len(chat.choices[0].message.content)]
+
+
 def test_chat_logprobs(client):
     r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
                                        top_logprobs=3)
@@ -439,6 +456,11 @@ def test_error_statuses_and_shape(srv, client):
     _error(post(url, {"prompt": []}), 400, "prompt")
     _error(post(url, {"prompt": [[1, 2], [999999]]}), 400, "prompt")
     _error(post(url, {"prompt": "x", "seed": 2**70}), 400, "seed")
+    _error(post(url, {"prompt": "x", "logit_bias": {"abc": 1}}), 400, "logit_bias")
+    _error(post(url, {"prompt": "x", "logit_bias": {"5": 200}}), 400, "logit_bias")
+    e = _error(post(curl, {"messages": CHAT, "logit_bias": {"99999999": 1}}), 400, "logit_bias")
+    assert "vocabulary" in e["message"]
+    _error(post(url, {"prompt": "x", "allowed_token_ids": []}), 400, "allowed_token_ids")
     n_long = httpx.post(srv.base_url + "/tokenize", json={"prompt": "hello " * 300}).json()["count"]
     e = _error(post(url, {"prompt": "hello " * 300}), 400, "prompt")
     assert "256" in e["message"] and str(n_long) in e["message"]  # both lengths: the prompt's and the limit

@@ -38,6 +38,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100..100)
+    allowed_token_ids: list[int] | None = None  # vLLM: sample only among these
+
+    @property
+    def constrains_logits(self) -> bool:
+        """Whether the sampler must change raw logits (bias or allow-list) before choosing."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +56,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.validate()
 
     @property
@@ -93,3 +104,21 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
+        for t, b in (self.logit_bias or {}).items():
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                bad("logit_bias", f"keys must be token ids (non-negative integers), got {t!r}")
+            if not isinstance(b, (int, float)) or isinstance(b, bool) or not -100.0 <= b <= 100.0:
+                bad("logit_bias", f"bias of token {t} must be a number in [-100, 100], got {b!r}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids", "must not be empty")
+            for t in self.allowed_token_ids:
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    bad("allowed_token_ids", f"must be non-negative integers, got {t!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids named by these params must exist in the model's vocabulary."""
+        for param, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad_ids = [t for t in ids if t >= vocab_size]
+            if bad_ids:
+                raise SamplingParamError(param, f"token id {bad_ids[0]} is out of range for a vocabulary of {vocab_size}")

@@ -203,6 +203,7 @@ class AsyncLLMEngine:
         state: raises ValueError (PromptTooLongError for max_model_len) so the caller can answer
         400 before anything is queued.  Only reads the engine's constants and the tokenizer."""
         text, ids = self.engine.process_prompt(prompt)
+        params.check_vocab(self.engine.vocab_size)
         self.engine.resolve_max_tokens(params, len(ids))
         return text, ids
 

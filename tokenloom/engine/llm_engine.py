@@ -223,6 +223,7 @@ class LLMEngine:
         if request_id in self.groups or request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.process_prompt(prompt)
+        params.check_vocab(self.vocab_size)
         max_tokens = self.resolve_max_tokens(params, len(ids))
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         samples: list[_Sample] = []

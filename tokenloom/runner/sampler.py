@@ -3,7 +3,9 @@
 This is the seed's "选出下一个 token（如 greedy / sampling）" for a whole batch at once.
 Per-request settings become per-row tensors, so one pass handles a batch that mixes
 greedy and sampled requests.  Expensive transforms (full-vocabulary sort for top-p,
-penalty count tables) are only paid when some row in the step asks for them.
+penalty count tables, logit bias and allow-lists) are only paid when some row in the
+step asks for them.  Logprobs are those of the model's raw distribution, before any of
+these transforms, as vLLM reports them by default.
 
 Seeded requests draw their randomness from their own `torch.Generator`, so the same
 seed gives the same tokens whatever else shares the batch.
@@ -65,6 +67,21 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
                 logits[i, ids] = float("-inf")
 
 
+def _apply_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """logit_bias (added to the raw logit, as OpenAI does) and allowed_token_ids (every
+    other token masked), applied before greedy or sampled choice."""
+    dev = logits.device
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.allowed_token_ids is not None:
+            keep = torch.full((logits.shape[1],), True, device=dev)
+            keep[torch.tensor(p.allowed_token_ids, device=dev, dtype=torch.long)] = False
+            logits[i].masked_fill_(keep, float("-inf"))
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=dev, dtype=torch.long)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=dev, dtype=logits.dtype)
+
+
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on the sampled (non-greedy) rows."""
     dev = logits.device
@@ -108,6 +125,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     if any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
         logits = logits.clone()
         _apply_min_tokens(logits, rows)
+    if any(r.params.constrains_logits for r in rows):
+        logits = logits.clone()
+        _apply_constraints(logits, rows)
 
     tokens = logits.argmax(dim=-1)  # greedy rows keep this
     sampled_rows = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -46,6 +46,7 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[StrictInt] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0

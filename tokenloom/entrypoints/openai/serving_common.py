@@ -79,8 +79,12 @@ def new_id(prefix: str) -> str:
 def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None) -> SamplingParams:
     """Build and validate SamplingParams; any bad value is a 400 naming its field."""
+    logit_bias = None
     if req.logit_bias:
-        raise bad_request("logit_bias is not supported by this server", param="logit_bias", code="unsupported")
+        try:  # JSON object keys are strings; OpenAI's are token ids written as strings
+            logit_bias = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise bad_request("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
     if req.n > MAX_N:
         raise bad_request(f"n must be <= {MAX_N}, got {req.n}", param="n")
     if req.seed is not None and not _SEED_MIN <= req.seed <= _SEED_MAX - req.n:
@@ -99,6 +103,8 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        logit_bias=logit_bias,
+        allowed_token_ids=req.allowed_token_ids,
     )
     # Unset optional knobs keep SamplingParams' own defaults.
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
@@ -122,6 +128,8 @@ def validate_prompt(ctx: ServingContext, prompt: str | list[int], params: Sampli
         # Which field to blame: the prompt if it alone is too long, otherwise max_tokens.
         blame = param if "max_tokens" not in str(e) else "max_tokens"
         raise bad_request(str(e), param=blame, code="context_length_exceeded") from None
+    except SamplingParamError as e:
+        raise bad_request(str(e), param=e.param) from None
     except ValueError as e:
         raise bad_request(str(e), param=param) from None
 
