@@ -71,11 +71,16 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = meta.num_decode
     if nd:
-        qd = q[:nd].unsqueeze(2)  # [D, Hq, 1, Dh]
+        # Grouped-query attention with one query per request: the G query heads that share
+        # a KV head become G query *rows* of that head ([D, Hk, G, Dh]), so each KV head is
+        # read once for its whole group and nothing is expanded to Hq heads.  Query head h
+        # uses KV head h // G (HF's repeat_interleave), which is exactly this view.
+        hk = k_cache.shape[2]
+        qd = q[:nd].view(nd, hk, q.shape[1] // hk, q.shape[2])
         kd = _gather_kv(k_cache, meta.decode_block_tables)
         vd = _gather_kv(v_cache, meta.decode_block_tables)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        out[:nd] = od.squeeze(2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        out[:nd] = od.reshape(nd, q.shape[1], q.shape[2])
     if meta.has_prefill:
         qp = q[meta.prefill_gather].transpose(1, 2)  # [P, Hq, max_q, Dh]
         kp = _gather_kv(k_cache, meta.prefill_block_tables)
