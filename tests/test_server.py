@@ -428,11 +428,13 @@ def test_stream_disconnect_aborts_and_frees_kv(srv):
 
 def test_nonstream_disconnect_aborts(srv):
     aborted = metric(srv.base_url, "tokenloom:request_success_total", finished_reason="abort")
-    body = {"model": NAME, "prompt": PROMPTS[4], "max_tokens": 240, "ignore_eos": True, "temperature": 0}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(srv.base_url + "/v1/completions", json=body, timeout=0.5)
+    # 4 x 240 tokens: far longer than the 0.1 s the client waits for the response even on a
+    # fast machine; connecting and sending get the default time, so the request does arrive.
+    body = {"model": NAME, "prompt": PROMPTS[4], "max_tokens": 240, "n": 4, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.base_url + "/v1/completions", json=body, timeout=httpx.Timeout(10.0, read=0.1))
     assert wait_until(lambda: metric(srv.base_url, "tokenloom:request_success_total", finished_reason="abort")
-                      == aborted + 1, 10)
+                      == aborted + 4, 10)  # one per completion
     assert wait_until(lambda: _idle(srv.base_url), 10)
 
 
