@@ -41,6 +41,10 @@ def test_bench_throughput_with_hf_baseline(tiny_llama, tmp_path):
     for d in (engine, hf):
         assert d["output_throughput"] > 0 and d["request_throughput"] > 0 and d["total_token_throughput"] > 0
         assert d["peak_rss_gib"] > 0
+    # the memory the engine needs by design, and peak RSS measured against it
+    assert 0 < engine["weights_gib"] < engine["peak_rss_gib"] and engine["kv_pool_gib"] > 0
+    assert engine["peak_rss_over_weights_kv"] == pytest.approx(
+        engine["peak_rss_gib"] / (engine["weights_gib"] + engine["kv_pool_gib"]))
     assert hf["num_batches"] == 2 and hf["generated_tokens"] >= hf["total_output_tokens"]
     assert res["speedup"]["output_throughput"] > 0
     assert engine["steps"]["num_steps"] > 0 and engine["steps"]["mean_batch_size"] > 0
