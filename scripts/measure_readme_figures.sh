@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # Re-measure the README's figures on this machine (qwen2.5-0.5b shape, random weights, float32).
-# Each run holds /tmp/tokenloom-measure.lock so concurrent measurements never overlap.
 set -euo pipefail
-M=${M:-/tmp/m/qwen2.5-0.5b}
-R=${R:-docs/results}
-mkdir -p "$R"
-[ -d "$M" ] || tokenloom make-model --preset qwen2.5-0.5b --out "$M"
-run() { echo "+ $*"; flock /tmp/tokenloom-measure.lock "$@"; }
+source "$(dirname "$0")/measure_common.sh"
 run tokenloom bench roofline --model "$M" --dtype float32 --batch-sizes 1,8,32 --context-lens 128,512 \
     --disable-tqdm --output-json "$R/roofline.json"
 run tokenloom bench roofline --model "$M" --dtype bfloat16 --batch-sizes 1 --context-lens 128 \

@@ -3,13 +3,8 @@
 # for each workload, measure with `bench serve --launch`, then at once recalibrate the
 # step costs and simulate the same requests (`simulate --compare-with`), so the
 # calibration and the benchmark see the same machine state.
-# Each run holds /tmp/tokenloom-measure.lock so concurrent measurements never overlap.
 set -euo pipefail
-M=${M:-/tmp/m/qwen2.5-0.5b}
-R=${R:-docs/results}
-mkdir -p "$R"
-[ -d "$M" ] || tokenloom make-model --preset qwen2.5-0.5b --out "$M"
-run() { echo "+ $*"; flock /tmp/tokenloom-measure.lock "$@"; }
+source "$(dirname "$0")/measure_common.sh"
 common=(--max-num-seqs 8 --num-kv-blocks 1024 --num-prompts 24 --output-len 16:64 --seed 0 --disable-tqdm)
 status=0
 pair() {  # name, then bench serve flags
