@@ -140,7 +140,8 @@ class LoadedModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes the model's tensors (weights, rotary tables) occupy, each shared tensor counted once
-        (tied embeddings) and oneDNN-packed weights by their element count."""
+        (tied embeddings) and oneDNN-packed weights by their element count.  Panel-packed
+        weights (cpu_gemm) include their zero padding to a multiple of 16 rows."""
         total, seen = 0, set()
         for t in [*self.model.parameters(), *self.model.buffers()]:
             if t is None or t.device.type == "meta":
@@ -224,9 +225,12 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
             raise ValueError(f"checkpoint at {path} is missing weights for {pname}")
     model.eval()
     del params  # drop our references, so packing can free each unpacked weight as it goes
+    from tokenloom.kernels import cpu_gemm
     from tokenloom.model.packed_linear import packing_supported
 
-    if pack_weights and packing_supported(device, tdtype):
+    if pack_weights and cpu_gemm.preferred(device, tdtype):
+        model.prepack_panels()
+    elif pack_weights and packing_supported(device, tdtype):
         model.prepack()
     if device.type == "cpu":
         _return_freed_memory_to_os()

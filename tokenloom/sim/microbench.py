@@ -132,12 +132,19 @@ def measure_matmul_flops(
     a, b = make(n)
     t = _median_time(lambda: torch.matmul(a, b), dev, repeats)
     best = 2.0 * n**3 / t
-    # The engine multiplies through oneDNN-packed weights where it can (model/packed_linear.py),
-    # which is much faster than torch.matmul on some CPUs: the machine's peak is the better of the two.
-    from tokenloom.model.packed_linear import PackedLinear, packing_supported
+    # The engine multiplies through oneDNN-packed weights or our own kernel where it can
+    # (model/packed_linear.py), either much faster than torch.matmul on some CPUs: the
+    # machine's peak is the best of them.
+    from tokenloom.kernels import cpu_gemm
+    from tokenloom.model.packed_linear import PackedLinear, PanelLinear, packing_supported
 
+    fast = []
     if packing_supported(dev, dt):
-        lin = PackedLinear(b.t().contiguous(), None)
+        fast.append(PackedLinear)
+    if cpu_gemm.preferred(dev, dt):
+        fast.append(PanelLinear)
+    for make in fast:
+        lin = make(b.t().contiguous(), None)
         t = _median_time(lambda: lin(a), dev, repeats)
         best = max(best, 2.0 * n**3 / t)
     return best

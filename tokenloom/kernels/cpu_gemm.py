@@ -1,0 +1,104 @@
+"""Our AVX2 decode GEMM (cpu_gemm.cpp): build it on first use, pack weights for it.
+
+A decode step is one pass over every weight matrix (the seed: each step reads the whole
+model to produce one token per running request), so on a CPU the step time is the time
+the GEMMs take to stream the weights.  The kernel is compiled at run time with the C++
+toolchain PyTorch uses for extensions (cached under ~/.cache/torch_extensions) and is
+used only where it was measured to beat oneDNN: x86 CPUs with AVX2 + FMA but without
+AVX-512, where oneDNN's packed GEMV streams at ~60% of copy bandwidth.  Anything that
+fails (no compiler, other CPU) leaves the oneDNN / nn.Linear paths in charge.
+
+`TOKENLOOM_CPU_GEMM=own|onednn` overrides the choice (tests force `own`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+NR = 16  # panel width; must match cpu_gemm.cpp
+_SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def load() -> bool:
+    """Compile and load the extension once per process; False if it cannot run here."""
+    flags = _cpu_flags()
+    if not {"avx2", "fma"} <= flags:
+        return False
+    try:
+        from torch.utils.cpp_extension import load as load_ext
+
+        load_ext(
+            name="tokenloom_cpu_gemm",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # no toolchain, no ninja, compile error: keep the stock kernels
+        log.warning("tokenloom CPU GEMM kernel unavailable (%s); using PyTorch's kernels", e)
+        return False
+
+    @torch.library.register_fake("tokenloom_cpu::linear")
+    def _(x, weight_packed, n, bias):
+        return x.new_empty((*x.shape[:-1], n))
+
+    return True
+
+
+def preferred(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether linears on `device` in `dtype` should run our kernel (see module doc)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    choice = os.environ.get("TOKENLOOM_CPU_GEMM", "auto")
+    if choice == "onednn":
+        return False
+    if choice == "auto" and "avx512f" in _cpu_flags():
+        return False  # oneDNN's AVX-512 kernels already stream near bandwidth there
+    return load()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N/16), K, 16], zero-padded: each panel of 16 outputs one stream."""
+    n, k = weight.shape
+    w = weight.detach()
+    full, rest = divmod(n, NR)
+    out = w.new_empty((full + (rest > 0), k, NR))  # one copy: no padded temporary of the whole matrix
+    out[:full].copy_(w[: full * NR].view(full, NR, k).transpose(1, 2))
+    if rest:
+        out[full].zero_()
+        out[full, :, :rest].copy_(w[full * NR :].t())
+    return out
+
+
+def pad_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    out = torch.zeros(-(-n // NR) * NR, dtype=torch.float32)
+    out[:n] = bias.detach().float()
+    return out
+
+
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the original [N, K] matrix, read from the packed layout (embedding
+    lookup on a tied vocab matrix that is stored only once, packed for the lm_head)."""
+    return packed[ids // NR, :, ids % NR]
+
+
