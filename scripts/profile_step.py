@@ -18,7 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 from tokenloom import LLM, SamplingParams
 
 GROUPS = {
-    "matmul": ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::matmul", "aten::bmm"),
+    "matmul": ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::matmul", "aten::bmm",
+               "tokenloom_cpu::linear"),
     "attention": ("aten::index", "aten::index_copy_", "aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_efficient_attention",
                   "aten::_scaled_dot_product_flash_attention"),
@@ -64,7 +65,7 @@ def main() -> None:
                 totals[g] += t
                 break
         else:
-            if ev.key.startswith(("aten::", "mkldnn::")):
+            if ev.key.startswith(("aten::", "mkldnn::", "tokenloom_cpu::")):
                 totals["other model ops"] += t
     # the profiler's op times include some engine-side tensor work; scale them to the model time
     scale = model / max(sum(totals.values()), 1e-9)
@@ -73,6 +74,9 @@ def main() -> None:
     for g, t in totals.items():
         print(f"  {g:16s} {t * scale * 1e3:8.1f} ms  {100 * t * scale / step:5.1f}%")
     print(f"  {'engine overhead':16s} {(step - model) * 1e3:8.2f} ms  {100 * (step - model) / step:5.1f}%")
+    print("top ops by self CPU time per step (unscaled):")
+    for ev in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]:
+        print(f"  {ev.key:48s} {ev.self_cpu_time_total / 1e3 / a.steps:8.2f} ms  x{ev.count // a.steps}")
 
 
 if __name__ == "__main__":
