@@ -12,7 +12,8 @@ A step's tokens arrive flattened across requests (varlen, no padding): decodes f
   1. the step's new K/V are scattered into the cache through `slot_mapping`
      (slot = block_id * block_size + offset);
   2. decodes: one batched attention of D single-token queries, each over the blocks in
-     its block table, masked to its context length — O(context) per decoded token;
+     its block table, masked to its context length — O(context) per decoded token (on
+     CPUs, our kernel reads the blocks in place: kernels/cpu_attention.cpp);
   3. prefill chunks: one batched causal attention over their (padded) query chunks and
      their block tables.
 
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenloom.kernels import cpu as cpu_kernels
+
 
 @dataclass
 class AttentionMetadata:
@@ -35,6 +38,7 @@ class AttentionMetadata:
     # decodes: one row per decode token
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] long
     decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks*block_size] bool (True = attend)
+    decode_context_lens: torch.Tensor | None  # [D] long: tokens each decode attends to (itself included)
     # prefills: one row per request with a prefill chunk
     prefill_block_tables: torch.Tensor | None  # [P, max_blocks] long
     prefill_mask: torch.Tensor | None  # [P, 1, max_q, max_blocks*block_size] bool
@@ -70,7 +74,11 @@ def paged_attention(
 
     out = torch.empty_like(q)
     nd = meta.num_decode
-    if nd:
+    if nd and cpu_kernels.attention_available(q, k_cache):
+        # CPU: our kernel reads each block in place, once (kernels/cpu_attention.cpp).
+        out[:nd] = torch.ops.tokenloom_cpu.paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    elif nd:
         # Grouped-query attention with one query per request: the G query heads that share
         # a KV head become G query *rows* of that head ([D, Hk, G, Dh]), so each KV head is
         # read once for its whole group and nothing is expanded to Hq heads.  Query head h

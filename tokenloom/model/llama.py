@@ -165,18 +165,18 @@ class CausalLM(nn.Module):
         return n
 
     def prepack_panels(self) -> int:
-        """CPU fast path on AVX2 machines: every matmul through our kernel (kernels/cpu_gemm.cpp).
+        """CPU fast path on AVX2 machines: every matmul through our kernel (kernels/cpu_kernels.cpp).
 
         Tied embeddings are packed once, into the panels the lm_head streams, and the
         embedding lookup reads its rows from there: one copy of the vocab matrix, and a
         head that streams at the kernel's speed."""
-        from tokenloom.kernels import cpu_gemm
+        from tokenloom.kernels import cpu as cpu_kernels
         from tokenloom.model.packed_linear import PanelEmbedding, PanelLinear, prepack_linears
 
         n = prepack_linears(self, PanelLinear)
         if self.lm_head is None:
             vocab = self.embed_tokens.weight.shape[0]
-            packed = cpu_gemm.pack(self.embed_tokens.weight)
+            packed = cpu_kernels.pack(self.embed_tokens.weight)
             self.embed_tokens = PanelEmbedding(packed, vocab)
             self.lm_head = PanelLinear(None, None, packed=packed, out_features=vocab)
             n += 1

@@ -225,10 +225,10 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
             raise ValueError(f"checkpoint at {path} is missing weights for {pname}")
     model.eval()
     del params  # drop our references, so packing can free each unpacked weight as it goes
-    from tokenloom.kernels import cpu_gemm
+    from tokenloom.kernels import cpu as cpu_kernels
     from tokenloom.model.packed_linear import packing_supported
 
-    if pack_weights and cpu_gemm.preferred(device, tdtype):
+    if pack_weights and cpu_kernels.preferred(device, tdtype):
         model.prepack_panels()
     elif pack_weights and packing_supported(device, tdtype):
         model.prepack()

@@ -22,7 +22,7 @@ CPU has native bf16 instructions (see `packing_supported`); anything else keeps
 `nn.Linear`, so CUDA and other devices run the plain code path unchanged.
 
 On AVX2 CPUs without AVX-512 our own kernel beats oneDNN at decode's row counts
-(kernels/cpu_gemm.cpp; same AMD machine, 24 layers of Qwen2.5-0.5B's matrices, fp32):
+(kernels/cpu_kernels.cpp; same AMD machine, 24 layers of Qwen2.5-0.5B's matrices, fp32):
 
     rows M               1          8         32         256
     oneDNN packed    12.9 GB/s   33 GF/s    78 GF/s   124 GF/s
@@ -30,7 +30,7 @@ On AVX2 CPUs without AVX-512 our own kernel beats oneDNN at decode's row counts
 
 and it streams bf16 weights (widened in registers) at batch 1 where oneDNN has no
 native bf16.  `PanelLinear` holds weights in that kernel's layout; `CausalLM.prepack`
-picks the kernel (see `cpu_gemm.preferred`).
+picks the kernel (see `cpu_kernels.preferred`).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class PackedLinear(nn.Module):
 
 
 class PanelLinear(nn.Module):
-    """y = x W^T + b through our AVX2 kernel, W held as 16-column panels (cpu_gemm.pack).
+    """y = x W^T + b through our AVX2 kernel, W held as 16-column panels (cpu_kernels.pack).
 
     Built from a plain weight, or from an already packed one (`packed=`, with its row
     count), which is how a tied lm_head shares the panels with the embedding lookup."""
@@ -119,17 +119,17 @@ class PanelLinear(nn.Module):
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, packed: torch.Tensor | None = None,
                  out_features: int | None = None):
         super().__init__()
-        from tokenloom.kernels import cpu_gemm
+        from tokenloom.kernels import cpu as cpu_kernels
 
         if packed is None:
             assert weight is not None
             self.out_features, self.in_features = weight.shape
-            packed = cpu_gemm.pack(weight)
+            packed = cpu_kernels.pack(weight)
         else:
             assert out_features is not None
             self.out_features, self.in_features = out_features, packed.shape[1]
         self.register_buffer("weight", packed, persistent=False)
-        self.register_buffer("bias", cpu_gemm.pad_bias(bias, self.out_features), persistent=False)
+        self.register_buffer("bias", cpu_kernels.pad_bias(bias, self.out_features), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.tokenloom_cpu.linear(x, self.weight, self.out_features, self.bias)
@@ -145,7 +145,7 @@ class PanelEmbedding(nn.Module):
         self.register_buffer("weight", packed, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from tokenloom.kernels.cpu_gemm import packed_rows
+        from tokenloom.kernels.cpu import packed_rows
 
         return packed_rows(self.weight, ids)
 

@@ -120,7 +120,7 @@ class ModelRunner:
             rows = [s.block_ids + [0] * (nb - len(s.block_ids)) for s in group]
             return torch.tensor(rows, dtype=torch.long), nb * bs
 
-        dbt = dmask = pbt = pmask = pgather = pscatter = None
+        dbt = dmask = ctx = pbt = pmask = pgather = pscatter = None
         if decodes:
             dbt, L = tables(decodes)
             ctx = torch.tensor([s.num_computed_before + 1 for s in decodes])
@@ -147,6 +147,7 @@ class ModelRunner:
             num_decode=len(decodes),
             decode_block_tables=to(dbt),
             decode_mask=to(dmask),
+            decode_context_lens=to(ctx),
             prefill_block_tables=to(pbt),
             prefill_mask=to(pmask),
             prefill_gather=to(pgather),

@@ -135,13 +135,13 @@ def measure_matmul_flops(
     # The engine multiplies through oneDNN-packed weights or our own kernel where it can
     # (model/packed_linear.py), either much faster than torch.matmul on some CPUs: the
     # machine's peak is the best of them.
-    from tokenloom.kernels import cpu_gemm
+    from tokenloom.kernels import cpu as cpu_kernels
     from tokenloom.model.packed_linear import PackedLinear, PanelLinear, packing_supported
 
     fast = []
     if packing_supported(dev, dt):
         fast.append(PackedLinear)
-    if cpu_gemm.preferred(dev, dt):
+    if cpu_kernels.preferred(dev, dt):
         fast.append(PanelLinear)
     for make in fast:
         lin = make(b.t().contiguous(), None)

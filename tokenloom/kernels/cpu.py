@@ -1,14 +1,20 @@
-"""Our AVX2 decode GEMM (cpu_gemm.cpp): build it on first use, pack weights for it.
+"""Our CPU kernels (AVX2 + FMA), built on first use: the decode GEMM and paged decode attention.
 
-A decode step is one pass over every weight matrix (the seed: each step reads the whole
-model to produce one token per running request), so on a CPU the step time is the time
-the GEMMs take to stream the weights.  The kernel is compiled at run time with the C++
-toolchain PyTorch uses for extensions (cached under ~/.cache/torch_extensions) and is
-used only where it was measured to beat oneDNN: x86 CPUs with AVX2 + FMA but without
-AVX-512, where oneDNN's packed GEMV streams at ~60% of copy bandwidth.  Anything that
-fails (no compiler, other CPU) leaves the oneDNN / nn.Linear paths in charge.
+A decode step is one pass over every weight matrix plus, per request, one pass over its
+KV history (the seed: each step reads the whole model, and each new token attends to the
+whole cache).  On a CPU the step time is the time these streams take, and PyTorch's
+stock kernels stream them poorly at decode's shapes:
 
-`TOKENLOOM_CPU_GEMM=own|onednn` overrides the choice (tests force `own`).
+* `cpu_gemm.cpp`: y = x W^T with W packed in 16-column panels (`pack`), fp32 or bf16
+  weights.  Used where it was measured to beat oneDNN: x86 CPUs with AVX2 + FMA but
+  without AVX-512 (see `preferred`; model/packed_linear.py has the figures).
+* `cpu_attention.cpp`: decode attention reading the paged KV cache in place, instead of
+  gathering it into a dense copy for SDPA.  Used on any CPU where the kernels build.
+
+They are compiled with the C++ toolchain PyTorch uses for extensions (cached under
+~/.cache/torch_extensions; ~30-60 s once).  Anything that fails (no compiler, not x86)
+leaves PyTorch's kernels in charge.  `TOKENLOOM_CPU_GEMM=own|onednn` overrides the GEMM
+choice (tests force each), `TOKENLOOM_CPU_ATTENTION=0` turns the attention kernel off.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 log = logging.getLogger(__name__)
 
 NR = 16  # panel width; must match cpu_gemm.cpp
-_SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
+_SOURCES = [Path(__file__).with_name(f) for f in ("cpu_gemm.cpp", "cpu_attention.cpp")]
 
 
 def _cpu_flags() -> set[str]:
@@ -46,19 +52,24 @@ def load() -> bool:
         from torch.utils.cpp_extension import load as load_ext
 
         load_ext(
-            name="tokenloom_cpu_gemm",
-            sources=[str(_SOURCE)],
+            name="tokenloom_cpu_kernels",
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
     except Exception as e:  # no toolchain, no ninja, compile error: keep the stock kernels
-        log.warning("tokenloom CPU GEMM kernel unavailable (%s); using PyTorch's kernels", e)
+        log.warning("tokenloom CPU kernels unavailable (%s); using PyTorch's kernels", e)
         return False
 
+    # Shapes for torch.compile, which traces through the ops without running them.
     @torch.library.register_fake("tokenloom_cpu::linear")
     def _(x, weight_packed, n, bias):
         return x.new_empty((*x.shape[:-1], n))
+
+    @torch.library.register_fake("tokenloom_cpu::paged_decode_attention")
+    def _(q, k_cache, v_cache, block_tables, context_lens, scale):
+        return torch.empty_like(q)
 
     return True
 
@@ -73,6 +84,17 @@ def preferred(device: torch.device, dtype: torch.dtype) -> bool:
     if choice == "auto" and "avx512f" in _cpu_flags():
         return False  # oneDNN's AVX-512 kernels already stream near bandwidth there
     return load()
+
+
+def attention_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether decode attention over this cache can run our kernel."""
+    return (q.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16)
+            and q.shape[-1] % 8 == 0 and _attention_enabled())
+
+
+@functools.cache
+def _attention_enabled() -> bool:
+    return os.environ.get("TOKENLOOM_CPU_ATTENTION", "1") != "0" and load()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
-"""Our AVX2 decode GEMM (kernels/cpu_gemm.cpp) against torch's matmul, and the whole
+"""Our AVX2 decode GEMM (kernels/cpu_kernels.cpp) against torch's matmul, and the whole
 model on each CPU matmul path against transformers.
 
-The engine picks the kernel by CPU (cpu_gemm.preferred); these tests force each path with
+The engine picks the kernel by CPU (cpu_kernels.preferred); these tests force each path with
 TOKENLOOM_CPU_GEMM so both are proven on whatever machine runs the suite."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.kernels import cpu_gemm
+from tokenloom.kernels import cpu as cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.load(), reason="needs an x86 CPU with AVX2+FMA and a C++ toolchain")
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="needs an x86 CPU with AVX2+FMA and a C++ toolchain")
 
 
 @settings(max_examples=40, deadline=None)
@@ -32,7 +32,7 @@ def test_kernel_matches_matmul(m, k, n, bf16, with_bias, seed):
     w = torch.randn(n, k, generator=g).to(dtype)
     x = torch.randn(m, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g) if with_bias else None
-    y = torch.ops.tokenloom_cpu.linear(x, cpu_gemm.pack(w), n, cpu_gemm.pad_bias(bias, n))
+    y = torch.ops.tokenloom_cpu.linear(x, cpu_kernels.pack(w), n, cpu_kernels.pad_bias(bias, n))
     ref = x.float() @ w.float().t() + (0 if bias is None else bias)
     assert y.shape == (m, n) and y.dtype == dtype
     scale = float(ref.abs().max()) if ref.numel() else 0.0
@@ -42,10 +42,10 @@ def test_kernel_matches_matmul(m, k, n, bf16, with_bias, seed):
 
 def test_packed_rows_read_the_original_rows():
     w = torch.randn(37, 11)
-    packed = cpu_gemm.pack(w)
+    packed = cpu_kernels.pack(w)
     assert packed.shape == (3, 11, 16) and torch.all(packed[2, :, 5:] == 0)  # zero padding
     ids = torch.tensor([[0, 36], [15, 16]])
-    assert torch.equal(cpu_gemm.packed_rows(packed, ids), w[ids])
+    assert torch.equal(cpu_kernels.packed_rows(packed, ids), w[ids])
 
 
 @pytest.mark.parametrize("path_name", ["own", "onednn"])
@@ -74,3 +74,38 @@ def test_each_cpu_matmul_path_matches_transformers(model_factory, monkeypatch, p
         ref = _hf(path, torch.bfloat16)(torch.tensor([prompts[0]])).logits[0, -1].float().log_softmax(-1)
     for tok, lp in o.outputs[0].logprobs[0].items():
         assert abs(lp.logprob - ref[tok].item()) < 0.1
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 6),
+    kv_heads=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 3, 7]),
+    head_dim=st.sampled_from([8, 64, 80]),  # 80: a tail of the 64-wide value loop
+    block_size=st.sampled_from([1, 4, 16, 20]),
+    bf16=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_decode_attention_matches_sdpa(n, kv_heads, group, head_dim, block_size, bf16, seed):
+    """Our kernel reads the blocks in place; the reference gathers them and runs SDPA."""
+    import torch.nn.functional as F
+
+    from tokenloom.model.attention import _gather_kv
+
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    num_blocks, per_req = 40, 5
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(n, kv_heads * group, head_dim, generator=g).to(dtype)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:per_req] for _ in range(n)])
+    ctx = torch.randint(1, per_req * block_size + 1, (n,), generator=g)
+    scale = head_dim**-0.5
+    out = torch.ops.tokenloom_cpu.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale)
+    L = per_req * block_size
+    mask = (torch.arange(L)[None] < ctx[:, None]).view(n, 1, 1, L)
+    ref = F.scaled_dot_product_attention(
+        q.float().view(n, kv_heads, group, head_dim), _gather_kv(k_cache.float(), tables),
+        _gather_kv(v_cache.float(), tables), attn_mask=mask, scale=scale).reshape(n, -1, head_dim)
+    assert out.dtype == dtype
+    assert torch.allclose(out.float(), ref, atol=2e-2 if bf16 else 1e-5)

@@ -1,0 +1,217 @@
+// Paged decode attention for x86 CPUs with AVX2 + FMA.
+//
+// The seed's decode step: the new token's Q attends to every K/V already in the cache.
+// The cache is paged -- [num_blocks, block_size, Hk, D] per layer, a request's history
+// scattered over the blocks its block table names -- and decode reads all of it every
+// step, so at long context attention is a memory stream like the weights.  PyTorch's
+// path first gathers the blocks into a dense tensor (a full copy) and then runs SDPA
+// over the copy; this kernel reads each block in place, once:
+//
+//   for each (request, KV head), in parallel:
+//     the G query heads that share the KV head (grouped-query attention) are scored
+//     together against each cached key, so a key is loaded once for its whole group;
+//     softmax runs online, block by block (running max and sum, rescaling the partial
+//     output when the max grows), so nothing of context length is materialized.
+//
+// Arithmetic is float32; bf16 caches are widened on load.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// [sum(a[0]), ..., sum(a[7])]: eight dot products finished in one vector.
+inline __m256 hsum8(const __m256* a) {
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+// e^x for eight floats (Cephes' expf: range reduction to [-ln2/2, ln2/2], degree-5
+// polynomial; relative error ~1e-7), so the softmax does not wait on scalar expf.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// One (request, KV head): q [G, D] (pre-scaled), out [G, D].  `scores` holds G rows of
+// `bsp` (block size rounded up to 8), `acc` G x D partial outputs.
+template <typename T>
+void attend(const float* q, int64_t G, int64_t D, const T* k_cache, const T* v_cache, const int64_t* table,
+            int64_t ctx, int64_t bs, int64_t token_stride, float* out, float* scores, float* acc,
+            const T** rows) {
+  const int64_t nv = D / 8, bsp = (bs + 7) / 8 * 8;
+  std::vector<float> m(G, -std::numeric_limits<float>::infinity()), l(G, 0.0f);
+  std::fill(acc, acc + G * D, 0.0f);
+  for (int64_t b0 = 0; b0 < ctx; b0 += bs) {
+    const int64_t n = std::min(bs, ctx - b0);
+    const int64_t block = table[b0 / bs];
+    const T* kb = k_cache + block * bs * token_stride;
+    const T* vb = v_cache + block * bs * token_stride;
+    if (b0 + bs < ctx) {  // the next block is elsewhere in the pool: start fetching it now
+      const int64_t next = table[b0 / bs + 1] * bs * token_stride;
+      const int64_t nn = std::min(bs, ctx - b0 - bs), row_bytes = D * int64_t(sizeof(T));
+      for (int64_t t = 0; t < nn; ++t)
+        for (int64_t c = 0; c < row_bytes; c += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_cache + next + t * token_stride) + c, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_cache + next + t * token_stride) + c, _MM_HINT_T0);
+        }
+    }
+    // scores[g, t] = q_g . k_t, eight keys at a time (independent FMA chains); the rows
+    // past n repeat the last key and are overwritten below.
+    for (int64_t t = 0; t < bsp; ++t) rows[t] = kb + std::min(t, n - 1) * token_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      for (int64_t t = 0; t < n; t += 8) {
+        __m256 a[8];
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < nv; ++j) {
+          const __m256 qv = _mm256_loadu_ps(qg + 8 * j);
+#pragma GCC unroll 8
+          for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, load8(rows[t + u] + 8 * j), a[u]);
+        }
+        _mm256_storeu_ps(scores + g * bsp + t, hsum8(a));
+      }
+    }
+    // online softmax: fold this block into the running max / sum, rescaling the partial output
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = scores + g * bsp;
+      float mb = m[g];
+      for (int64_t t = 0; t < n; ++t) mb = std::max(mb, sg[t]);
+      const float alpha = std::exp(m[g] - mb);  // exp(-inf) = 0 on the first block
+      const __m256 mv = _mm256_set1_ps(mb);
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t t = 0; t < n; t += 8) {
+        __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+        if (t + 8 > n) {  // zero the rows past the block's last token
+          const __m256 idx = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+          p = _mm256_and_ps(p, _mm256_cmp_ps(idx, _mm256_set1_ps(float(n - t)), _CMP_LT_OQ));
+        }
+        _mm256_storeu_ps(sg + t, p);
+        sum = _mm256_add_ps(sum, p);
+      }
+      __m256 s8[8] = {sum, sum, sum, sum, sum, sum, sum, sum};
+      l[g] = l[g] * alpha + _mm256_cvtss_f32(hsum8(s8));
+      m[g] = mb;
+      if (alpha != 1.0f) {
+        const __m256 av = _mm256_set1_ps(alpha);
+        float* ag = acc + g * D;
+        for (int64_t j = 0; j < nv; ++j) _mm256_storeu_ps(ag + 8 * j, _mm256_mul_ps(av, _mm256_loadu_ps(ag + 8 * j)));
+      }
+    }
+    // acc[g] += p[g, t] * v_t, up to eight vectors of acc held in registers across the block
+    for (int64_t g = 0; g < G; ++g) {
+      const float* pg = scores + g * bsp;
+      float* ag = acc + g * D;
+      int64_t j0 = 0;
+      for (; j0 + 8 <= nv; j0 += 8) {
+        __m256 a[8];
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; ++u) a[u] = _mm256_loadu_ps(ag + 8 * (j0 + u));
+        for (int64_t t = 0; t < n; ++t) {
+          const __m256 p = _mm256_set1_ps(pg[t]);
+          const T* vt = vb + t * token_stride + 8 * j0;
+#pragma GCC unroll 8
+          for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(p, load8(vt + 8 * u), a[u]);
+        }
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; ++u) _mm256_storeu_ps(ag + 8 * (j0 + u), a[u]);
+      }
+      for (; j0 < nv; ++j0) {  // head_dim not a multiple of 64
+        __m256 a = _mm256_loadu_ps(ag + 8 * j0);
+        for (int64_t t = 0; t < n; ++t) a = _mm256_fmadd_ps(_mm256_set1_ps(pg[t]), load8(vb + t * token_stride + 8 * j0), a);
+        _mm256_storeu_ps(ag + 8 * j0, a);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv;
+  }
+}
+
+// q [N, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hk, D]; block_tables [N, max_blocks]
+// int64; context_lens [N] int64 (tokens to attend, the new one included).  Returns [N, Hq, D].
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches differ in dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), Hk = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && D % 8 == 0 && Hq % Hk == 0, "head_dim must be a multiple of 8");
+  const int64_t G = Hq / Hk;
+  const auto qf = (q.to(at::kFloat) * scale).contiguous();
+  const auto bt = block_tables.to(at::kLong).contiguous();
+  const auto cl = context_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(bt.size(0) == N && cl.size(0) == N, "one block table and context length per query");
+  auto out = at::empty({N, Hq, D}, qf.options());
+  const float* qp = qf.data_ptr<float>();
+  const int64_t* btp = bt.data_ptr<int64_t>();
+  const int64_t* clp = cl.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t nb = bt.size(1);
+  const int64_t token_stride = Hk * D;
+  auto run = [&](auto* kc, auto* vc) {
+    at::parallel_for(0, N * Hk, 1, [&](int64_t i0, int64_t i1) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
+      std::vector<float> scores(G * ((bs + 7) / 8 * 8)), acc(G * D);
+      std::vector<const T*> rows((bs + 7) / 8 * 8);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r = i / Hk, h = i % Hk;
+        const int64_t ctx = clp[r];
+        TORCH_CHECK(ctx >= 0 && ctx <= nb * bs, "context length exceeds the block table");
+        attend(qp + (r * Hq + h * G) * D, G, D, kc + h * D, vc + h * D, btp + r * nb, ctx, bs, token_stride,
+               op + (r * Hq + h * G) * D, scores.data(), acc.data(), rows.data());
+      }
+    });
+  };
+  if (k_cache.scalar_type() == at::kFloat) {
+    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  } else {
+    TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16, "KV cache must be float32 or bfloat16");
+    run(reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+        reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()));
+  }
+  return out.to(q.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
