@@ -104,7 +104,7 @@ Entry = tuple[int, int, bool]
 
 # The engine's step: the sources in these packages decide how long it takes.  Their hash is
 # part of the cache key, so a calibration never outlives the code it measured.
-_HOT_PATH = ("core", "engine", "model", "runner", "entrypoints/openai")
+_HOT_PATH = ("core", "engine", "model", "runner", "entrypoints/openai", "kernels")
 
 
 # ---------------------------------------------------------------- step features
@@ -721,7 +721,7 @@ def engine_fingerprint() -> str:
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha1()
     for pkg in _HOT_PATH:
-        for p in sorted((root / pkg).glob("*.py")):
+        for p in sorted([*(root / pkg).glob("*.py"), *(root / pkg).glob("*.cpp")]):
             h.update(f"{pkg}/{p.name}".encode())
             h.update(p.read_bytes())
     return h.hexdigest()[:12]
