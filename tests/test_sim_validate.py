@@ -10,6 +10,8 @@ included.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 
@@ -123,6 +125,21 @@ def test_fit_drops_steps_disturbed_by_other_processes() -> None:
     assert cal.num_dropped == 3 and cal.num_steps == len(shapes) - 3
     assert cal.flop_rate == pytest.approx(TRUE.flop_rate, rel=0.03)
     assert cal.bandwidth == pytest.approx(TRUE.bandwidth, rel=0.03)
+
+
+def test_in_place_decode_attention_costs_the_actual_context_not_the_padded_group() -> None:
+    """With the paged decode kernel a request's attention reads its own context; the gather
+    path pads every decode in the step to the longest block table and copies it."""
+    padded, in_place = StepFeatures(QWEN, "float32"), StepFeatures(QWEN, "float32", paged_decode=True)
+    step = [(1, 999, True), (1, 9, True), (1, 9, True)]  # one long context, two short ones
+    kv = QWEN.kv_bytes_per_token("float32")
+    assert in_place.parts(step).gather_bytes == (1000 + 10 + 10) * kv
+    assert padded.parts(step).gather_bytes == 3 * 1008 * kv  # rounded up to whole 16-token blocks
+    assert in_place.parts(step).attn_flops == 1020 * QWEN.attention_flops_per_position
+    prefill = [(64, 0, True)]  # prefill chunks keep the padded path either way
+    assert in_place.parts(prefill) == padded.parts(prefill)
+    cal = dataclasses.replace(TRUE, paged_decode=True)
+    assert Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))).paged_decode
 
 
 def test_engine_cost_model_charges_the_logits_matmul_only_when_sampling() -> None:

@@ -89,11 +89,11 @@ def preferred(device: torch.device, dtype: torch.dtype) -> bool:
 def attention_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether decode attention over this cache can run our kernel."""
     return (q.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16)
-            and q.shape[-1] % 8 == 0 and _attention_enabled())
+            and q.shape[-1] % 8 == 0 and attention_enabled())
 
 
 @functools.cache
-def _attention_enabled() -> bool:
+def attention_enabled() -> bool:
     return os.environ.get("TOKENLOOM_CPU_ATTENTION", "1") != "0" and load()
 
 

@@ -131,9 +131,12 @@ def _round_up(x: int, m: int) -> int:
 class StepFeatures:
     """Turns step entries into `StepParts` for one model, dtype and block size."""
 
-    def __init__(self, spec: ModelSpec, dtype: str, block_size: int = 16) -> None:
+    def __init__(self, spec: ModelSpec, dtype: str, block_size: int = 16, paged_decode: bool = False) -> None:
         nb = {"float16": 2, "bfloat16": 2, "float32": 4}[normalize_dtype(dtype)]
         self.block_size = block_size
+        # True where decode attention reads each request's blocks in place (our CPU kernel):
+        # its work is the actual context, not the group's padded, gathered length.
+        self.paged_decode = paged_decode
         streamed = spec.streamed_weight_bytes(dtype)
         self.head_bytes = spec.logits_matmul_params * nb
         # Norms and biases travel with the layers; the vocab matrix is the head's.
@@ -146,20 +149,23 @@ class StepFeatures:
     def parts(self, entries: Sequence[Entry]) -> StepParts:
         bs = self.block_size
         tokens = sampled = 0
-        dec_rows = dec_len = 0
+        dec_rows = dec_len = dec_in_place = 0
         pre_rows = pre_q = pre_len = 0
         for n, c, s in entries:
             tokens += n
             sampled += bool(s)
             if n == 1 and c > 0:  # a decode (or a one-token chunk after a cached prefix: same work)
+                if self.paged_decode:
+                    dec_in_place += c + 1
+                    continue
                 dec_rows += 1
                 dec_len = max(dec_len, _round_up(c + 1, bs))
             else:
                 pre_rows += 1
                 pre_q = max(pre_q, n)
                 pre_len = max(pre_len, _round_up(c + n, bs))
-        pairs = dec_rows * dec_len + pre_rows * pre_q * pre_len
-        gathered = dec_rows * dec_len + pre_rows * pre_len
+        pairs = dec_in_place + dec_rows * dec_len + pre_rows * pre_q * pre_len
+        gathered = dec_in_place + dec_rows * dec_len + pre_rows * pre_len
         return StepParts(
             num_seqs=len(entries),
             num_tokens=tokens,
@@ -188,6 +194,7 @@ class Calibration:
     overlap: str = "max"  # how memory and compute time combine: "max" (overlap) or "sum" (none)
     dispatch_s: float = 0.0  # eager op dispatch per forward (microbench per-op time x ops)
     block_size: int = 16
+    paged_decode: bool = False  # decode attention read the blocks in place (StepFeatures)
     # Fit quality on the calibration steps: relative errors |pred - real| / real of whole steps.
     num_steps: int = 0
     num_dropped: int = 0  # calibration steps left out of the fit as disturbed (see `fit`)
@@ -286,7 +293,7 @@ class EngineCostModel(CostModel):
         self.attn_flop_rate = calibration.attn_flop_rate
         self.mem_efficiency = calibration.bandwidth / hardware.mem_bandwidth
         self.compute_efficiency = calibration.flop_rate / hardware.flops_for(self.dtype)
-        self.features = StepFeatures(spec, self.dtype, calibration.block_size)
+        self.features = StepFeatures(spec, self.dtype, calibration.block_size, calibration.paged_decode)
 
     def entries_cost(self, entries: Sequence[Entry]) -> StepCost:
         if not entries:
@@ -715,6 +722,14 @@ def _torch_threads() -> int:
     return torch.get_num_threads()
 
 
+def _engine_decode_reads_blocks_in_place() -> bool:
+    """Whether the engine, on this machine's default device, runs our paged decode attention."""
+    from tokenloom.kernels import cpu as cpu_kernels
+    from tokenloom.model.loader import resolve_device
+
+    return resolve_device("auto").type == "cpu" and cpu_kernels.attention_enabled()
+
+
 # ---------------------------------------------------------------- cache
 def engine_fingerprint() -> str:
     """Hash of the engine's hot-path source: a changed engine needs a new calibration."""
@@ -794,9 +809,10 @@ def calibrate(model: str, dtype: str | None = "auto", *, block_size: int = 16, m
     t0 = time.perf_counter()
     samples, gap, _ = run_calibration(model, dt, block_size=block_size, mode=mode, log=log)
     dispatch = hw.op_overhead_s * spec.eager_ops_per_step  # measured per-op cost x ops per forward
-    cal = fit(samples, StepFeatures(spec, dt, block_size), bandwidth_ref=hw.mem_bandwidth,
+    paged = _engine_decode_reads_blocks_in_place()
+    cal = fit(samples, StepFeatures(spec, dt, block_size, paged), bandwidth_ref=hw.mem_bandwidth,
               flop_rate_ref=hw.flops_for(dt), dispatch_s=dispatch)
-    cal = _replace(cal, step_gap_s=gap, key=key, model=spec.name, dtype=dt, mode=mode,
+    cal = _replace(cal, paged_decode=paged, step_gap_s=gap, key=key, model=spec.name, dtype=dt, mode=mode,
                    measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                    calibration_wall_s=time.perf_counter() - t0,
                    samples=[{"entries": [list(e) for e in entries], "period_s": t, "forward_s": f}
