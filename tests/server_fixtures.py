@@ -32,6 +32,17 @@ def copy_without_chat_template(src: Path, dst: Path) -> Path:
     return dst
 
 
+def copy_with_context(src: Path, dst: Path, max_position_embeddings: int) -> Path:
+    """The same (random-weight) model allowed a longer context, so a request can be made to
+    outlast any grace period however fast this machine decodes."""
+    shutil.copytree(src, dst)
+    cfg_path = dst / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["max_position_embeddings"] = max_position_embeddings
+    cfg_path.write_text(json.dumps(cfg))
+    return dst
+
+
 class ThreadedServer:
     """`tokenloom serve ARGV...` built by the real CLI parser, run by uvicorn in a thread."""
 

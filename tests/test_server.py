@@ -22,8 +22,8 @@ import httpx
 import openai
 import pytest
 
-from server_fixtures import (ThreadedServer, copy_without_chat_template, make_tiny_model, metric, metric_values,
-                             sse_events, wait_until)
+from server_fixtures import (ThreadedServer, copy_with_context, copy_without_chat_template, make_tiny_model, metric,
+                             metric_values, sse_events, wait_until)
 from tokenloom.bench.launcher import ServerProcess, free_port, start_server
 
 ENGINE_FLAGS = ["--max-model-len", "256", "--num-kv-blocks", "160", "--max-num-seqs", "32", "--seed", "0"]
@@ -48,11 +48,12 @@ def subprocess_server(model_dir: Path, tmp_path_factory):
     at the start of the module, so its imports and model load overlap this process's."""
     port = free_port()
     log = tmp_path_factory.mktemp("srvlog") / "serve.log"
+    long_ctx = copy_with_context(model_dir, tmp_path_factory.mktemp("srv3") / "tiny-16k", 16384)
     holder: dict = {}
 
     def launch() -> None:
         try:
-            holder["server"] = start_server(str(model_dir), ["--max-model-len", "1024", "--num-kv-blocks", "160",
+            holder["server"] = start_server(str(long_ctx), ["--max-model-len", "16384", "--num-kv-blocks", "1100",
                                                              "--served-model-name", NAME, "--shutdown-timeout", "3"],
                                             port=port, log_path=log, timeout=240)
         except BaseException as e:  # surfaced when the test asks for the server
@@ -558,7 +559,8 @@ def test_sigterm_finishes_in_flight_and_exits_0(subprocess_server):
     long_events: list = []
 
     def long_stream() -> None:
-        body = {"model": NAME, "prompt": "e", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        # ~16k tokens: far more than the 3 s grace, however fast the machine decodes
+        body = {"model": NAME, "prompt": "e", "max_tokens": 16000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url, json=body, timeout=60) as r:
             long_events.extend(sse_events(r.iter_lines()))
 
