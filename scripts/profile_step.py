@@ -3,7 +3,7 @@
     python scripts/profile_step.py --model DIR --batch-size 32 [--steps 3] [--context 64]
 
 Groups the torch profiler's self-CPU time into matmuls, attention (KV write, block
-gather, SDPA), other model ops (norms, rotary, activation, embedding), and the engine
+gather, SDPA or our paged kernel), other model ops (norms, rotary, activation, embedding), and the engine
 outside the model (scheduling, input preparation, sampling, detokenizing) from the
 step events.  Used for the before/after profile in the README.
 """
@@ -22,7 +22,7 @@ GROUPS = {
                "tokenloom_cpu::linear"),
     "attention": ("aten::index", "aten::index_copy_", "aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_efficient_attention",
-                  "aten::_scaled_dot_product_flash_attention"),
+                  "aten::_scaled_dot_product_flash_attention", "tokenloom_cpu::paged_decode_attention"),
 }
 
 
