@@ -32,15 +32,19 @@ def copy_without_chat_template(src: Path, dst: Path) -> Path:
     return dst
 
 
-def copy_with_context(src: Path, dst: Path, max_position_embeddings: int) -> Path:
-    """The same (random-weight) model allowed a longer context, so a request can be made to
-    outlast any grace period however fast this machine decodes."""
-    shutil.copytree(src, dst)
-    cfg_path = dst / "config.json"
+def allow_context(model: Path, max_position_embeddings: int) -> Path:
+    """Let this (random-weight) model copy take a longer context, so that a request can be
+    made to outlast any wait in a test however fast the machine decodes."""
+    cfg_path = model / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["max_position_embeddings"] = max_position_embeddings
     cfg_path.write_text(json.dumps(cfg))
-    return dst
+    return model
+
+
+def copy_with_context(src: Path, dst: Path, max_position_embeddings: int) -> Path:
+    shutil.copytree(src, dst)
+    return allow_context(dst, max_position_embeddings)
 
 
 class ThreadedServer:

@@ -22,8 +22,8 @@ import httpx
 import openai
 import pytest
 
-from server_fixtures import (ThreadedServer, copy_with_context, copy_without_chat_template, make_tiny_model, metric,
-                             metric_values, sse_events, wait_until)
+from server_fixtures import (ThreadedServer, allow_context, copy_with_context, copy_without_chat_template,
+                             make_tiny_model, metric, metric_values, sse_events, wait_until)
 from tokenloom.bench.launcher import ServerProcess, free_port, start_server
 
 ENGINE_FLAGS = ["--max-model-len", "256", "--num-kv-blocks", "160", "--max-num-seqs", "32", "--seed", "0"]
@@ -87,9 +87,10 @@ def srv(model_dir: Path, subprocess_server):
 def guarded(model_dir: Path, tmp_path_factory, srv):
     """A model copy without a chat template, behind --api-key, one sequence at a time and at
     most one waiting request."""
-    plain = copy_without_chat_template(model_dir, tmp_path_factory.mktemp("srv2") / "tiny-plain")
-    server = ThreadedServer([str(plain), "--port", str(free_port()), "--max-model-len", "1024",
-                             "--num-kv-blocks", "80", "--max-num-seqs", "1", "--max-queued-requests", "1",
+    plain = allow_context(copy_without_chat_template(model_dir, tmp_path_factory.mktemp("srv2") / "tiny-plain"),
+                          16384)
+    server = ThreadedServer([str(plain), "--port", str(free_port()), "--max-model-len", "16384",
+                             "--num-kv-blocks", "1100", "--max-num-seqs", "1", "--max-queued-requests", "1",
                              "--api-key", API_KEY, "--served-model-name", NAME, "--log-level", "warning",
                              "--disable-access-log"]).start()
     yield server
@@ -530,7 +531,8 @@ def test_missing_chat_template_is_400(guarded):
 def test_queue_full_is_503(guarded):
     server = guarded
     url, auth = server.base_url, {"Authorization": f"Bearer {API_KEY}"}
-    long = {"model": NAME, "prompt": "a", "max_tokens": 1000, "ignore_eos": True, "temperature": 0, "stream": True}
+    # ~16k tokens: still running while the test queues and refuses others, however fast the machine
+    long = {"model": NAME, "prompt": "a", "max_tokens": 16000, "ignore_eos": True, "temperature": 0, "stream": True}
     waiting_result: dict = {}
 
     def second() -> None:  # queued behind the long one (--max-num-seqs 1)
