@@ -1,5 +1,6 @@
-"""Our AVX2 decode GEMM (kernels/cpu_kernels.cpp) against torch's matmul, and the whole
-model on each CPU matmul path against transformers.
+"""Our decode GEMMs (kernels/cpu_gemm.cpp, and cpu_gemm_bf16.cpp where the CPU has
+AVX512-BF16) against torch's matmul, our paged decode attention against SDPA, and the
+whole model on each CPU matmul path against transformers.
 
 The engine picks the kernel by CPU (cpu_kernels.preferred); these tests force each path with
 TOKENLOOM_CPU_GEMM so both are proven on whatever machine runs the suite."""
@@ -45,7 +46,40 @@ def test_packed_rows_read_the_original_rows():
     packed = cpu_kernels.pack(w)
     assert packed.shape == (3, 11, 16) and torch.all(packed[2, :, 5:] == 0)  # zero padding
     ids = torch.tensor([[0, 36], [15, 16]])
-    assert torch.equal(cpu_kernels.packed_rows(packed, ids), w[ids])
+    assert torch.equal(cpu_kernels.packed_rows(packed, ids, 11), w[ids])
+
+
+needs_bf16 = pytest.mark.skipif(not cpu_kernels.bf16_enabled(), reason="needs AVX512-BF16")
+
+
+@needs_bf16
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(0, 40) | st.sampled_from([241, 400]),  # decode rows, and prefill past one m-block (240)
+    k=st.integers(1, 1100),  # odd k (a zero-padded pair), and past the 256-pair k-block
+    n=st.integers(1, 70),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_bf16_pairs_kernel_matches_matmul(m, k, n, with_bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g) if with_bias else None
+    y = torch.ops.tokenloom_bf16.linear(x, cpu_kernels.pack_pairs(w), n, cpu_kernels.pad_bias(bias, n))
+    ref = x.float() @ w.float().t() + (0 if bias is None else bias)  # bf16 products are exact in fp32
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    assert torch.allclose(y.float(), ref, atol=1e-2 * (1 + scale), rtol=1e-2)  # the output is rounded to bf16
+
+
+def test_packed_rows_read_the_original_rows_of_the_pairs_layout():
+    w = torch.randn(37, 11).bfloat16()
+    packed = cpu_kernels.pack_pairs(w)
+    assert packed.shape == (3, 6, 16, 2) and torch.all(packed[:, 5, :, 1] == 0)  # odd k: a zero partner
+    assert torch.equal(packed[1, 2, 3], w[16 + 3, 4:6])
+    ids = torch.tensor([[0, 36], [15, 16]])
+    assert torch.equal(cpu_kernels.packed_rows(packed, ids, 11), w[ids])
 
 
 @pytest.mark.parametrize("path_name", ["own", "onednn"])
@@ -68,6 +102,10 @@ def test_each_cpu_matmul_path_matches_transformers(model_factory, monkeypatch, p
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
     llm16 = LLM(str(path), dtype="bfloat16", max_model_len=128, num_kv_blocks=64)
+    head16 = llm16.llm_engine.runner.model.lm_head
+    # bf16 on an AVX512-BF16 CPU: our k-pair kernel, whatever TOKENLOOM_CPU_GEMM says for fp32
+    assert (isinstance(head16, PanelLinear) and head16.weight.dim() == 4) == (
+        path_name == "own" and cpu_kernels.bf16_enabled())
     o = llm16.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=1, logprobs=5),
                        use_tqdm=False)[0]
     with torch.no_grad():

@@ -8,6 +8,10 @@ stock kernels stream them poorly at decode's shapes:
 * `cpu_gemm.cpp`: y = x W^T with W packed in 16-column panels (`pack`), fp32 or bf16
   weights.  Used where it was measured to beat oneDNN: x86 CPUs with AVX2 + FMA but
   without AVX-512 (see `preferred`; model/packed_linear.py has the figures).
+* `cpu_gemm_bf16.cpp`: the same GEMM for bf16 weights on CPUs with AVX512-BF16, in the
+  layout its dot-product instruction reads (`pack_pairs`); a separate extension built with
+  AVX-512 flags.  Used for bf16 on those CPUs, where it streams faster than oneDNN's bf16
+  GEMV (packed_linear.py has the figures).
 * `cpu_attention.cpp`: decode attention reading the paged KV cache in place, instead of
   gathering it into a dense copy for SDPA.  Used on any CPU where the kernels build.
 
@@ -74,6 +78,32 @@ def load() -> bool:
     return True
 
 
+@functools.cache
+def bf16_enabled() -> bool:
+    """Compile and load the AVX512-BF16 GEMM once per process; False if it cannot run here."""
+    if not {"avx512f", "avx512bw", "avx512_bf16"} <= _cpu_flags():
+        return False
+    try:
+        from torch.utils.cpp_extension import load as load_ext
+
+        load_ext(
+            name="tokenloom_cpu_bf16_kernels",
+            sources=[str(Path(__file__).with_name("cpu_gemm_bf16.cpp"))],
+            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:
+        log.warning("tokenloom AVX512-BF16 GEMM unavailable (%s); using oneDNN for bf16", e)
+        return False
+
+    @torch.library.register_fake("tokenloom_bf16::linear")
+    def _(x, weight_packed, n, bias):
+        return x.new_empty((*x.shape[:-1], n))
+
+    return True
+
+
 def preferred(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether linears on `device` in `dtype` should run our kernel (see module doc)."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
@@ -82,7 +112,8 @@ def preferred(device: torch.device, dtype: torch.dtype) -> bool:
     if choice == "onednn":
         return False
     if choice == "auto" and "avx512f" in _cpu_flags():
-        return False  # oneDNN's AVX-512 kernels already stream near bandwidth there
+        # oneDNN's AVX-512 fp32 kernels stream as fast as ours there; its bf16 GEMV does not.
+        return dtype == torch.bfloat16 and bf16_enabled() and load()
     return load()
 
 
@@ -110,6 +141,29 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] -> [ceil(N/16), ceil(K/2), 16, 2], zero-padded: out[p, j, c, t] = W[16p + c, 2j + t],
+    so each k-pair of a panel is the 64-byte vector `cpu_gemm_bf16.cpp` multiplies at once."""
+    n, k = weight.shape
+    p, k2 = -(-n // NR), -(-k // 2)
+    w = weight.detach()
+    if (p * NR, k2 * 2) != (n, k):  # ragged shapes only: a padded temporary
+        padded = w.new_zeros((p * NR, k2 * 2))
+        padded[:n, :k] = w
+        w = padded
+    return w.view(p, NR, k2, 2).transpose(1, 2).contiguous()
+
+
+def pack_for(weight: torch.Tensor) -> torch.Tensor:
+    """The packed layout our GEMM for this weight's dtype on this CPU reads."""
+    return pack_pairs(weight) if weight.dtype == torch.bfloat16 and bf16_enabled() else pack(weight)
+
+
+def linear_op(packed: torch.Tensor):
+    """The op that multiplies by `packed` (its layout says which kernel made it)."""
+    return torch.ops.tokenloom_bf16.linear if packed.dim() == 4 else torch.ops.tokenloom_cpu.linear
+
+
 def pad_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
     if bias is None:
         return None
@@ -118,9 +172,11 @@ def pad_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return out
 
 
-def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of the original [N, K] matrix, read from the packed layout (embedding
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows `ids` of the original [N, k] matrix, read from either packed layout (embedding
     lookup on a tied vocab matrix that is stored only once, packed for the lm_head)."""
+    if packed.dim() == 4:  # pairs: [P, K2, 16, 2] -> K2 * 2 values per row, an odd k's pad dropped
+        return packed[ids // NR, :, ids % NR, :].reshape(*ids.shape, -1)[..., :k]
     return packed[ids // NR, :, ids % NR]
 
 

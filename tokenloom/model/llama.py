@@ -165,7 +165,7 @@ class CausalLM(nn.Module):
         return n
 
     def prepack_panels(self) -> int:
-        """CPU fast path on AVX2 machines: every matmul through our kernel (kernels/cpu_kernels.cpp).
+        """CPU fast path where our GEMM wins (kernels/cpu.py `preferred`): every matmul through it.
 
         Tied embeddings are packed once, into the panels the lm_head streams, and the
         embedding lookup reads its rows from there: one copy of the vocab matrix, and a
@@ -175,9 +175,9 @@ class CausalLM(nn.Module):
 
         n = prepack_linears(self, PanelLinear)
         if self.lm_head is None:
-            vocab = self.embed_tokens.weight.shape[0]
-            packed = cpu_kernels.pack(self.embed_tokens.weight)
-            self.embed_tokens = PanelEmbedding(packed, vocab)
-            self.lm_head = PanelLinear(None, None, packed=packed, out_features=vocab)
+            vocab, hidden = self.embed_tokens.weight.shape
+            packed = cpu_kernels.pack_for(self.embed_tokens.weight)
+            self.embed_tokens = PanelEmbedding(packed, vocab, hidden)
+            self.lm_head = PanelLinear(None, None, packed=packed, shape=(vocab, hidden))
             n += 1
         return n

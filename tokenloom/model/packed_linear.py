@@ -111,43 +111,45 @@ class PackedLinear(nn.Module):
 
 
 class PanelLinear(nn.Module):
-    """y = x W^T + b through our AVX2 kernel, W held as 16-column panels (cpu_kernels.pack).
+    """y = x W^T + b through our kernel, W held as 16-column panels: `cpu_kernels.pack_for`
+    picks the AVX2 layout or, for bf16 on AVX512-BF16 CPUs, the k-pair layout.
 
-    Built from a plain weight, or from an already packed one (`packed=`, with its row
-    count), which is how a tied lm_head shares the panels with the embedding lookup."""
+    Built from a plain weight, or from an already packed one (`packed=`, with its shape),
+    which is how a tied lm_head shares the panels with the embedding lookup."""
 
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, packed: torch.Tensor | None = None,
-                 out_features: int | None = None):
+                 shape: tuple[int, int] | None = None):
         super().__init__()
         from tokenloom.kernels import cpu as cpu_kernels
 
         if packed is None:
             assert weight is not None
             self.out_features, self.in_features = weight.shape
-            packed = cpu_kernels.pack(weight)
+            packed = cpu_kernels.pack_for(weight)
         else:
-            assert out_features is not None
-            self.out_features, self.in_features = out_features, packed.shape[1]
+            assert shape is not None
+            self.out_features, self.in_features = shape
+        self._op = cpu_kernels.linear_op(packed)  # chosen once: no per-call dispatch in Python
         self.register_buffer("weight", packed, persistent=False)
         self.register_buffer("bias", cpu_kernels.pad_bias(bias, self.out_features), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tokenloom_cpu.linear(x, self.weight, self.out_features, self.bias)
+        return self._op(x, self.weight, self.out_features, self.bias)
 
 
 class PanelEmbedding(nn.Module):
     """Embedding lookup that reads rows out of a panel-packed vocab matrix: with tied
     embeddings the matrix is stored once, in the layout the lm_head streams."""
 
-    def __init__(self, packed: torch.Tensor, num_embeddings: int):
+    def __init__(self, packed: torch.Tensor, num_embeddings: int, embedding_dim: int):
         super().__init__()
-        self.num_embeddings = num_embeddings
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.register_buffer("weight", packed, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         from tokenloom.kernels.cpu import packed_rows
 
-        return packed_rows(self.weight, ids)
+        return packed_rows(self.weight, ids, self.embedding_dim)
 
 
 def prepack_linears(model: nn.Module, make=PackedLinear) -> int:

@@ -1,0 +1,178 @@
+// bfloat16 decode GEMM for x86 CPUs with AVX512-BF16: y[M, N] = x[M, K] * W[N, K]^T (+ bias).
+//
+// The same idea as cpu_gemm.cpp (weights in 16-column panels, streamed once per call), with
+// the layout the AVX512-BF16 dot-product instruction wants: vdpbf16ps multiplies 16 pairs
+// of bf16 values and adds each pair's sum into one float32 lane.  So each panel stores its
+// 16 columns as pairs of consecutive k ([ceil(N/16), ceil(K/2), 16, 2], zero-padded), one
+// 64-byte vector per k-pair, and an activation pair (x[k], x[k+1]) is broadcast as one
+// 32-bit value.  At one row that is one instruction per 64 bytes of weights, so the stream
+// is bound by memory, not by widening bf16 to float32 as the AVX2 kernel must.
+// Products of bf16 values are exact in float32 and accumulation is float32, as in oneDNN's
+// bf16 matmul.
+//
+// Built as its own extension with AVX-512 flags (kernels/cpu.py loads it only where the CPU
+// has avx512_bf16), so the AVX2 kernels never contain AVX-512 instructions.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t NR = 16;    // panel width: one 512-bit vector of float32 sums
+constexpr int64_t MR = 12;    // rows per micro-tile: 12 accumulators of 32 zmm registers
+constexpr int64_t KC2 = 256;  // k-pairs per block: 16 KB of weights, reused from L1 by every micro-tile
+constexpr int64_t MC = 240;   // m-block: activations of one k-block (240 x 256 x 4 B) stay in L2
+
+// y[0:R, 0:ncols] (+)= x-pairs[0:kc, 0:R] . panel[0:kc]; S interleaved accumulator chains
+// keep one or two rows from waiting on the instruction's latency.
+template <int R, int S>
+inline void micro(const uint32_t* x, const __m512bh* w, int64_t kc, float* y, int64_t ldy, bool accumulate,
+                  const float* bias, int64_t ncols, const __m512bh* pf) {
+  __m512 acc[S][R];
+  for (int s = 0; s < S; ++s)
+    for (int i = 0; i < R; ++i) acc[s][i] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + S <= kc; k += S) {
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s) {
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + k + s), _MM_HINT_T0);
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + s);  // loadu: a view may be unaligned
+#pragma GCC unroll 12
+      for (int i = 0; i < R; ++i) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[(k + s) * R + i]));
+        acc[s][i] = _mm512_dpbf16_ps(acc[s][i], a, wv);
+      }
+    }
+  }
+  for (; k < kc; ++k) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+#pragma GCC unroll 12
+    for (int i = 0; i < R; ++i) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[k * R + i]));
+      acc[0][i] = _mm512_dpbf16_ps(acc[0][i], a, wv);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    __m512 v = acc[0][i];
+    for (int s = 1; s < S; ++s) v = _mm512_add_ps(v, acc[s][i]);
+    float* yi = y + i * ldy;
+    if (ncols == NR) {
+      if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(yi));
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
+      _mm512_storeu_ps(yi, v);
+    } else {  // the last panel of an N that is not a multiple of 16
+      const __mmask16 m = static_cast<__mmask16>((1u << ncols) - 1);
+      if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, yi));
+      if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias));
+      _mm512_mask_storeu_ps(yi, m, v);
+    }
+  }
+}
+
+void micro_rows(int64_t rows, const uint32_t* x, const __m512bh* w, int64_t kc, float* y, int64_t ldy,
+                bool accumulate, const float* bias, int64_t ncols, const __m512bh* pf) {
+  switch (rows) {
+    case 1: return micro<1, 4>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 2: return micro<2, 2>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 3: return micro<3, 2>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 4: return micro<4, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 5: return micro<5, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 6: return micro<6, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 7: return micro<7, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 8: return micro<8, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 9: return micro<9, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 10: return micro<10, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 11: return micro<11, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    default: return micro<12, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+  }
+}
+
+// x [M, K] bf16 row-major -> tiles of MR rows, each [K2, rows] of (x[k], x[k+1]) pairs; an odd
+// K gets a zero partner (the panel's padded k row is zero too).
+void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t K2, uint32_t* out) {
+  const int64_t tiles = (M + MR - 1) / MR;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = std::min(MR, M - t * MR);
+      uint32_t* dst = out + t * MR * K2;
+      for (int64_t i = 0; i < r; ++i) {
+        const uint16_t* src = x + (t * MR + i) * K;
+        for (int64_t j = 0; j < K2; ++j) {
+          const uint32_t lo = src[2 * j], hi = 2 * j + 1 < K ? src[2 * j + 1] : 0;
+          dst[j * r + i] = lo | (hi << 16);
+        }
+      }
+    }
+  });
+}
+
+void gemm(const uint32_t* xp, int64_t M, int64_t K2, const __m512bh* wp, int64_t N, const float* bias, float* y) {
+  const int64_t panels = (N + NR - 1) / NR;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+      const int64_t m1 = std::min(M, m0 + MC);
+      for (int64_t p = p0; p < p1; ++p) {
+        const __m512bh* panel = wp + p * K2;
+        const int64_t ncols = std::min(NR, N - p * NR);
+        for (int64_t k0 = 0; k0 < K2; k0 += KC2) {
+          const int64_t kc = std::min(KC2, K2 - k0);
+          const float* b = (bias && k0 + kc == K2) ? bias + p * NR : nullptr;
+          const __m512bh* next = (p + 1 < p1 || k0 + kc < K2) ? panel + k0 + kc : nullptr;
+          for (int64_t m = m0; m < m1; m += MR) {
+            const int64_t r = std::min(MR, m1 - m);
+            micro_rows(r, xp + m * K2 + k0 * r, panel + k0, kc, y + m * N + p * NR, N, k0 > 0, b, ncols,
+                       m == m0 ? next : nullptr);
+          }
+        }
+      }
+    }
+  });
+}
+
+// weight_packed: [ceil(N/16), ceil(K/2), 16, 2] bfloat16; bias: None or float32 [ceil(N/16) * 16].
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight_packed, int64_t n,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight_packed.device().is_cpu(), "tokenloom_bf16::linear runs on CPU");
+  TORCH_CHECK(weight_packed.scalar_type() == at::kBFloat16 && weight_packed.dim() == 4 &&
+                  weight_packed.size(2) == NR && weight_packed.size(3) == 2,
+              "weight must be bfloat16 packed as [P, ceil(K/2), 16, 2]");
+  const int64_t K = x.size(-1), K2 = weight_packed.size(1);
+  TORCH_CHECK((K + 1) / 2 == K2, "x has ", K, " features, the packed weight ", K2, " pairs");
+  TORCH_CHECK(weight_packed.size(0) * NR >= n, "n exceeds the packed panels");
+  const auto wp = weight_packed.contiguous();
+  const auto x2 = x.reshape({-1, K}).to(at::kBFloat16).contiguous();
+  const int64_t M = x2.size(0);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = n;
+  auto y = at::empty({M, n}, x2.options().dtype(at::kFloat));
+  const float* b = nullptr;
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_f.numel() >= weight_packed.size(0) * NR, "bias must be padded to the panels");
+    b = bias_f.data_ptr<float>();
+  }
+  if (M > 0) {
+    auto xp = at::empty({M * K2}, x2.options().dtype(at::kInt));
+    auto* xpp = reinterpret_cast<uint32_t*>(xp.data_ptr<int32_t>());
+    pack_rows(reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()), M, K, K2, xpp);
+    gemm(xpp, M, K2, reinterpret_cast<const __m512bh*>(wp.data_ptr<at::BFloat16>()), n, b, y.data_ptr<float>());
+  }
+  return y.view(out_sizes).to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenloom_bf16, m) {
+  m.def("linear(Tensor x, Tensor weight_packed, int n, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom_bf16, CPU, m) {
+  m.impl("linear", &linear_bf16);
+}
