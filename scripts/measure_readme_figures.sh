@@ -6,6 +6,8 @@ run tokenloom bench roofline --model "$M" --dtype float32 --batch-sizes 1,8,32 -
     --disable-tqdm --output-json "$R/roofline.json"
 run tokenloom bench roofline --model "$M" --dtype bfloat16 --batch-sizes 1 --context-lens 128 \
     --disable-tqdm --output-json "$R/roofline_bf16.json"
+run tokenloom bench roofline --model "$M" --dtype float32 --batch-sizes 1 --context-lens 128 \
+    --disable-tqdm --output-json "$R/roofline_fp32_b1.json"  # the bf16 run's fp32 partner, back to back
 run tokenloom bench throughput --model "$M" --dtype float32 --workload random --num-prompts 32 \
     --input-len 32:256 --output-len 16:128 --baseline hf --disable-tqdm --output-json "$R/throughput_vs_hf.json"
 for pc in enable no-enable; do

@@ -22,15 +22,23 @@ CPU has native bf16 instructions (see `packing_supported`); anything else keeps
 `nn.Linear`, so CUDA and other devices run the plain code path unchanged.
 
 On AVX2 CPUs without AVX-512 our own kernel beats oneDNN at decode's row counts
-(kernels/cpu_kernels.cpp; same AMD machine, 24 layers of Qwen2.5-0.5B's matrices, fp32):
+(kernels/cpu_gemm.cpp; same AMD machine, 24 layers of Qwen2.5-0.5B's matrices, fp32):
 
     rows M               1          8         32         256
     oneDNN packed    12.9 GB/s   33 GF/s    78 GF/s   124 GF/s
     our AVX2 GEMM    17.9 GB/s   55 GF/s    96 GF/s   105 GF/s
 
 and it streams bf16 weights (widened in registers) at batch 1 where oneDNN has no
-native bf16.  `PanelLinear` holds weights in that kernel's layout; `CausalLM.prepack`
-picks the kernel (see `cpu_kernels.preferred`).
+native bf16.  On CPUs with AVX512-BF16, bf16 weights go to our k-pair kernel
+(kernels/cpu_gemm_bf16.cpp) instead, which beats oneDNN's bf16 path at decode's row counts
+and loses at prefill's (AMD EPYC Zen 5, the same 24 layers, bf16):
+
+    rows M               1          8          32         256
+    oneDNN packed    29.4 GB/s  229 GF/s   472 GF/s   660 GF/s
+    our k-pair GEMM  34.1 GB/s  249 GF/s   513 GF/s   474 GF/s
+
+`PanelLinear` holds weights in our kernels' layouts (`cpu_kernels.pack_for`);
+`CausalLM.prepack_panels` / `prepack` pick the kernel (see `cpu_kernels.preferred`).
 """
 
 from __future__ import annotations
