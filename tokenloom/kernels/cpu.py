@@ -117,6 +117,12 @@ def preferred(device: torch.device, dtype: torch.dtype) -> bool:
     return load()
 
 
+def tied_head_in_panels() -> bool:
+    """Whether a tied lm_head on the oneDNN path is stored in our GEMM's panels (see
+    `CausalLM.prepack`); TOKENLOOM_CPU_GEMM=onednn keeps every matmul in oneDNN."""
+    return os.environ.get("TOKENLOOM_CPU_GEMM", "auto") != "onednn" and load()
+
+
 def attention_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether decode attention over this cache can run our kernel."""
     return (q.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16)

@@ -150,34 +150,43 @@ class CausalLM(nn.Module):
         return torch.nn.functional.linear(h, self.embed_tokens.weight).float()  # tied embeddings
 
     def prepack(self) -> int:
-        """CPU fp32 fast path: oneDNN-packed weights for every matmul (see packed_linear.py).
+        """CPU fast path: oneDNN-packed weights for every matmul (see packed_linear.py).
 
-        With tied embeddings the lm_head reads the embedding matrix in place (no packed
-        copy): the copy would add a whole vocab x hidden matrix to resident memory (545 MB,
-        a quarter of Qwen2.5-0.5B) to save a few percent of the head's time, measured on the
-        test machines at 1-32 rows."""
+        A tied lm_head never gets a second copy of the vocab matrix (545 MB in fp32, a
+        quarter of Qwen2.5-0.5B): where our kernels build, the matrix is stored once in our
+        GEMM's panels, which stream faster than oneDNN reading the unpacked matrix (AMD Zen 5,
+        Qwen2.5-0.5B's head alone: 12-14 vs 16-21 ms at 1 row, 20-22 vs 30-36 ms at 8, even at
+        32; whole decode steps, A/B in one process: batch 8 10-17% faster, batch 1 and 32
+        within 1.5%); elsewhere the head reads the embedding in place."""
+        from tokenloom.kernels import cpu as cpu_kernels
         from tokenloom.model.packed_linear import PackedLinear, prepack_linears
 
         n = prepack_linears(self)
         if self.lm_head is None:
-            self.lm_head = PackedLinear(self.embed_tokens.weight, None, pack=False)
+            if cpu_kernels.tied_head_in_panels():
+                self._tie_through_panels()
+            else:
+                self.lm_head = PackedLinear(self.embed_tokens.weight, None, pack=False)
             n += 1
         return n
 
     def prepack_panels(self) -> int:
-        """CPU fast path where our GEMM wins (kernels/cpu.py `preferred`): every matmul through it.
-
-        Tied embeddings are packed once, into the panels the lm_head streams, and the
-        embedding lookup reads its rows from there: one copy of the vocab matrix, and a
-        head that streams at the kernel's speed."""
-        from tokenloom.kernels import cpu as cpu_kernels
-        from tokenloom.model.packed_linear import PanelEmbedding, PanelLinear, prepack_linears
+        """CPU fast path where our GEMM wins (kernels/cpu.py `preferred`): every matmul through it."""
+        from tokenloom.model.packed_linear import PanelLinear, prepack_linears
 
         n = prepack_linears(self, PanelLinear)
         if self.lm_head is None:
-            vocab, hidden = self.embed_tokens.weight.shape
-            packed = cpu_kernels.pack_for(self.embed_tokens.weight)
-            self.embed_tokens = PanelEmbedding(packed, vocab, hidden)
-            self.lm_head = PanelLinear(None, None, packed=packed, shape=(vocab, hidden))
+            self._tie_through_panels()
             n += 1
         return n
+
+    def _tie_through_panels(self) -> None:
+        """Tied embeddings packed once, into the panels the lm_head streams; the embedding
+        lookup reads its rows from there.  One copy of the vocab matrix."""
+        from tokenloom.kernels import cpu as cpu_kernels
+        from tokenloom.model.packed_linear import PanelEmbedding, PanelLinear
+
+        vocab, hidden = self.embed_tokens.weight.shape
+        packed = cpu_kernels.pack_for(self.embed_tokens.weight)
+        self.embed_tokens = PanelEmbedding(packed, vocab, hidden)
+        self.lm_head = PanelLinear(None, None, packed=packed, shape=(vocab, hidden))
