@@ -19,7 +19,7 @@ from tokenloom import LLM, SamplingParams
 
 GROUPS = {
     "matmul": ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::matmul", "aten::bmm",
-               "tokenloom_cpu::linear"),
+               "tokenloom_cpu::linear", "tokenloom_avx512::linear", "tokenloom_bf16::linear"),
     "attention": ("aten::index", "aten::index_copy_", "aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_efficient_attention",
                   "aten::_scaled_dot_product_flash_attention", "tokenloom_cpu::paged_decode_attention"),

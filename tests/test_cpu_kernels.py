@@ -1,5 +1,5 @@
-"""Our decode GEMMs (kernels/cpu_gemm.cpp, and cpu_gemm_bf16.cpp where the CPU has
-AVX512-BF16) against torch's matmul, our paged decode attention against SDPA, and the
+"""Our decode GEMMs (kernels/cpu_gemm.cpp; cpu_gemm_avx512.cpp and cpu_gemm_bf16.cpp where
+the CPU has AVX-512 and AVX512-BF16) against torch's matmul, our paged decode attention against SDPA, and the
 whole model on each CPU matmul path against transformers.
 
 The engine picks the kernel by CPU (cpu_kernels.preferred); these tests force each path with
@@ -39,6 +39,26 @@ def test_kernel_matches_matmul(m, k, n, bf16, with_bias, seed):
     scale = float(ref.abs().max()) if ref.numel() else 0.0
     tol = 1e-2 * (1 + scale) if bf16 else 1e-4 * k**0.5  # bf16: the output is rounded to 8 bits of mantissa
     assert torch.allclose(y.float(), ref, atol=tol, rtol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_kernels.avx512_enabled(), reason="needs AVX-512")
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(0, 40) | st.sampled_from([241, 400]),  # decode rows (tiles of 12), prefill past an m-block (240)
+    k=st.integers(1, 600),  # crosses the 128-row k-blocks
+    n=st.integers(1, 90),  # pairs of panels, a lone last panel, a ragged last one
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_avx512_kernel_matches_matmul(m, k, n, with_bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    y = torch.ops.tokenloom_avx512.linear(x, cpu_kernels.pack(w), n, cpu_kernels.pad_bias(bias, n))
+    ref = x @ w.t() + (0 if bias is None else bias)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert torch.allclose(y, ref, atol=1e-4 * k**0.5, rtol=1e-4)
 
 
 def test_packed_rows_read_the_original_rows():

@@ -1,4 +1,4 @@
-"""Our CPU kernels (AVX2 + FMA), built on first use: the decode GEMM and paged decode attention.
+"""Our CPU kernels (AVX2 + FMA; AVX-512 where present), built on first use: the decode GEMM and paged decode attention.
 
 A decode step is one pass over every weight matrix plus, per request, one pass over its
 KV history (the seed: each step reads the whole model, and each new token attends to the
@@ -8,10 +8,12 @@ stock kernels stream them poorly at decode's shapes:
 * `cpu_gemm.cpp`: y = x W^T with W packed in 16-column panels (`pack`), fp32 or bf16
   weights.  Used where it was measured to beat oneDNN: x86 CPUs with AVX2 + FMA but
   without AVX-512 (see `preferred`; model/packed_linear.py has the figures).
+* `cpu_gemm_avx512.cpp`: the same GEMM for fp32 weights on CPUs with AVX-512, in the same
+  panels, with a micro-kernel shaped for 512-bit FMAs; a separate extension built with
+  AVX-512 flags.  It beats oneDNN at decode's row counts and loses ~10% at prefill's.
 * `cpu_gemm_bf16.cpp`: the same GEMM for bf16 weights on CPUs with AVX512-BF16, in the
-  layout its dot-product instruction reads (`pack_pairs`); a separate extension built with
-  AVX-512 flags.  Used for bf16 on those CPUs, where it streams faster than oneDNN's bf16
-  GEMV (packed_linear.py has the figures).
+  layout its dot-product instruction reads (`pack_pairs`); also its own extension.
+  Used for bf16 on those CPUs, where it streams faster than oneDNN's bf16 GEMV.
 * `cpu_attention.cpp`: decode attention reading the paged KV cache in place, instead of
   gathering it into a dense copy for SDPA.  Used on any CPU where the kernels build.
 
@@ -33,7 +35,6 @@ import torch
 log = logging.getLogger(__name__)
 
 NR = 16  # panel width; must match cpu_gemm.cpp
-_SOURCES = [Path(__file__).with_name(f) for f in ("cpu_gemm.cpp", "cpu_attention.cpp")]
 
 
 def _cpu_flags() -> set[str]:
@@ -46,30 +47,40 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-@functools.cache
-def load() -> bool:
-    """Compile and load the extension once per process; False if it cannot run here."""
-    flags = _cpu_flags()
-    if not {"avx2", "fma"} <= flags:
-        return False
+def _build(name: str, sources: list[str], isa_flags: list[str]) -> bool:
+    """Compile and load one extension (cached by torch across processes)."""
     try:
         from torch.utils.cpp_extension import load as load_ext
 
         load_ext(
-            name="tokenloom_cpu_kernels",
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp"],
+            name=name,
+            sources=[str(Path(__file__).with_name(f)) for f in sources],
+            extra_cflags=["-O3", *isa_flags, "-fno-math-errno", "-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
+        return True
     except Exception as e:  # no toolchain, no ninja, compile error: keep the stock kernels
-        log.warning("tokenloom CPU kernels unavailable (%s); using PyTorch's kernels", e)
+        log.warning("tokenloom CPU kernels %s unavailable (%s); using PyTorch's kernels", name, e)
         return False
 
-    # Shapes for torch.compile, which traces through the ops without running them.
-    @torch.library.register_fake("tokenloom_cpu::linear")
+
+def _register_fake_linear(op: str) -> None:
+    """Shapes for torch.compile, which traces through the ops without running them."""
+
+    @torch.library.register_fake(op)
     def _(x, weight_packed, n, bias):
         return x.new_empty((*x.shape[:-1], n))
+
+
+@functools.cache
+def load() -> bool:
+    """Compile and load the AVX2 kernels once per process; False if they cannot run here."""
+    if not {"avx2", "fma"} <= _cpu_flags():
+        return False
+    if not _build("tokenloom_cpu_kernels", ["cpu_gemm.cpp", "cpu_attention.cpp"], ["-mavx2", "-mfma"]):
+        return False
+    _register_fake_linear("tokenloom_cpu::linear")
 
     @torch.library.register_fake("tokenloom_cpu::paged_decode_attention")
     def _(q, k_cache, v_cache, block_tables, context_lens, scale):
@@ -79,28 +90,25 @@ def load() -> bool:
 
 
 @functools.cache
+def avx512_enabled() -> bool:
+    """Compile and load the AVX-512 fp32 GEMM once per process; False if it cannot run here."""
+    if not {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags():
+        return False
+    if not _build("tokenloom_cpu_avx512_kernels", ["cpu_gemm_avx512.cpp"], ["-mavx512f", "-mavx512bw", "-mavx512vl"]):
+        return False
+    _register_fake_linear("tokenloom_avx512::linear")
+    return True
+
+
+@functools.cache
 def bf16_enabled() -> bool:
     """Compile and load the AVX512-BF16 GEMM once per process; False if it cannot run here."""
     if not {"avx512f", "avx512bw", "avx512_bf16"} <= _cpu_flags():
         return False
-    try:
-        from torch.utils.cpp_extension import load as load_ext
-
-        load_ext(
-            name="tokenloom_cpu_bf16_kernels",
-            sources=[str(Path(__file__).with_name("cpu_gemm_bf16.cpp"))],
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as e:
-        log.warning("tokenloom AVX512-BF16 GEMM unavailable (%s); using oneDNN for bf16", e)
+    if not _build("tokenloom_cpu_bf16_kernels", ["cpu_gemm_bf16.cpp"],
+                  ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]):
         return False
-
-    @torch.library.register_fake("tokenloom_bf16::linear")
-    def _(x, weight_packed, n, bias):
-        return x.new_empty((*x.shape[:-1], n))
-
+    _register_fake_linear("tokenloom_bf16::linear")
     return True
 
 
@@ -112,8 +120,8 @@ def preferred(device: torch.device, dtype: torch.dtype) -> bool:
     if choice == "onednn":
         return False
     if choice == "auto" and "avx512f" in _cpu_flags():
-        # oneDNN's AVX-512 fp32 kernels stream as fast as ours there; its bf16 GEMV does not.
-        return dtype == torch.bfloat16 and bf16_enabled() and load()
+        # There only our AVX-512 kernels beat oneDNN (its AVX-512 kernels beat our AVX2 one).
+        return load() and (avx512_enabled() if dtype == torch.float32 else bf16_enabled())
     return load()
 
 
@@ -166,8 +174,13 @@ def pack_for(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_op(packed: torch.Tensor):
-    """The op that multiplies by `packed` (its layout says which kernel made it)."""
-    return torch.ops.tokenloom_bf16.linear if packed.dim() == 4 else torch.ops.tokenloom_cpu.linear
+    """The op that multiplies by `packed`: its layout says which kernel made it, and fp32
+    panels go to the AVX-512 kernel where the CPU has it."""
+    if packed.dim() == 4:
+        return torch.ops.tokenloom_bf16.linear
+    if packed.dtype == torch.float32 and avx512_enabled():
+        return torch.ops.tokenloom_avx512.linear
+    return torch.ops.tokenloom_cpu.linear
 
 
 def pad_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:

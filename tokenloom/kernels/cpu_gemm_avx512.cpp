@@ -1,0 +1,211 @@
+// float32 decode GEMM for x86 CPUs with AVX-512: y[M, N] = x[M, K] * W[N, K]^T (+ bias).
+//
+// The same panels as cpu_gemm.cpp ([ceil(N/16), K, 16]: 16 output columns, one 64-byte
+// row per k, so one k of a panel is exactly one cache line and one zmm register), read
+// with 512-bit FMAs.  At a few dozen rows a decode step is bound by the FMA units, not by
+// memory, so the micro-kernel is shaped for FMA throughput: it multiplies two neighbouring
+// panels at once (two weight vectors per k) by up to 12 activation rows, 24 accumulators
+// of the 32 zmm registers, so each weight load feeds 12 FMAs and each broadcast 2.  At one
+// row it is a memory stream and the shape does not matter; the next weight block is
+// prefetched a block ahead while this one is multiplied.
+//
+// Built as its own extension with AVX-512 flags (kernels/cpu.py loads it only where the CPU
+// has AVX-512), so the AVX2 kernels never contain AVX-512 instructions.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t NR = 16;   // panel width: one zmm of float32
+constexpr int64_t MR = 12;   // rows per micro-tile: 2 x 12 accumulators + 2 weight vectors of 32 registers
+constexpr int64_t KC = 128;  // k-block: 8 KB per panel, 16 KB per pair, reused from L1 by every micro-tile
+constexpr int64_t MC = 240;  // m-block: activations of one k-block (240 x 128 x 4 B) stay in L2
+
+// y[0:R, cols of NP panels] (+)= x[0:kc, 0:R] * panels[0:kc]; S interleaved accumulator
+// chains keep one or two rows from waiting on FMA latency.  `pf[j]`, when set, is the block
+// that follows panel j's block, prefetched one line per k (one k row is one line).
+template <int R, int NP, int S>
+inline void micro(const float* x, const float* const w[2], int64_t kc, float* y, int64_t ldy, bool accumulate,
+                  const float* bias, int64_t ncols, const float* const pf[2]) {
+  __m512 acc[S][R][NP];
+#pragma GCC unroll 4
+  for (int s = 0; s < S; ++s)
+#pragma GCC unroll 12
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 2
+      for (int j = 0; j < NP; ++j) acc[s][i][j] = _mm512_setzero_ps();
+
+  int64_t k = 0;
+  for (; k + S <= kc; k += S) {
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s) {
+      __m512 wv[NP];
+#pragma GCC unroll 2
+      for (int j = 0; j < NP; ++j) {
+        if (pf[j]) _mm_prefetch(reinterpret_cast<const char*>(pf[j] + (k + s) * NR), _MM_HINT_T0);
+        wv[j] = _mm512_loadu_ps(w[j] + (k + s) * NR);  // loadu: a view may be unaligned
+      }
+#pragma GCC unroll 12
+      for (int i = 0; i < R; ++i) {
+        const __m512 a = _mm512_set1_ps(x[(k + s) * R + i]);
+#pragma GCC unroll 2
+        for (int j = 0; j < NP; ++j) acc[s][i][j] = _mm512_fmadd_ps(a, wv[j], acc[s][i][j]);
+      }
+    }
+  }
+  for (; k < kc; ++k) {  // tail when S does not divide kc
+    __m512 wv[NP];
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) wv[j] = _mm512_loadu_ps(w[j] + k * NR);
+#pragma GCC unroll 12
+    for (int i = 0; i < R; ++i) {
+      const __m512 a = _mm512_set1_ps(x[k * R + i]);
+#pragma GCC unroll 2
+      for (int j = 0; j < NP; ++j) acc[0][i][j] = _mm512_fmadd_ps(a, wv[j], acc[0][i][j]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) {
+      __m512 v = acc[0][i][j];
+#pragma GCC unroll 4
+      for (int s = 1; s < S; ++s) v = _mm512_add_ps(v, acc[s][i][j]);
+      float* yij = y + i * ldy + j * NR;
+      const float* bj = bias ? bias + j * NR : nullptr;
+      // Only the last panel of an N that is not a multiple of 16 is partial.
+      const int64_t cols = std::min<int64_t>(NR, ncols - j * NR);
+      if (cols == NR) {
+        if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(yij));
+        if (bj) v = _mm512_add_ps(v, _mm512_loadu_ps(bj));
+        _mm512_storeu_ps(yij, v);
+      } else {
+        const __mmask16 m = static_cast<__mmask16>((1u << cols) - 1);
+        if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, yij));
+        if (bj) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bj));
+        _mm512_mask_storeu_ps(yij, m, v);
+      }
+    }
+  }
+}
+
+template <int NP>
+void micro_rows(int64_t rows, const float* x, const float* const w[2], int64_t kc, float* y, int64_t ldy,
+                bool accumulate, const float* bias, int64_t ncols, const float* const pf[2]) {
+  switch (rows) {
+    case 1: return micro<1, NP, 4 / NP>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 2: return micro<2, NP, 2 / NP>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 3: return micro<3, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 4: return micro<4, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 5: return micro<5, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 6: return micro<6, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 7: return micro<7, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 8: return micro<8, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 9: return micro<9, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 10: return micro<10, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 11: return micro<11, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    default: return micro<12, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+  }
+}
+
+// x [M, K] row-major -> tiles of MR rows, each [K, rows] (k-major), the micro-kernel's order.
+void pack_rows(const float* x, int64_t M, int64_t K, float* out) {
+  const int64_t tiles = (M + MR - 1) / MR;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = std::min(MR, M - t * MR);
+      const float* src = x + t * MR * K;
+      float* dst = out + t * MR * K;
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t i = 0; i < r; ++i) dst[k * r + i] = src[i * K + k];
+    }
+  });
+}
+
+void gemm(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, const float* bias, float* y) {
+  const int64_t panels = (N + NR - 1) / NR;
+  const int64_t pairs = (panels + 1) / 2;
+  // Each thread takes a contiguous run of panel pairs: two sequential weight streams per core.
+  at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+      const int64_t m1 = std::min(M, m0 + MC);
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t p = 2 * q, np = std::min<int64_t>(2, panels - p);
+        const float* panel[2] = {wp + p * K * NR, wp + (p + np - 1) * K * NR};
+        const int64_t ncols = std::min(np * NR, N - p * NR);
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+          const int64_t kc = std::min(KC, K - k0);
+          const float* b = (bias && k0 + kc == K) ? bias + p * NR : nullptr;
+          const float* w[2] = {panel[0] + k0 * NR, panel[1] + k0 * NR};
+          // The weights this thread reads next: the same panels' next k-block, or the next
+          // pair's first; past this thread's last block nothing is prefetched.
+          const float* next[2] = {nullptr, nullptr};
+          if (k0 + kc < K) {
+            next[0] = w[0] + kc * NR;
+            next[1] = w[1] + kc * NR;
+          } else if (q + 1 < q1) {
+            next[0] = wp + (p + 2) * K * NR;
+            next[1] = wp + std::min(p + 3, panels - 1) * K * NR;
+          }
+          const float* none[2] = {nullptr, nullptr};
+          for (int64_t m = m0; m < m1; m += MR) {
+            const int64_t r = std::min(MR, m1 - m);
+            const float* xt = xp + m * K + k0 * r;
+            float* yt = y + m * N + p * NR;
+            const float* const* pf = m == m0 ? next : none;
+            if (np == 2)
+              micro_rows<2>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
+            else
+              micro_rows<1>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
+          }
+        }
+      }
+    }
+  });
+}
+
+// weight_packed: [ceil(N/16), K, 16] float32; bias: None or float32 [ceil(N/16) * 16].
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight_packed, int64_t n,
+                      const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight_packed.device().is_cpu(), "tokenloom_avx512::linear runs on CPU");
+  TORCH_CHECK(weight_packed.scalar_type() == at::kFloat && weight_packed.dim() == 3 && weight_packed.size(2) == NR,
+              "weight must be float32 packed as [P, K, 16]");
+  const int64_t K = weight_packed.size(1);
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(weight_packed.size(0) * NR >= n, "n exceeds the packed panels");
+  const auto wp = weight_packed.contiguous();
+  const auto x2 = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = x2.size(0);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = n;
+  auto y = at::empty({M, n}, x2.options());
+  const float* b = nullptr;
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_f.numel() >= weight_packed.size(0) * NR, "bias must be padded to the panels");
+    b = bias_f.data_ptr<float>();
+  }
+  if (M > 0) {
+    auto xp = at::empty({M * K}, x2.options());
+    pack_rows(x2.data_ptr<float>(), M, K, xp.data_ptr<float>());
+    gemm(xp.data_ptr<float>(), M, K, wp.data_ptr<float>(), n, b, y.data_ptr<float>());
+  }
+  return y.view(out_sizes).to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenloom_avx512, m) {
+  m.def("linear(Tensor x, Tensor weight_packed, int n, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom_avx512, CPU, m) {
+  m.impl("linear", &linear_f32);
+}
