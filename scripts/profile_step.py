@@ -22,7 +22,8 @@ GROUPS = {
                "tokenloom_cpu::linear", "tokenloom_avx512::linear", "tokenloom_bf16::linear"),
     "attention": ("aten::index", "aten::index_copy_", "aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_efficient_attention",
-                  "aten::_scaled_dot_product_flash_attention", "tokenloom_cpu::paged_decode_attention"),
+                  "aten::_scaled_dot_product_flash_attention", "tokenloom_cpu::paged_decode_attention",
+                  "tokenloom_avx512::paged_decode_attention"),
 }
 
 

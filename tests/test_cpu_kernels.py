@@ -41,6 +41,14 @@ def test_kernel_matches_matmul(m, k, n, bf16, with_bias, seed):
     assert torch.allclose(y.float(), ref, atol=tol, rtol=1e-4)
 
 
+def test_isa_extensions_build_where_the_cpu_has_them():
+    """A CPU with AVX-512 (or AVX512-BF16) must get those builds: the kernel tests below skip
+    where an extension is missing, so a compile error would otherwise go unnoticed."""
+    flags = cpu_kernels._cpu_flags()
+    assert cpu_kernels.avx512_enabled() == ({"avx512f", "avx512bw", "avx512vl"} <= flags)
+    assert cpu_kernels.bf16_enabled() == ({"avx512f", "avx512bw", "avx512_bf16"} <= flags)
+
+
 @pytest.mark.skipif(not cpu_kernels.avx512_enabled(), reason="needs AVX-512")
 @settings(max_examples=40, deadline=None)
 @given(
@@ -134,18 +142,22 @@ def test_each_cpu_matmul_path_matches_transformers(model_factory, monkeypatch, p
         assert abs(lp.logprob - ref[tok].item()) < 0.1
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     n=st.integers(1, 6),
     kv_heads=st.sampled_from([1, 2, 4]),
-    group=st.sampled_from([1, 3, 7]),
-    head_dim=st.sampled_from([8, 64, 80]),  # 80: a tail of the 64-wide value loop
+    group=st.sampled_from([1, 3, 7, 8]),
+    # 8, 80: tails of the AVX2 64-wide value loop; 16..128: the AVX-512 loop's 1..8 vectors
+    # (with 1..8 query heads per register tile); 144: past it, back to the AVX2 loop
+    head_dim=st.sampled_from([8, 16, 32, 48, 64, 80, 128, 144]),
     block_size=st.sampled_from([1, 4, 16, 20]),
     bf16=st.booleans(),
+    wide=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_paged_decode_attention_matches_sdpa(n, kv_heads, group, head_dim, block_size, bf16, seed):
-    """Our kernel reads the blocks in place; the reference gathers them and runs SDPA."""
+def test_paged_decode_attention_matches_sdpa(n, kv_heads, group, head_dim, block_size, bf16, wide, seed):
+    """Our kernel reads the blocks in place; the reference gathers them and runs SDPA.
+    `wide`: the AVX-512 build of the same source, where the CPU has it."""
     import torch.nn.functional as F
 
     from tokenloom.model.attention import _gather_kv
@@ -159,7 +171,8 @@ def test_paged_decode_attention_matches_sdpa(n, kv_heads, group, head_dim, block
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:per_req] for _ in range(n)])
     ctx = torch.randint(1, per_req * block_size + 1, (n,), generator=g)
     scale = head_dim**-0.5
-    out = torch.ops.tokenloom_cpu.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale)
+    op = cpu_kernels.attention_op() if wide else torch.ops.tokenloom_cpu.paged_decode_attention
+    out = op(q, k_cache, v_cache, tables, ctx, scale)
     L = per_req * block_size
     mask = (torch.arange(L)[None] < ctx[:, None]).view(n, 1, 1, L)
     ref = F.scaled_dot_product_attention(

@@ -15,7 +15,8 @@ stock kernels stream them poorly at decode's shapes:
   layout its dot-product instruction reads (`pack_pairs`); also its own extension.
   Used for bf16 on those CPUs, where it streams faster than oneDNN's bf16 GEMV.
 * `cpu_attention.cpp`: decode attention reading the paged KV cache in place, instead of
-  gathering it into a dense copy for SDPA.  Used on any CPU where the kernels build.
+  gathering it into a dense copy for SDPA.  Used on any CPU where the kernels build; the
+  AVX-512 extension compiles the same source again with its 512-bit loop (`attention_op`).
 
 They are compiled with the C++ toolchain PyTorch uses for extensions (cached under
 ~/.cache/torch_extensions; ~30-60 s once).  Anything that fails (no compiler, not x86)
@@ -73,6 +74,12 @@ def _register_fake_linear(op: str) -> None:
         return x.new_empty((*x.shape[:-1], n))
 
 
+def _register_fake_attention(op: str) -> None:
+    @torch.library.register_fake(op)
+    def _(q, k_cache, v_cache, block_tables, context_lens, scale):
+        return torch.empty_like(q)
+
+
 @functools.cache
 def load() -> bool:
     """Compile and load the AVX2 kernels once per process; False if they cannot run here."""
@@ -81,22 +88,21 @@ def load() -> bool:
     if not _build("tokenloom_cpu_kernels", ["cpu_gemm.cpp", "cpu_attention.cpp"], ["-mavx2", "-mfma"]):
         return False
     _register_fake_linear("tokenloom_cpu::linear")
-
-    @torch.library.register_fake("tokenloom_cpu::paged_decode_attention")
-    def _(q, k_cache, v_cache, block_tables, context_lens, scale):
-        return torch.empty_like(q)
-
+    _register_fake_attention("tokenloom_cpu::paged_decode_attention")
     return True
 
 
 @functools.cache
 def avx512_enabled() -> bool:
-    """Compile and load the AVX-512 fp32 GEMM once per process; False if it cannot run here."""
+    """Compile and load the AVX-512 fp32 GEMM and decode attention once per process; False
+    if they cannot run here."""
     if not {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags():
         return False
-    if not _build("tokenloom_cpu_avx512_kernels", ["cpu_gemm_avx512.cpp"], ["-mavx512f", "-mavx512bw", "-mavx512vl"]):
+    if not _build("tokenloom_cpu_avx512_kernels", ["cpu_gemm_avx512.cpp", "cpu_attention.cpp"],
+                  ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]):
         return False
     _register_fake_linear("tokenloom_avx512::linear")
+    _register_fake_attention("tokenloom_avx512::paged_decode_attention")
     return True
 
 
@@ -140,6 +146,14 @@ def attention_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 @functools.cache
 def attention_enabled() -> bool:
     return os.environ.get("TOKENLOOM_CPU_ATTENTION", "1") != "0" and load()
+
+
+def attention_op():
+    """Our paged decode attention: the AVX-512 build where the CPU has it (512-bit loop for
+    head sizes that are multiples of 16), else the AVX2 one."""
+    if avx512_enabled():
+        return torch.ops.tokenloom_avx512.paged_decode_attention
+    return torch.ops.tokenloom_cpu.paged_decode_attention
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

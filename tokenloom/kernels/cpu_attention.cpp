@@ -14,6 +14,12 @@
 //     output when the max grows), so nothing of context length is materialized.
 //
 // Arithmetic is float32; bf16 caches are widened on load.
+//
+// The same source is also built into the AVX-512 extension (kernels/cpu.py), where a
+// 512-bit version of the loop runs for head sizes that are multiples of 16 up to 128 and
+// registers as tokenloom_avx512::paged_decode_attention.  Beyond the wider vectors its
+// P.V product holds a chunk of the group's outputs in registers and reads each value row
+// once for the whole group, instead of once per query head.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -159,6 +165,182 @@ void attend(const float* q, int64_t G, int64_t D, const T* k_cache, const T* v_c
   }
 }
 
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+// The low and high halves of a 16-float vector added: its sum spread over eight lanes.
+inline __m256 fold16(__m512 a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+// exp8's polynomial on sixteen lanes; 2^n is applied with scalef, which needs no bit tricks.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, fx);
+}
+
+// acc[g] += sum_t p[g, t] v_t for GN query heads at once: their NV-vector outputs stay in
+// registers over the block, and each value row is loaded once for all of them.
+template <int NV, int GN, typename T>
+inline void pv_tile(const float* p, int64_t bsp, const T* vb, int64_t n, int64_t token_stride, float* acc) {
+  __m512 a[GN][NV];
+#pragma GCC unroll 8
+  for (int g = 0; g < GN; ++g)
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) a[g][j] = _mm512_loadu_ps(acc + (g * NV + j) * 16);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 v[NV];
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) v[j] = load16(vb + t * token_stride + 16 * j);
+#pragma GCC unroll 8
+    for (int g = 0; g < GN; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * bsp + t]);
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) a[g][j] = _mm512_fmadd_ps(pg, v[j], a[g][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < GN; ++g)
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + (g * NV + j) * 16, a[g][j]);
+}
+
+// pv_tile for a run-time count gn <= GN of query heads.
+template <int NV, int GN, typename T>
+inline void pv_rows(int64_t gn, const float* p, int64_t bsp, const T* vb, int64_t n, int64_t token_stride, float* acc) {
+  if constexpr (GN > 0) {
+    if (gn == GN) return pv_tile<NV, GN>(p, bsp, vb, n, token_stride, acc);
+    return pv_rows<NV, GN - 1>(gn, p, bsp, vb, n, token_stride, acc);
+  }
+}
+
+// `attend` with 512-bit vectors for D = 16 * NV, over H neighbouring KV heads of one
+// request at once: q, out and acc hold H * G rows.  Walking the blocks once for all H
+// heads reads each cached token's row (every head's K, then V) as one contiguous run,
+// where a pass per head would read a strided piece of every row, H times over.
+template <int NV, typename T>
+void attend16(const float* q, int64_t H, int64_t G, const T* k_cache, const T* v_cache, const int64_t* table,
+              int64_t ctx, int64_t bs, int64_t token_stride, float* out, float* scores, float* acc,
+              const T** rows) {
+  constexpr int64_t D = 16 * NV;
+  // Query heads per P.V tile: GN x NV accumulators plus NV value vectors within 32 registers.
+  constexpr int GN = NV <= 2 ? 8 : 24 / NV;
+  const int64_t bsp = (bs + 7) / 8 * 8, HG = H * G;
+  std::vector<float> m(HG, -std::numeric_limits<float>::infinity()), l(HG, 0.0f);
+  std::fill(acc, acc + HG * D, 0.0f);
+  for (int64_t b0 = 0; b0 < ctx; b0 += bs) {
+    const int64_t n = std::min(bs, ctx - b0);
+    const int64_t block = table[b0 / bs];
+    if (b0 + bs < ctx) {  // the next block is elsewhere in the pool: start fetching it now
+      const int64_t next = table[b0 / bs + 1] * bs * token_stride;
+      const int64_t nn = std::min(bs, ctx - b0 - bs), row_bytes = H * D * int64_t(sizeof(T));
+      for (int64_t t = 0; t < nn; ++t)
+        for (int64_t c = 0; c < row_bytes; c += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_cache + next + t * token_stride) + c, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_cache + next + t * token_stride) + c, _MM_HINT_T0);
+        }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      const T* kb = k_cache + block * bs * token_stride + h * D;
+      const T* vb = v_cache + block * bs * token_stride + h * D;
+      // scores[g, t] = q_g . k_t, eight keys at a time; rows past n repeat the last key.
+      for (int64_t t = 0; t < bsp; ++t) rows[t] = kb + std::min(t, n - 1) * token_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + (h * G + g) * D;
+        for (int64_t t = 0; t < n; t += 8) {
+          __m512 a[8];
+#pragma GCC unroll 8
+          for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+          for (int j = 0; j < NV; ++j) {
+            const __m512 qv = _mm512_loadu_ps(qg + 16 * j);
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; ++u) a[u] = _mm512_fmadd_ps(qv, load16(rows[t + u] + 16 * j), a[u]);
+          }
+          __m256 f[8];
+#pragma GCC unroll 8
+          for (int u = 0; u < 8; ++u) f[u] = fold16(a[u]);
+          _mm256_storeu_ps(scores + g * bsp + t, hsum8(f));
+        }
+      }
+      // online softmax over the block's n scores, sixteen at a time
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t hg = h * G + g;
+        float* sg = scores + g * bsp;
+        float mb = m[hg];
+        for (int64_t t = 0; t < n; ++t) mb = std::max(mb, sg[t]);
+        const float alpha = std::exp(m[hg] - mb);  // exp(-inf) = 0 on the first block
+        const __m512 mv = _mm512_set1_ps(mb);
+        float sum = 0.0f;
+        for (int64_t t = 0; t < n; t += 16) {
+          const __mmask16 live = static_cast<__mmask16>(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
+          const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + t), mv)));
+          _mm512_mask_storeu_ps(sg + t, live, e);
+          sum += _mm512_reduce_add_ps(e);
+        }
+        l[hg] = l[hg] * alpha + sum;
+        m[hg] = mb;
+        if (alpha != 1.0f) {
+          const __m512 av = _mm512_set1_ps(alpha);
+          float* ag = acc + hg * D;
+#pragma GCC unroll 8
+          for (int j = 0; j < NV; ++j) _mm512_storeu_ps(ag + 16 * j, _mm512_mul_ps(av, _mm512_loadu_ps(ag + 16 * j)));
+        }
+      }
+      for (int64_t g0 = 0; g0 < G; g0 += GN)
+        pv_rows<NV, GN>(std::min<int64_t>(GN, G - g0), scores + g0 * bsp, bsp, vb, n, token_stride,
+                        acc + (h * G + g0) * D);
+    }
+  }
+  for (int64_t r = 0; r < HG; ++r) {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] * inv;
+  }
+}
+
+// Whether this build has a 512-bit loop for head size D (then one pass serves many heads).
+inline bool wide_head(int64_t D) { return D % 16 == 0 && D / 16 <= 8; }
+#else
+inline bool wide_head(int64_t) { return false; }
+#endif
+
+// H KV heads of one request (their query rows contiguous in q and out, acc H * G * D),
+// with the widest loop this build has for D.
+template <typename T>
+void attend_heads(const float* q, int64_t H, int64_t G, int64_t D, const T* k_cache, const T* v_cache,
+                  const int64_t* table, int64_t ctx, int64_t bs, int64_t token_stride, float* out, float* scores,
+                  float* acc, const T** rows) {
+#ifdef __AVX512F__
+  switch (wide_head(D) ? D / 16 : 0) {
+#define TOKENLOOM_WIDE(nv) \
+    case nv: return attend16<nv>(q, H, G, k_cache, v_cache, table, ctx, bs, token_stride, out, scores, acc, rows);
+    TOKENLOOM_WIDE(1) TOKENLOOM_WIDE(2) TOKENLOOM_WIDE(3) TOKENLOOM_WIDE(4)
+    TOKENLOOM_WIDE(5) TOKENLOOM_WIDE(6) TOKENLOOM_WIDE(7) TOKENLOOM_WIDE(8)
+#undef TOKENLOOM_WIDE
+    default: break;
+  }
+#endif
+  for (int64_t h = 0; h < H; ++h)
+    attend(q + h * G * D, G, D, k_cache + h * D, v_cache + h * D, table, ctx, bs, token_stride, out + h * G * D,
+           scores, acc, rows);
+}
+
 // q [N, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hk, D]; block_tables [N, max_blocks]
 // int64; context_lens [N] int64 (tokens to attend, the new one included).  Returns [N, Hq, D].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -181,17 +363,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   float* op = out.data_ptr<float>();
   const int64_t nb = bt.size(1);
   const int64_t token_stride = Hk * D;
+  // Work items: (request, KV head), or whole requests where the 512-bit loop serves all of
+  // a request's heads in one pass and there are enough requests to keep every thread busy.
+  const int64_t H = wide_head(D) && N >= at::get_num_threads() ? Hk : 1;
   auto run = [&](auto* kc, auto* vc) {
-    at::parallel_for(0, N * Hk, 1, [&](int64_t i0, int64_t i1) {
+    at::parallel_for(0, N * (Hk / H), 1, [&](int64_t i0, int64_t i1) {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
-      std::vector<float> scores(G * ((bs + 7) / 8 * 8)), acc(G * D);
+      std::vector<float> scores(G * ((bs + 7) / 8 * 8)), acc(H * G * D);
       std::vector<const T*> rows((bs + 7) / 8 * 8);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t r = i / Hk, h = i % Hk;
+        const int64_t r = i / (Hk / H), h = i % (Hk / H) * H;
         const int64_t ctx = clp[r];
         TORCH_CHECK(ctx >= 0 && ctx <= nb * bs, "context length exceeds the block table");
-        attend(qp + (r * Hq + h * G) * D, G, D, kc + h * D, vc + h * D, btp + r * nb, ctx, bs, token_stride,
-               op + (r * Hq + h * G) * D, scores.data(), acc.data(), rows.data());
+        attend_heads(qp + (r * Hq + h * G) * D, H, G, D, kc + h * D, vc + h * D, btp + r * nb, ctx, bs, token_stride,
+                     op + (r * Hq + h * G) * D, scores.data(), acc.data(), rows.data());
       }
     });
   };
@@ -207,11 +392,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
+// One source, two libraries: the AVX2 build's op and the AVX-512 build's.
+#ifdef __AVX512F__
+#define TOKENLOOM_ATTENTION_LIB tokenloom_avx512
+#else
+#define TOKENLOOM_ATTENTION_LIB tokenloom_cpu
+#endif
+
+TORCH_LIBRARY_FRAGMENT(TOKENLOOM_ATTENTION_LIB, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(TOKENLOOM_ATTENTION_LIB, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
 }

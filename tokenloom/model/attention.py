@@ -76,7 +76,7 @@ def paged_attention(
     nd = meta.num_decode
     if nd and cpu_kernels.attention_available(q, k_cache):
         # CPU: our kernel reads each block in place, once (kernels/cpu_attention.cpp).
-        out[:nd] = torch.ops.tokenloom_cpu.paged_decode_attention(
+        out[:nd] = cpu_kernels.attention_op()(
             q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     elif nd:
         # Grouped-query attention with one query per request: the G query heads that share
