@@ -95,6 +95,9 @@ def test_bench_latency_roofline_and_sweep(tiny_llama, tmp_path):
     for p in res["points"]:
         assert p["forward_ms"] > 0 and p["frac_mem_roof"] > 0 and p["frac_compute_roof"] > 0
         assert p["step_ms"] >= p["forward_ms"]
+        # each point against the machine as measured around it: roof = bytes / that bandwidth
+        assert p["roof_mem_ms"] == pytest.approx(p["mbytes_per_step"] / p["bandwidth_gb_per_s"])
+        assert p["frac_step_at_roof"] == pytest.approx(max(p["roof_mem_ms"], p["roof_compute_ms"]) / p["step_ms"])
 
     js, cs, png = tmp_path / "sweep.json", tmp_path / "sweep.csv", tmp_path / "sweep.png"
     assert tokenloom_main(["bench", "sweep", "--model", str(tiny_llama), *ENGINE, *WORKLOAD,

@@ -11,7 +11,13 @@ lengths, read off its step events:
 
     fraction of memory roof  = (bytes / bandwidth) / forward time
     fraction of compute roof = (FLOPs / matmul FLOP/s) / forward time
+    step at the roof         = max(memory, compute roof time) / step duration
     engine overhead          = step duration - forward time   (scheduling, bookkeeping)
+
+A shared machine's bandwidth and FLOP/s drift while the benchmark runs (on the VMs this
+was developed on, copy bandwidth flips between ~47 and ~75 GB/s from one second to the
+next), so both are measured again around every point and each point is set against the
+mean of the measurements just before and just after it.
 
 At batch 1 a decode step is memory bound (all weights for one token); as the batch grows
 the same weight read serves more tokens, which is why batching raises tokens/s.
@@ -36,8 +42,9 @@ def _ints(text: str) -> list[int]:
 
 
 def decode_point(llm: Any, spec: Any, dtype: str, batch: int, context: int, steps: int,
-                 vocab: tuple[int, int], bandwidth: float, flops: float, seed: int = 0) -> dict[str, Any]:
-    """Time full-batch decode steps of `batch` requests whose prompts are `context` tokens."""
+                 vocab: tuple[int, int], seed: int = 0) -> dict[str, Any]:
+    """Time full-batch decode steps of `batch` requests whose prompts are `context` tokens;
+    `against_roofs` adds the roofline columns."""
     eng = llm.llm_engine
     budget = eng.scheduler_config.max_num_batched_tokens
     # Requests are prefilled a budget's worth at a time, so the first ones start decoding
@@ -59,29 +66,41 @@ def decode_point(llm: Any, spec: Any, dtype: str, batch: int, context: int, step
     kv_lens = np.array([sum(e.kv_len_after for e in ev.entries) for ev in full])
     step_bytes = weight_bytes + kv_lens.mean() * kv_tok
     step_flops = float(np.mean([sum(spec.flops_per_token(e.kv_len_after) for e in ev.entries) for ev in full]))
-    t_mem = step_bytes / bandwidth
-    t_comp = step_flops / flops
     # Means, not medians, so step = forward + overhead holds in the table.
-    fwd_med = float(np.mean(fwd))
-    dur_med = float(np.mean(dur))
+    fwd_mean = float(np.mean(fwd))
+    dur_mean = float(np.mean(dur))
     return {
         "batch": batch,
         "context": context,
         "steps": len(full),
-        "step_ms": dur_med * 1e3,
-        "forward_ms": fwd_med * 1e3,
-        "overhead_ms": (dur_med - fwd_med) * 1e3,
-        "tokens_per_s": batch / dur_med,
+        "step_ms": dur_mean * 1e3,
+        "forward_ms": fwd_mean * 1e3,
+        "overhead_ms": (dur_mean - fwd_mean) * 1e3,
+        "tokens_per_s": batch / dur_mean,
         "mbytes_per_step": step_bytes / 1e6,
         "gflop_per_step": step_flops / 1e9,
+        "achieved_gb_per_s": step_bytes / fwd_mean / 1e9,
+        "achieved_gflop_per_s": step_flops / fwd_mean / 1e9,
+    }
+
+
+def against_roofs(point: dict[str, Any], bandwidth: float, flops: float) -> dict[str, Any]:
+    """`point` with its memory and compute roofline times for this bandwidth (bytes/s) and
+    matmul rate (FLOP/s), and the fractions of them it reaches."""
+    t_mem = point["mbytes_per_step"] * 1e6 / bandwidth
+    t_comp = point["gflop_per_step"] * 1e9 / flops
+    fwd, dur = point["forward_ms"] / 1e3, point["step_ms"] / 1e3
+    return {
+        **point,
+        "bandwidth_gb_per_s": bandwidth / 1e9,
+        "matmul_gflop_per_s": flops / 1e9,
         "roof_mem_ms": t_mem * 1e3,
         "roof_compute_ms": t_comp * 1e3,
-        "frac_mem_roof": t_mem / fwd_med,
-        "frac_compute_roof": t_comp / fwd_med,
-        "roofline_tokens_per_s": batch / max(t_mem, t_comp),
+        "frac_mem_roof": t_mem / fwd,
+        "frac_compute_roof": t_comp / fwd,
+        "frac_step_at_roof": max(t_mem, t_comp) / dur,
+        "roofline_tokens_per_s": point["batch"] / max(t_mem, t_comp),
         "bound": "memory" if t_mem >= t_comp else "compute",
-        "achieved_gb_per_s": step_bytes / fwd_med / 1e9,
-        "achieved_gflop_per_s": step_flops / fwd_med / 1e9,
     }
 
 
@@ -91,7 +110,8 @@ def _display(r: dict[str, Any]) -> dict[str, Any]:
         "batch": r["batch"], "ctx": r["context"], "step": r["step_ms"], "fwd": r["forward_ms"],
         "ovh": r["overhead_ms"], "tok/s": r["tokens_per_s"], "mem roof": r["roof_mem_ms"],
         "cmp roof": r["roof_compute_ms"], "%mem": 100 * r["frac_mem_roof"],
-        "%cmp": 100 * r["frac_compute_roof"], "bound": r["bound"][:3],
+        "%cmp": 100 * r["frac_compute_roof"], "%step": 100 * r["frac_step_at_roof"], "bound": r["bound"][:3],
+        "GB/s": r["bandwidth_gb_per_s"], "GF/s": r["matmul_gflop_per_s"],
     }
 
 
@@ -99,7 +119,7 @@ def main(args: argparse.Namespace) -> int:
     from tokenloom.sim.microbench import measure_bandwidth, measure_matmul_flops
     from tokenloom.sim.model_spec import ModelSpec, normalize_dtype
 
-    console = Console()
+    console = Console(width=max(Console().width, 132))  # fourteen columns; wrapped they are unreadable
     batches = _ints(args.batch_sizes)
     contexts = _ints(args.context_lens)
     llm = build_llm(args, max_num_seqs=max(args.max_num_seqs, max(batches)))
@@ -111,14 +131,14 @@ def main(args: argparse.Namespace) -> int:
 
     console.print(f"[bold]bench roofline[/bold] model={eng.model_name} dtype={dtype} device={device}: measuring the machine...")
     bw_kw = {"nbytes": args.bandwidth_mib * 2**20} if args.bandwidth_mib else {}
-    bandwidth = measure_bandwidth(device=device, **bw_kw)
-    flops = measure_matmul_flops(dtype=dtype, device=device)
-    machine = {"bandwidth_gb_per_s": bandwidth / 1e9, "matmul_gflop_per_s": flops / 1e9,
-               "ridge_flop_per_byte": flops / bandwidth}
+
+    def measure() -> tuple[float, float]:
+        return measure_bandwidth(device=device, **bw_kw), measure_matmul_flops(dtype=dtype, device=device)
+
+    measured = [measure()]
     model = {"streamed_weight_mb": spec.streamed_weight_bytes(dtype) / 1e6,
              "kv_kb_per_token": spec.kv_bytes_per_token(dtype) / 1e3,
              "gflop_per_token_at_ctx0": spec.flops_per_token(0) / 1e9, "total_params": spec.total_params}
-    console.print(report.dict_table({**machine, **model}, "Machine and model"))
 
     # Untimed warm-up decode so the first point does not pay first-forward costs.
     run_generate(llm, [BenchRequest(list(range(vocab[0], vocab[0] + 8)), 4)], ignore_eos=True)
@@ -126,18 +146,28 @@ def main(args: argparse.Namespace) -> int:
     for c in contexts:
         for b in batches:
             try:
-                rows.append(decode_point(llm, spec, dtype, b, c, args.decode_steps, vocab, bandwidth, flops,
-                                         seed=args.seed))
+                point = decode_point(llm, spec, dtype, b, c, args.decode_steps, vocab, seed=args.seed)
             except (ValueError, RuntimeError) as e:
                 console.print(f"[yellow]skipped batch={b} context={c}:[/yellow] {e}")
                 continue
-            r = rows[-1]
+            before, after = measured[-1], measure()
+            measured.append(after)
+            r = against_roofs(point, (before[0] + after[0]) / 2, (before[1] + after[1]) / 2)
+            rows.append(r)
             console.print(f"  batch {b:>3} ctx {c:>5}: step {r['step_ms']:.2f} ms "
                           f"(forward {r['forward_ms']:.2f}), roofline {max(r['roof_mem_ms'], r['roof_compute_ms']):.2f} ms")
+    bws, fls = [m[0] for m in measured], [m[1] for m in measured]
+    machine = {"bandwidth_gb_per_s": float(np.median(bws)) / 1e9, "matmul_gflop_per_s": float(np.median(fls)) / 1e9,
+               "ridge_flop_per_byte": float(np.median(fls) / np.median(bws)),
+               "bandwidth_gb_per_s_range": f"{min(bws) / 1e9:.1f}-{max(bws) / 1e9:.1f}",
+               "matmul_gflop_per_s_range": f"{min(fls) / 1e9:.0f}-{max(fls) / 1e9:.0f}"}
+    console.print(report.dict_table({**machine, **model}, "Machine (median of the measurements around the points) and model"))
     console.print(report.rows_table([_display(r) for r in rows], "Decode step: achieved vs roofline (times in ms)",
                                     digits=1))
     console.print("%mem / %cmp = memory / compute roofline time as a share of the measured forward time "
-                  "(100 = at the roof); ovh = step - fwd (scheduling and bookkeeping); bound = the higher roof")
+                  "(100 = at the roof); %step = the higher roof as a share of the whole step; ovh = step - fwd "
+                  "(scheduling and bookkeeping); GB/s, GF/s = the machine as measured around that point; "
+                  "bound = the higher roof")
     if args.output_json:
         doc = report.build_report("roofline", config=report.args_to_config(args),
                                   results={"machine_roofline": machine, "model": model, "points": rows,
