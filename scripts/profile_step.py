@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--top", type=int, default=10, help="ops to list")
     a = ap.parse_args()
     events = []
     llm = LLM(a.model, dtype=a.dtype, max_model_len=1024, num_kv_blocks=(a.batch_size * 512) // 16 + 64,
@@ -76,7 +77,7 @@ def main() -> None:
         print(f"  {g:16s} {t * scale * 1e3:8.1f} ms  {100 * t * scale / step:5.1f}%")
     print(f"  {'engine overhead':16s} {(step - model) * 1e3:8.2f} ms  {100 * (step - model) / step:5.1f}%")
     print("top ops by self CPU time per step (unscaled):")
-    for ev in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]:
+    for ev in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:a.top]:
         print(f"  {ev.key:48s} {ev.self_cpu_time_total / 1e3 / a.steps:8.2f} ms  x{ev.count // a.steps}")
 
 

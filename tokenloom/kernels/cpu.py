@@ -137,10 +137,15 @@ def tied_head_in_panels() -> bool:
     return os.environ.get("TOKENLOOM_CPU_GEMM", "auto") != "onednn" and load()
 
 
-def attention_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether decode attention over this cache can run our kernel."""
-    return (q.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16)
-            and q.shape[-1] % 8 == 0 and attention_enabled())
+def decode_attention_op(device: torch.device, dtype: torch.dtype, head_dim: int):
+    """Our paged decode attention for a KV cache of this device, dtype and head size, or
+    None where it cannot run (then SDPA reads a gathered copy).  The model runner asks once,
+    not every layer: under torch.compile these checks (a cached file read) would break the
+    graph at every layer."""
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 \
+            and attention_enabled():
+        return attention_op()
+    return None
 
 
 @functools.cache

@@ -23,12 +23,12 @@ gather indices are built once per step by the model runner (`AttentionMetadata`)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from tokenloom.kernels import cpu as cpu_kernels
 
 
 @dataclass
@@ -44,6 +44,9 @@ class AttentionMetadata:
     prefill_mask: torch.Tensor | None  # [P, 1, max_q, max_blocks*block_size] bool
     prefill_gather: torch.Tensor | None  # [P, max_q] long: flat token index of each padded query row
     prefill_scatter: torch.Tensor | None  # [Tp] long: padded row (p*max_q+i) of each prefill token
+    # our paged decode kernel (kernels/cpu.py `decode_attention_op`), or None: SDPA over a
+    # gathered copy, masked by decode_mask
+    decode_op: Callable | None = None
 
     @property
     def has_prefill(self) -> bool:
@@ -74,9 +77,9 @@ def paged_attention(
 
     out = torch.empty_like(q)
     nd = meta.num_decode
-    if nd and cpu_kernels.attention_available(q, k_cache):
+    if nd and meta.decode_op is not None:
         # CPU: our kernel reads each block in place, once (kernels/cpu_attention.cpp).
-        out[:nd] = cpu_kernels.attention_op()(
+        out[:nd] = meta.decode_op(
             q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     elif nd:
         # Grouped-query attention with one query per request: the G query heads that share

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from tokenloom.core.scheduler import ScheduledRequest, SchedulerOutput
+from tokenloom.kernels import cpu as cpu_kernels
 from tokenloom.model.attention import AttentionMetadata
 from tokenloom.model.loader import LoadedModel
 from tokenloom.runner.sampler import SamplingRow, sample
@@ -57,6 +58,8 @@ class ModelRunner:
             for _ in range(a.num_layers)
         ]
         self.generators: dict[str, torch.Generator] = {}
+        # Chosen once: our paged decode kernel where it runs, else SDPA (needs a mask).
+        self._decode_op = cpu_kernels.decode_attention_op(self.device, loaded.dtype, a.head_dim)
         self._forward = self.model.forward
         if compile:
             # One graph per step kind (decode-only, prefill-only, mixed: which metadata
@@ -124,7 +127,8 @@ class ModelRunner:
         if decodes:
             dbt, L = tables(decodes)
             ctx = torch.tensor([s.num_computed_before + 1 for s in decodes])
-            dmask = (torch.arange(L).unsqueeze(0) < ctx.unsqueeze(1)).view(len(decodes), 1, 1, L)
+            if self._decode_op is None:
+                dmask = (torch.arange(L).unsqueeze(0) < ctx.unsqueeze(1)).view(len(decodes), 1, 1, L)
         if prefills:
             pbt, L = tables(prefills)
             cs = torch.tensor([s.num_computed_before for s in prefills])
@@ -152,6 +156,7 @@ class ModelRunner:
             prefill_mask=to(pmask),
             prefill_gather=to(pgather),
             prefill_scatter=to(pscatter),
+            decode_op=self._decode_op,
         )
         return order, offsets, to(input_ids), to(positions), meta
 
