@@ -37,6 +37,17 @@ and loses at prefill's (AMD EPYC Zen 5, the same 24 layers, bf16):
     oneDNN packed    29.4 GB/s  229 GF/s   472 GF/s   660 GF/s
     our k-pair GEMM  34.1 GB/s  249 GF/s   513 GF/s   474 GF/s
 
+On CPUs with AVX-512, fp32 weights go to our AVX-512 kernel (kernels/cpu_gemm_avx512.cpp,
+the same panels, 2 panels x 12 rows per micro-tile), which beats oneDNN up to a few dozen
+rows and loses ~10% at prefill's (AMD EPYC Zen 5, the same 24 layers, fp32, one process):
+
+    rows M               1          8          32         256
+    oneDNN packed    31.2 GB/s  108 GF/s   286 GF/s   397 GF/s
+    our AVX-512 GEMM 34.7 GB/s  159 GF/s   329 GF/s   356 GF/s
+
+(a quieter hour of the same VM: 51 GB/s at one row, the rate a plain read of the weights
+gets, and 418 GF/s at 32 rows, 461 at 256; its large square matmul reads ~525 GF/s.)
+
 `PanelLinear` holds weights in our kernels' layouts (`cpu_kernels.pack_for`);
 `CausalLM.prepack_panels` / `prepack` pick the kernel (see `cpu_kernels.preferred`).
 """
