@@ -22,6 +22,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "panel_linear.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -183,30 +185,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight_packed, int64_t 
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
   TORCH_CHECK(weight_packed.size(0) * NR >= n, "n exceeds the packed panels");
   const auto wp = weight_packed.contiguous();
-  const auto x2 = x.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = x2.size(0);
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = n;
-  auto y = at::empty({M, n}, x2.options());
-  const float* b = nullptr;
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    bias_f = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bias_f.numel() >= weight_packed.size(0) * NR, "bias must be padded to the panels");
-    b = bias_f.data_ptr<float>();
-  }
-  if (M > 0) {
-    auto xp = at::empty({M * K}, x2.options());
-    pack_rows(x2.data_ptr<float>(), M, K, xp.data_ptr<float>());
+  const auto c = tokenloom::begin_linear(x, K, n, weight_packed.size(0) * NR, bias, at::kFloat);
+  if (c.M > 0) {
+    auto xp = at::empty({c.M * K}, c.x2.options());
+    pack_rows(c.x2.data_ptr<float>(), c.M, K, xp.data_ptr<float>());
     if (wp.scalar_type() == at::kFloat) {
-      gemm<float>(xp.data_ptr<float>(), M, K, wp.data_ptr<float>(), n, b, y.data_ptr<float>());
+      gemm<float>(xp.data_ptr<float>(), c.M, K, wp.data_ptr<float>(), n, c.bias_ptr, c.y.data_ptr<float>());
     } else {
       TORCH_CHECK(wp.scalar_type() == at::kBFloat16, "packed weights must be float32 or bfloat16");
-      gemm<uint16_t>(xp.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()), n,
-                     b, y.data_ptr<float>());
+      gemm<uint16_t>(xp.data_ptr<float>(), c.M, K, reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()), n,
+                     c.bias_ptr, c.y.data_ptr<float>());
     }
   }
-  return y.view(out_sizes).to(x.scalar_type());
+  return c.result(x);
 }
 
 }  // namespace

@@ -15,6 +15,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "panel_linear.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -180,24 +182,13 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight_packed, int6
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
   TORCH_CHECK(weight_packed.size(0) * NR >= n, "n exceeds the packed panels");
   const auto wp = weight_packed.contiguous();
-  const auto x2 = x.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = x2.size(0);
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = n;
-  auto y = at::empty({M, n}, x2.options());
-  const float* b = nullptr;
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    bias_f = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bias_f.numel() >= weight_packed.size(0) * NR, "bias must be padded to the panels");
-    b = bias_f.data_ptr<float>();
+  const auto c = tokenloom::begin_linear(x, K, n, weight_packed.size(0) * NR, bias, at::kFloat);
+  if (c.M > 0) {
+    auto xp = at::empty({c.M * K}, c.x2.options());
+    pack_rows(c.x2.data_ptr<float>(), c.M, K, xp.data_ptr<float>());
+    gemm(xp.data_ptr<float>(), c.M, K, wp.data_ptr<float>(), n, c.bias_ptr, c.y.data_ptr<float>());
   }
-  if (M > 0) {
-    auto xp = at::empty({M * K}, x2.options());
-    pack_rows(x2.data_ptr<float>(), M, K, xp.data_ptr<float>());
-    gemm(xp.data_ptr<float>(), M, K, wp.data_ptr<float>(), n, b, y.data_ptr<float>());
-  }
-  return y.view(out_sizes).to(x.scalar_type());
+  return c.result(x);
 }
 
 }  // namespace

@@ -16,6 +16,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "panel_linear.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -146,25 +148,15 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight_packed, int
   TORCH_CHECK((K + 1) / 2 == K2, "x has ", K, " features, the packed weight ", K2, " pairs");
   TORCH_CHECK(weight_packed.size(0) * NR >= n, "n exceeds the packed panels");
   const auto wp = weight_packed.contiguous();
-  const auto x2 = x.reshape({-1, K}).to(at::kBFloat16).contiguous();
-  const int64_t M = x2.size(0);
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = n;
-  auto y = at::empty({M, n}, x2.options().dtype(at::kFloat));
-  const float* b = nullptr;
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    bias_f = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bias_f.numel() >= weight_packed.size(0) * NR, "bias must be padded to the panels");
-    b = bias_f.data_ptr<float>();
-  }
-  if (M > 0) {
-    auto xp = at::empty({M * K2}, x2.options().dtype(at::kInt));
+  const auto c = tokenloom::begin_linear(x, K, n, weight_packed.size(0) * NR, bias, at::kBFloat16);
+  if (c.M > 0) {
+    auto xp = at::empty({c.M * K2}, c.x2.options().dtype(at::kInt));
     auto* xpp = reinterpret_cast<uint32_t*>(xp.data_ptr<int32_t>());
-    pack_rows(reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()), M, K, K2, xpp);
-    gemm(xpp, M, K2, reinterpret_cast<const __m512bh*>(wp.data_ptr<at::BFloat16>()), n, b, y.data_ptr<float>());
+    pack_rows(reinterpret_cast<const uint16_t*>(c.x2.data_ptr<at::BFloat16>()), c.M, K, K2, xpp);
+    gemm(xpp, c.M, K2, reinterpret_cast<const __m512bh*>(wp.data_ptr<at::BFloat16>()), n, c.bias_ptr,
+         c.y.data_ptr<float>());
   }
-  return y.view(out_sizes).to(x.scalar_type());
+  return c.result(x);
 }
 
 }  // namespace
