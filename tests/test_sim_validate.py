@@ -114,6 +114,21 @@ def test_fit_recovers_the_parameters_that_made_the_steps(overlap: str) -> None:
     assert Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))) == cal
 
 
+def test_fit_recovers_a_row_dependent_gemm_rate() -> None:
+    """GEMMs over few rows run below the rate over many: F(r) = F * r / (r + r_half)."""
+    truth = dataclasses.replace(TRUE, overlap="max", gemm_half_rows=8.0)
+    feats = StepFeatures(QWEN, "float32")
+    cal = fit(_samples(truth, _shapes(), feats), feats, bandwidth_ref=10e9, flop_rate_ref=100e9,
+              dispatch_s=truth.dispatch_s)
+    assert cal.gemm_half_rows == 8.0 and cal.overlap == "max"
+    assert cal.flop_rate == pytest.approx(truth.flop_rate, rel=0.03)
+    assert cal.bandwidth == pytest.approx(truth.bandwidth, rel=0.03)
+    # fitted with one rate for every shape, the same steps are explained worse
+    one = fit(_samples(truth, _shapes(), feats), feats, bandwidth_ref=10e9, flop_rate_ref=100e9,
+              dispatch_s=truth.dispatch_s, half_rows=(0.0,))
+    assert one.median_abs_rel_error > 3 * max(cal.median_abs_rel_error, 1e-3)
+
+
 def test_fit_drops_steps_disturbed_by_other_processes() -> None:
     feats = StepFeatures(QWEN, "float32")
     samples = _samples(TRUE, _shapes(), feats)

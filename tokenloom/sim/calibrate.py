@@ -19,6 +19,15 @@ eager PyTorch forward pass actually reaches, fitted to its real steps:
    roofline over the whole step would hide that read.  A chunk that stops short of the
    prompt's end samples nothing and skips the head altogether.
 
+   A GEMM over few rows also runs below the rate one over many rows reaches (each
+   weight loaded feeds fewer FMAs, and fixed per-call costs weigh more), so the
+   calibrated rate depends on the row count r of each GEMM::
+
+       F(r) = F * r / (r + r_half)
+
+   with r_half fitted too (0: one rate for every shape).  Without it one F has to
+   serve both 8-row decode steps and 256-row prefills, and misses both.
+
 2. **Overlap is measured, not assumed.**  `combine` is `max` when streaming the weights
    and computing overlap (a GPU: separate memory system, thousands of threads) and
    `sum` when they do not (a CPU, where the same two cores load the weights and do the
@@ -96,7 +105,7 @@ from tokenloom.sim.estimate import CostModel, StepCost
 from tokenloom.sim.hardware import Hardware
 from tokenloom.sim.model_spec import ModelSpec, load_model_spec, normalize_dtype
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 _CACHE_FILE = "calibration.json"
 
 # One scheduled request in a step: (new tokens, tokens already in its KV cache, samples a token).
@@ -186,12 +195,13 @@ class Calibration:
     """Fitted rates and overheads of this engine on this machine (plus how well they fit)."""
 
     bandwidth: float  # B/s the weight streaming achieves
-    flop_rate: float  # FLOP/s the GEMMs achieve
+    flop_rate: float  # FLOP/s the GEMMs approach over many rows
     attn_flop_rate: float  # FLOP/s of the padded attention (math.inf: no measurable cost)
     gather_rate: float  # B/s at which attention moves the gathered KV (math.inf: no measurable cost)
     overhead_s: float  # engine Python per step, outside the model (incl. the loop between steps)
     per_seq_overhead_s: float  # engine Python per scheduled request: sampling, detokenizing, bookkeeping
     overlap: str = "max"  # how memory and compute time combine: "max" (overlap) or "sum" (none)
+    gemm_half_rows: float = 0.0  # r_half: a GEMM over r rows runs at flop_rate * r / (r + r_half)
     dispatch_s: float = 0.0  # eager op dispatch per forward (microbench per-op time x ops)
     block_size: int = 16
     paged_decode: bool = False  # decode attention read the blocks in place (StepFeatures)
@@ -251,8 +261,9 @@ class Calibration:
         return [
             f"weight streaming {self.bandwidth / 1e9:.2f} GB/s ({self.mem_efficiency:.2f} x microbench copy "
             f"{self.microbench_bandwidth / 1e9:.2f} GB/s)",
-            f"GEMMs {self.flop_rate / 1e9:.1f} GFLOP/s ({self.compute_efficiency:.2f} x microbench matmul "
-            f"{self.microbench_flop_rate / 1e9:.1f} GFLOP/s), padded attention {attn}, KV gather {gather}",
+            f"GEMMs {self.flop_rate / 1e9:.1f} GFLOP/s over many rows ({self.compute_efficiency:.2f} x microbench "
+            f"matmul {self.microbench_flop_rate / 1e9:.1f} GFLOP/s), half that at {self.gemm_half_rows:g} rows; "
+            f"padded attention {attn}, KV gather {gather}",
             f"memory and compute combine by {self.overlap} (the best fit with {other} misses by "
             f"{100 * self.other_overlap_error:.1f}% median)",
             f"op dispatch {self.dispatch_s * 1e3:.2f} ms/forward; engine {self.overhead_s * 1e3:.2f} ms/step "
@@ -320,11 +331,16 @@ class EngineCostModel(CostModel):
                                   for s in out.scheduled]).time_s
 
 
+def _rows_factor(rows, half_rows: float):
+    """(r + r_half) / r: how much slower than `flop_rate` a GEMM over r rows runs (arrays too)."""
+    return (rows + half_rows) / max(rows, 1) if half_rows else 1.0
+
+
 def _forward_time(cal: Calibration, p: StepParts) -> float:
-    bw, F = cal.bandwidth, cal.flop_rate
-    t = float(_combine(cal.overlap, p.layer_bytes / bw, p.layer_flops / F))
+    bw, F, h = cal.bandwidth, cal.flop_rate, cal.gemm_half_rows
+    t = float(_combine(cal.overlap, p.layer_bytes / bw, p.layer_flops / F * _rows_factor(p.num_tokens, h)))
     if p.num_sampled:
-        t += float(_combine(cal.overlap, p.head_bytes / bw, p.head_flops / F))
+        t += float(_combine(cal.overlap, p.head_bytes / bw, p.head_flops / F * _rows_factor(p.num_sampled, h)))
     return (t + p.attn_flops / cal.attn_flop_rate + p.gather_bytes / cal.gather_rate + p.kv_write_bytes / bw
             + cal.dispatch_s)
 
@@ -420,10 +436,30 @@ def _nnls_small(A, b):
     return best_x, best_r
 
 
+# r_half candidates: 0 (one rate) up to the row count where decode batches live.
+HALF_ROWS_GRID = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+
+
 def _fit_forward(samples: Sequence[Sample], features: StepFeatures, bandwidth_ref: float, flop_rate_ref: float,
-                 dispatch_s: float, overlap: str, grid: int = 32, lo: float = 0.01, hi: float = 3.0,
-                 rounds: int = 3) -> tuple[Calibration, float]:
-    """(calibration, loss): log grid over bw and F, zoomed `rounds` times; 1/F_attn by NNLS."""
+                 dispatch_s: float, overlap: str, half_rows: Sequence[float] = HALF_ROWS_GRID,
+                 **grid_kw: Any) -> tuple[Calibration, float]:
+    """(calibration, loss): the best of `_fit_rates` over the r_half candidates.
+
+    Only where memory and compute overlap: summed, F(r)'s extra time per GEMM,
+    2 * params * r_half / F, is a constant per step, exactly like the weight read, so the
+    data cannot tell r_half from a lower bandwidth; r_half stays 0 there."""
+    if overlap == "sum":
+        half_rows = (0.0,)
+    fits = [_fit_rates(samples, features, bandwidth_ref, flop_rate_ref, dispatch_s, overlap, h, **grid_kw)
+            for h in half_rows]
+    return min(fits, key=lambda c: c[1])
+
+
+def _fit_rates(samples: Sequence[Sample], features: StepFeatures, bandwidth_ref: float, flop_rate_ref: float,
+               dispatch_s: float, overlap: str, half_rows: float, grid: int = 32, lo: float = 0.01,
+               hi: float = 3.0, rounds: int = 3) -> tuple[Calibration, float]:
+    """(calibration, loss) for one r_half: log grid over bw and F, zoomed `rounds` times;
+    1/F_attn and 1/G by NNLS."""
     import numpy as np
 
     if overlap not in ("max", "sum"):
@@ -434,9 +470,10 @@ def _fit_forward(samples: Sequence[Sample], features: StepFeatures, bandwidth_re
         raise ValueError("forward times must be > 0")
     w = 1.0 / y
     lb = np.array([p.layer_bytes for p in parts])
-    lf = np.array([p.layer_flops for p in parts])
+    # FLOPs already scaled by the row-count slowdown, so each grid point only divides by F.
+    lf = np.array([p.layer_flops * _rows_factor(p.num_tokens, half_rows) for p in parts])
     hb = np.array([p.head_bytes for p in parts])
-    hf = np.array([p.head_flops for p in parts])
+    hf = np.array([p.head_flops * _rows_factor(p.num_sampled, half_rows) for p in parts])
     has_head = np.array([p.num_sampled > 0 for p in parts])
     kvw = np.array([p.kv_write_bytes for p in parts])
     # Linear, non-negative: 1/F_attn x attention FLOPs + 1/G x gathered KV bytes (columns scaled to ~1).
@@ -468,8 +505,8 @@ def _fit_forward(samples: Sequence[Sample], features: StepFeatures, bandwidth_re
     cal = Calibration(bandwidth=float(bw), flop_rate=float(F),
                       attn_flop_rate=math.inf if inv_attn <= 0 else float(1.0 / inv_attn),
                       gather_rate=math.inf if inv_gather <= 0 else float(1.0 / inv_gather),
-                      overhead_s=0.0, per_seq_overhead_s=0.0, overlap=overlap, dispatch_s=float(dispatch_s),
-                      block_size=features.block_size, microbench_bandwidth=float(bandwidth_ref),
+                      overhead_s=0.0, per_seq_overhead_s=0.0, overlap=overlap, gemm_half_rows=float(half_rows),
+                      dispatch_s=float(dispatch_s), block_size=features.block_size, microbench_bandwidth=float(bandwidth_ref),
                       microbench_flop_rate=float(flop_rate_ref))
     return cal, loss
 
