@@ -180,3 +180,59 @@ def test_paged_decode_attention_matches_sdpa(n, kv_heads, group, head_dim, block
         _gather_kv(v_cache.float(), tables), attn_mask=mask, scale=scale).reshape(n, -1, head_dim)
     assert out.dtype == dtype
     assert torch.allclose(out.float(), ref, atol=2e-2 if bf16 else 1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(0, 9), hidden=st.sampled_from([1, 7, 8, 64, 72, 130, 896]), strided=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_fused_rms_norm_matches_the_reference(rows, hidden, strided, seed):
+    """One pass per row vs HF's float32 RMSNorm (pow, mean, rsqrt, two muls)."""
+    from tokenloom.model.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 2 * hidden if strided else hidden, generator=g) * 3
+    if strided:  # a view of a wider row, like q out of the fused qkv projection
+        x = x[:, :hidden]
+    norm = RMSNorm(hidden, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=g))
+        ref = norm(x)
+        out = torch.ops.tokenloom_cpu.rms_norm(x, norm.weight, norm.eps)
+    assert out.shape == ref.shape
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(0, 9), inter=st.sampled_from([1, 5, 8, 16, 100, 4864]), seed=st.integers(0, 2**16))
+def test_fused_silu_and_mul_matches_the_reference(rows, inter, seed):
+    """SiLU(gate) * up from the fused gate/up output, extreme gates included (no NaN, no inf)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(seed)
+    gu = torch.randn(rows, 2 * inter, generator=g) * 4
+    if rows and inter > 1:
+        gu[0, 0], gu[0, 1] = -200.0, 200.0  # far past exp's float range either way
+    out = torch.ops.tokenloom_cpu.silu_and_mul(gu)
+    gate, up = gu.split(inter, dim=-1)
+    ref = F.silu(gate) * up
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cpu_fast_path_uses_the_fused_ops(model_factory, monkeypatch):
+    """Loaded on CPU in float32, every RMSNorm and SwiGLU goes through them (and through
+    PyTorch with TOKENLOOM_CPU_FUSED=0); greedy tokens equal transformers' either way."""
+    from tests.test_parity import _hf, _hf_greedy, _prompts
+    from tokenloom.model.layers import GatedMLP, RMSNorm
+
+    path = model_factory("tiny-qwen2")  # Qwen2: biases on q/k/v too
+    prompts = _prompts(3)
+    for fused in ("1", "0"):
+        monkeypatch.setenv("TOKENLOOM_CPU_FUSED", fused)
+        llm = LLM(str(path), dtype="float32", max_model_len=128, num_kv_blocks=64)
+        mods = list(llm.llm_engine.runner.model.modules())
+        assert all((m.fused is not None) == (fused == "1") for m in mods if isinstance(m, RMSNorm))
+        assert all((m.fused_act is not None) == (fused == "1") for m in mods if isinstance(m, GatedMLP))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(_hf(path), prompts, 12)

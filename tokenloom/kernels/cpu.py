@@ -14,15 +14,18 @@ stock kernels stream them poorly at decode's shapes:
 * `cpu_gemm_bf16.cpp`: the same GEMM for bf16 weights on CPUs with AVX512-BF16, in the
   layout its dot-product instruction reads (`pack_pairs`); also its own extension.
   Used for bf16 on those CPUs, where it streams faster than oneDNN's bf16 GEMV.
+* `cpu_fused.cpp`: the decoder layer's element-wise ops (RMSNorm, SiLU(gate) * up) as one
+  op and one pass each, for float32 (`CausalLM.use_fused_cpu_ops`).
 * `cpu_attention.cpp`: decode attention reading the paged KV cache in place, instead of
   gathering it into a dense copy for SDPA.  Used on any CPU where the kernels build; the
   AVX-512 extension compiles the same source again with its 512-bit loop (`attention_op`).
 
-`panel_linear.h` holds what the three GEMM ops share besides their kernels (input
+`simd_avx2.h` holds vector helpers two of them share; `panel_linear.h` what the three GEMM ops share besides their kernels (input
 flattening, output, bias).  They are compiled with the C++ toolchain PyTorch uses for extensions (cached under
 ~/.cache/torch_extensions; ~30-60 s once).  Anything that fails (no compiler, not x86)
 leaves PyTorch's kernels in charge.  `TOKENLOOM_CPU_GEMM=own|onednn` overrides the GEMM
-choice (tests force each), `TOKENLOOM_CPU_ATTENTION=0` turns the attention kernel off.
+choice (tests force each), `TOKENLOOM_CPU_ATTENTION=0` turns the attention kernel off,
+`TOKENLOOM_CPU_FUSED=0` the fused element-wise ops.
 """
 
 from __future__ import annotations
@@ -86,10 +89,19 @@ def load() -> bool:
     """Compile and load the AVX2 kernels once per process; False if they cannot run here."""
     if not {"avx2", "fma"} <= _cpu_flags():
         return False
-    if not _build("tokenloom_cpu_kernels", ["cpu_gemm.cpp", "cpu_attention.cpp"], ["-mavx2", "-mfma"]):
+    if not _build("tokenloom_cpu_kernels", ["cpu_gemm.cpp", "cpu_attention.cpp", "cpu_fused.cpp"], ["-mavx2", "-mfma"]):
         return False
     _register_fake_linear("tokenloom_cpu::linear")
     _register_fake_attention("tokenloom_cpu::paged_decode_attention")
+
+    @torch.library.register_fake("tokenloom_cpu::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("tokenloom_cpu::silu_and_mul")
+    def _(x):
+        return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
     return True
 
 

@@ -20,8 +20,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = None  # our one-pass float32 op on CPU (CausalLM.use_fused_cpu_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.dtype == torch.float32:
+            return self.fused(x, self.weight, self.eps)
         # Normalize in float32 like the reference implementations, so bf16/fp16 match them.
         dtype = x.dtype
         x32 = x.float()
@@ -89,8 +92,11 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.fused_act = None  # our one-pass SiLU(gate) * up on CPU (CausalLM.use_fused_cpu_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
+        if self.fused_act is not None and gu.dtype == torch.float32:
+            return self.down_proj(self.fused_act(gu))
         gate, up = gu.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -180,6 +180,21 @@ class CausalLM(nn.Module):
             n += 1
         return n
 
+    def use_fused_cpu_ops(self) -> bool:
+        """CPU fast path: every RMSNorm and SwiGLU activation through our one-pass float32
+        ops (kernels/cpu_fused.cpp) where they build; other dtypes keep the PyTorch code."""
+        from tokenloom.kernels import cpu as cpu_kernels
+        from tokenloom.model.layers import GatedMLP, RMSNorm
+
+        if not cpu_kernels.load():
+            return False
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.fused = torch.ops.tokenloom_cpu.rms_norm
+            elif isinstance(m, GatedMLP):
+                m.fused_act = torch.ops.tokenloom_cpu.silu_and_mul
+        return True
+
     def _tie_through_panels(self) -> None:
         """Tied embeddings packed once, into the panels the lm_head streams; the embedding
         lookup reads its rows from there.  One copy of the vocab matrix."""

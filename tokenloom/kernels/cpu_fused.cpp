@@ -1,0 +1,117 @@
+// The decoder layer's small element-wise ops, fused, for float32 on x86 CPUs with AVX2.
+//
+// A decode step's matmuls stream the weights; between them every layer runs a handful of
+// element-wise ops (two RMSNorms, SiLU(gate) * up), and in eager PyTorch each is several
+// ops, each one a dispatch plus a pass over its tensor: RMSNorm alone is pow, mean, add,
+// rsqrt, mul, mul.  At batch 1 the dispatches cost more than the arithmetic; at batch 32
+// the extra passes over [32, 2 x 4864] activations do.  Here each is one op and one pass
+// per row, rows split over the threads only when there are enough of them to pay for it.
+//
+// Arithmetic follows the Hugging Face reference order: RMSNorm is w * (x * rsqrt(mean(x^2)
+// + eps)) in float32, SiLU is x * sigmoid(x).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "simd_avx2.h"
+
+namespace {
+
+// Rows per thread before a second thread is worth waking (one row: a batch-1 decode).
+constexpr int64_t kRowGrain = 8;
+
+// y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)) for every row r of the last dimension.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "tokenloom_cpu::rms_norm takes float32 CPU tensors");
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(weight.numel() == H, "weight has ", weight.numel(), " elements, rows have ", H);
+  const auto xc = x.contiguous();
+  const auto wc = weight.contiguous();
+  auto y = at::empty_like(xc);
+  const int64_t rows = H ? xc.numel() / H : 0;
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * H;
+      float* yr = yp + r * H;
+      __m256 acc[8];
+      for (auto& a : acc) a = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 64 <= H; j += 64)  // eight independent sums: no wait on the FMA latency
+        for (int u = 0; u < 8; ++u) {
+          const __m256 v = _mm256_loadu_ps(xr + j + 8 * u);
+          acc[u] = _mm256_fmadd_ps(v, v, acc[u]);
+        }
+      for (; j + 8 <= H; j += 8) {
+        const __m256 v = _mm256_loadu_ps(xr + j);
+        acc[0] = _mm256_fmadd_ps(v, v, acc[0]);
+      }
+      // hsum8 gives each accumulator's sum in its own lane: add the eight lanes
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, tokenloom::hsum8(acc));
+      float ss = 0.0f;
+      for (float v : sums) ss += v;
+      for (; j < H; ++j) ss += xr[j] * xr[j];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      const __m256 iv = _mm256_set1_ps(inv);
+      j = 0;
+      for (; j + 8 <= H; j += 8)
+        _mm256_storeu_ps(yr + j, _mm256_mul_ps(_mm256_loadu_ps(wp + j), _mm256_mul_ps(_mm256_loadu_ps(xr + j), iv)));
+      for (; j < H; ++j) yr[j] = wp[j] * (xr[j] * inv);
+    }
+  });
+  return y;
+}
+
+// x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]: the SwiGLU activation on the fused
+// gate/up projection's output.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "tokenloom_cpu::silu_and_mul takes float32 CPU");
+  const int64_t I2 = x.size(-1);
+  TORCH_CHECK(I2 % 2 == 0, "the last dimension must hold gate and up halves");
+  const int64_t I = I2 / 2;
+  const auto xc = x.contiguous();
+  auto sizes = xc.sizes().vec();
+  sizes.back() = I;
+  auto y = at::empty(sizes, xc.options());
+  const int64_t rows = I2 ? xc.numel() / I2 : 0;
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = xp + r * I2;
+      const float* u = g + I;
+      float* yr = yp + r * I;
+      int64_t j = 0;
+      for (; j + 8 <= I; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        // sigmoid(g) = 1 / (1 + e^-g); exp8 clamps, so a very negative g gives 0, not NaN
+        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, tokenloom::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        _mm256_storeu_ps(yr + j, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + j)));
+      }
+      for (; j < I; ++j) yr[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
