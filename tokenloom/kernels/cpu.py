@@ -20,12 +20,13 @@ stock kernels stream them poorly at decode's shapes:
   gathering it into a dense copy for SDPA.  Used on any CPU where the kernels build; the
   AVX-512 extension compiles the same source again with its 512-bit loop (`attention_op`).
 
-`simd_avx2.h` holds vector helpers two of them share; `panel_linear.h` what the three GEMM ops share besides their kernels (input
-flattening, output, bias).  They are compiled with the C++ toolchain PyTorch uses for extensions (cached under
-~/.cache/torch_extensions; ~30-60 s once).  Anything that fails (no compiler, not x86)
-leaves PyTorch's kernels in charge.  `TOKENLOOM_CPU_GEMM=own|onednn` overrides the GEMM
-choice (tests force each), `TOKENLOOM_CPU_ATTENTION=0` turns the attention kernel off,
-`TOKENLOOM_CPU_FUSED=0` the fused element-wise ops.
+`simd_avx2.h` holds vector helpers two of them share, `panel_linear.h` what the three GEMM
+ops share besides their kernels (input flattening, output, bias).  They are compiled with the
+C++ toolchain PyTorch uses for extensions (cached under ~/.cache/torch_extensions; ~30-60 s
+once).  Anything that fails (no compiler, not x86) leaves PyTorch's kernels in charge.
+`TOKENLOOM_CPU_GEMM=own|onednn` overrides the GEMM choice (tests force each),
+`TOKENLOOM_CPU_ATTENTION=0` turns the attention kernel off, `TOKENLOOM_CPU_FUSED=0` the fused
+element-wise ops.
 """
 
 from __future__ import annotations

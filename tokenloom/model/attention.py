@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V goes (flat slot index)

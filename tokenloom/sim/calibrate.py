@@ -773,7 +773,7 @@ def engine_fingerprint() -> str:
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha1()
     for pkg in _HOT_PATH:
-        for p in sorted([*(root / pkg).glob("*.py"), *(root / pkg).glob("*.cpp")]):
+        for p in sorted([*(root / pkg).glob("*.py"), *(root / pkg).glob("*.cpp"), *(root / pkg).glob("*.h")]):
             h.update(f"{pkg}/{p.name}".encode())
             h.update(p.read_bytes())
     return h.hexdigest()[:12]
