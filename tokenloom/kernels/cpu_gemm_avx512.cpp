@@ -7,7 +7,8 @@
 // panels at once (two weight vectors per k) by up to 12 activation rows, 24 accumulators
 // of the 32 zmm registers, so each weight load feeds 12 FMAs and each broadcast 2.  At one
 // row it is a memory stream and the shape does not matter; the next weight block is
-// prefetched a block ahead while this one is multiplied.
+// prefetched a block ahead while this one is multiplied.  From 16 rows up the activations
+// are read in place (`kDirectRows`); below, from a k-major copy of each 12-row tile.
 //
 // Built as its own extension with AVX-512 flags (kernels/cpu.py loads it only where the CPU
 // has AVX-512), so the AVX2 kernels never contain AVX-512 instructions.
@@ -28,12 +29,17 @@ constexpr int64_t NR = 16;   // panel width: one zmm of float32
 constexpr int64_t MR = 12;   // rows per micro-tile: 2 x 12 accumulators + 2 weight vectors of 32 registers
 constexpr int64_t KC = 128;  // k-block: 8 KB per panel, 16 KB per pair, reused from L1 by every micro-tile
 constexpr int64_t MC = 240;  // m-block: activations of one k-block (240 x 128 x 4 B) stay in L2
+// From this many rows the micro-kernel reads x in place (a row's next 16 k share one line)
+// instead of from a k-major copy: packing costs a pass over x per call (~50 us at 32 x 4864),
+// which pays back only below ~16 rows (same 24 layers: 8 rows 7% faster packed; 32, 64 and
+// 256 rows 2%, 6% and 4% faster in place).
+constexpr int64_t kDirectRows = 16;
 
 // y[0:R, cols of NP panels] (+)= x[0:kc, 0:R] * panels[0:kc]; S interleaved accumulator
 // chains keep one or two rows from waiting on FMA latency.  `pf[j]`, when set, is the block
 // that follows panel j's block, prefetched one line per k (one k row is one line).
-template <int R, int NP, int S>
-inline void micro(const float* x, const float* const w[2], int64_t kc, float* y, int64_t ldy, bool accumulate,
+template <int R, int NP, int S, bool DIRECT>
+inline void micro(const float* x, int64_t ldx, const float* const w[2], int64_t kc, float* y, int64_t ldy, bool accumulate,
                   const float* bias, int64_t ncols, const float* const pf[2]) {
   __m512 acc[S][R][NP];
 #pragma GCC unroll 4
@@ -55,7 +61,7 @@ inline void micro(const float* x, const float* const w[2], int64_t kc, float* y,
       }
 #pragma GCC unroll 12
       for (int i = 0; i < R; ++i) {
-        const __m512 a = _mm512_set1_ps(x[(k + s) * R + i]);
+        const __m512 a = _mm512_set1_ps(DIRECT ? x[i * ldx + k + s] : x[(k + s) * R + i]);
 #pragma GCC unroll 2
         for (int j = 0; j < NP; ++j) acc[s][i][j] = _mm512_fmadd_ps(a, wv[j], acc[s][i][j]);
       }
@@ -67,7 +73,7 @@ inline void micro(const float* x, const float* const w[2], int64_t kc, float* y,
     for (int j = 0; j < NP; ++j) wv[j] = _mm512_loadu_ps(w[j] + k * NR);
 #pragma GCC unroll 12
     for (int i = 0; i < R; ++i) {
-      const __m512 a = _mm512_set1_ps(x[k * R + i]);
+      const __m512 a = _mm512_set1_ps(DIRECT ? x[i * ldx + k] : x[k * R + i]);
 #pragma GCC unroll 2
       for (int j = 0; j < NP; ++j) acc[0][i][j] = _mm512_fmadd_ps(a, wv[j], acc[0][i][j]);
     }
@@ -97,22 +103,22 @@ inline void micro(const float* x, const float* const w[2], int64_t kc, float* y,
   }
 }
 
-template <int NP>
-void micro_rows(int64_t rows, const float* x, const float* const w[2], int64_t kc, float* y, int64_t ldy,
+template <int NP, bool DIRECT>
+void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* const w[2], int64_t kc, float* y, int64_t ldy,
                 bool accumulate, const float* bias, int64_t ncols, const float* const pf[2]) {
   switch (rows) {
-    case 1: return micro<1, NP, 4 / NP>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 2: return micro<2, NP, 2 / NP>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 3: return micro<3, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 4: return micro<4, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 5: return micro<5, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 6: return micro<6, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 7: return micro<7, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 8: return micro<8, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 9: return micro<9, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 10: return micro<10, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 11: return micro<11, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    default: return micro<12, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 1: return micro<1, NP, 4 / NP, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 2: return micro<2, NP, 2 / NP, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 3: return micro<3, NP, 1, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 4: return micro<4, NP, 1, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 5: return micro<5, NP, 1, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 6: return micro<6, NP, 1, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 7: return micro<7, NP, 1, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 8: return micro<8, NP, 1, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 9: return micro<9, NP, 1, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 10: return micro<10, NP, 1, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 11: return micro<11, NP, 1, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    default: return micro<12, NP, 1, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
   }
 }
 
@@ -130,6 +136,8 @@ void pack_rows(const float* x, int64_t M, int64_t K, float* out) {
   });
 }
 
+// x: packed by pack_rows, or (`direct`) the row-major [M, K] input itself.
+template <bool DIRECT>
 void gemm(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, const float* bias, float* y) {
   const int64_t panels = (N + NR - 1) / NR;
   const int64_t pairs = (panels + 1) / 2;
@@ -158,13 +166,13 @@ void gemm(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, con
           const float* none[2] = {nullptr, nullptr};
           for (int64_t m = m0; m < m1; m += MR) {
             const int64_t r = std::min(MR, m1 - m);
-            const float* xt = xp + m * K + k0 * r;
+            const float* xt = xp + m * K + (DIRECT ? k0 : k0 * r);
             float* yt = y + m * N + p * NR;
             const float* const* pf = m == m0 ? next : none;
             if (np == 2)
-              micro_rows<2>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
+              micro_rows<2, DIRECT>(r, xt, K, w, kc, yt, N, k0 > 0, b, ncols, pf);
             else
-              micro_rows<1>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
+              micro_rows<1, DIRECT>(r, xt, K, w, kc, yt, N, k0 > 0, b, ncols, pf);
           }
         }
       }
@@ -183,10 +191,12 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight_packed, int6
   TORCH_CHECK(weight_packed.size(0) * NR >= n, "n exceeds the packed panels");
   const auto wp = weight_packed.contiguous();
   const auto c = tokenloom::begin_linear(x, K, n, weight_packed.size(0) * NR, bias, at::kFloat);
-  if (c.M > 0) {
+  if (c.M >= kDirectRows) {
+    gemm<true>(c.x2.data_ptr<float>(), c.M, K, wp.data_ptr<float>(), n, c.bias_ptr, c.y.data_ptr<float>());
+  } else if (c.M > 0) {
     auto xp = at::empty({c.M * K}, c.x2.options());
     pack_rows(c.x2.data_ptr<float>(), c.M, K, xp.data_ptr<float>());
-    gemm(xp.data_ptr<float>(), c.M, K, wp.data_ptr<float>(), n, c.bias_ptr, c.y.data_ptr<float>());
+    gemm<false>(xp.data_ptr<float>(), c.M, K, wp.data_ptr<float>(), n, c.bias_ptr, c.y.data_ptr<float>());
   }
   return c.result(x);
 }
