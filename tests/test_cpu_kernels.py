@@ -219,6 +219,22 @@ def test_fused_silu_and_mul_matches_the_reference(rows, inter, seed):
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 5), n=st.integers(1, 300), ties=st.booleans(), special=st.sampled_from(["", "nan", "-inf"]),
+       seed=st.integers(0, 2**16))
+def test_argmax_rows_matches_torch(rows, n, ties, special, seed):
+    """Greedy argmax: first index on ties, first NaN if any, 0 for a row of only -inf."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g)
+    if ties:  # a few distinct values: many ties for the maximum
+        x = torch.randint(0, 3, (rows, n), generator=g).float()
+    if special == "nan":
+        x[0, torch.randint(0, n, (1,), generator=g)] = float("nan")
+    elif special == "-inf":
+        x[0] = float("-inf")
+    assert torch.equal(torch.ops.tokenloom_cpu.argmax_rows(x), x.argmax(dim=-1))
+
+
 def test_the_cpu_fast_path_uses_the_fused_ops(model_factory, monkeypatch):
     """Loaded on CPU in float32, every RMSNorm and SwiGLU goes through them (and through
     PyTorch with TOKENLOOM_CPU_FUSED=0); greedy tokens equal transformers' either way."""
@@ -229,6 +245,7 @@ def test_the_cpu_fast_path_uses_the_fused_ops(model_factory, monkeypatch):
     prompts = _prompts(3)
     for fused in ("1", "0"):
         monkeypatch.setenv("TOKENLOOM_CPU_FUSED", fused)
+        cpu_kernels.fused_enabled.cache_clear()
         llm = LLM(str(path), dtype="float32", max_model_len=128, num_kv_blocks=64)
         mods = list(llm.llm_engine.runner.model.modules())
         assert all((m.fused is not None) == (fused == "1") for m in mods if isinstance(m, RMSNorm))
@@ -236,3 +253,5 @@ def test_the_cpu_fast_path_uses_the_fused_ops(model_factory, monkeypatch):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(_hf(path), prompts, 12)
+    monkeypatch.undo()  # the cached switch must not outlive this test
+    cpu_kernels.fused_enabled.cache_clear()

@@ -15,7 +15,8 @@ stock kernels stream them poorly at decode's shapes:
   layout its dot-product instruction reads (`pack_pairs`); also its own extension.
   Used for bf16 on those CPUs, where it streams faster than oneDNN's bf16 GEMV.
 * `cpu_fused.cpp`: the decoder layer's element-wise ops (RMSNorm, SiLU(gate) * up) as one
-  op and one pass each, for float32 (`CausalLM.use_fused_cpu_ops`).
+  op and one pass each, for float32 (`CausalLM.use_fused_cpu_ops`), and the greedy argmax
+  over the vocabulary (`argmax_rows`).
 * `cpu_attention.cpp`: decode attention reading the paged KV cache in place, instead of
   gathering it into a dense copy for SDPA.  Used on any CPU where the kernels build; the
   AVX-512 extension compiles the same source again with its 512-bit loop (`attention_op`).
@@ -103,6 +104,10 @@ def load() -> bool:
     def _(x):
         return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
+    @torch.library.register_fake("tokenloom_cpu::argmax_rows")
+    def _(x):
+        return x.new_empty((x.shape[0],), dtype=torch.long)
+
     return True
 
 
@@ -173,6 +178,20 @@ def attention_op():
     if avx512_enabled():
         return torch.ops.tokenloom_avx512.paged_decode_attention
     return torch.ops.tokenloom_cpu.paged_decode_attention
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) for [rows, n] logits; our kernel for float32 on CPU (PyTorch's scans
+    each row one element at a time), PyTorch's anywhere else.  Same answers, ties and NaN
+    included."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0 and fused_enabled():
+        return torch.ops.tokenloom_cpu.argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
+@functools.cache
+def fused_enabled() -> bool:
+    return os.environ.get("TOKENLOOM_CPU_FUSED", "1") != "0" and load()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

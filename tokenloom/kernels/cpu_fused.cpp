@@ -104,14 +104,80 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return y;
 }
 
+// Index of each row's largest value: greedy decoding over the vocabulary.  Same answer as
+// torch.argmax: the first index on ties, and the first NaN if the row has one.  (PyTorch's
+// CPU argmax scans each row one element at a time: 1.3 ms for 32 x 151,936 logits.)
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0,
+              "tokenloom_cpu::argmax_rows takes a non-empty float32 [rows, n] CPU tensor");
+  const auto xc = x.contiguous();
+  const int64_t rows = xc.size(0), n = xc.size(1);
+  auto out = at::empty({rows}, xc.options().dtype(at::kLong));
+  const float* xp = xc.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * n;
+      // Eight lanes, each the running max of its own stride-8 subsequence and where it was
+      // first seen; strictly greater replaces, so every lane keeps its first maximum.
+      __m256 best = _mm256_set1_ps(-INFINITY);
+      __m256i where = _mm256_set1_epi32(0);
+      __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256i step = _mm256_set1_epi32(8);
+      __m256 nan = _mm256_setzero_ps();
+      int64_t j = 0;
+      const int64_t nv = n < (int64_t{1} << 31) ? n / 8 * 8 : 0;  // lane indices are int32
+      for (; j < nv; j += 8) {
+        const __m256 v = _mm256_loadu_ps(xr + j);
+        const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        best = _mm256_blendv_ps(best, v, gt);
+        where = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(where), _mm256_castsi256_ps(idx), gt));
+        idx = _mm256_add_epi32(idx, step);
+      }
+      if (_mm256_movemask_ps(nan)) {  // rare: find the first NaN as torch does
+        int64_t k = 0;
+        while (!std::isnan(xr[k])) ++k;
+        op[r] = k;
+        continue;
+      }
+      alignas(32) float bv[8];
+      alignas(32) int32_t bi[8];
+      _mm256_store_ps(bv, best);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(bi), where);
+      float m = -INFINITY;
+      int64_t at = -1;
+      for (int u = 0; u < 8; ++u)
+        if (j > 0 && (at < 0 || bv[u] > m || (bv[u] == m && bi[u] < at))) {
+          m = bv[u];
+          at = bi[u];
+        }
+      for (; j < n; ++j) {  // the tail, in order
+        if (std::isnan(xr[j])) {
+          at = j;
+          break;
+        }
+        if (at < 0 || xr[j] > m) {
+          m = xr[j];
+          at = j;
+        }
+      }
+      op[r] = at;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }

@@ -232,7 +232,7 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
         model.prepack_panels()
     elif pack_weights and packing_supported(device, tdtype):
         model.prepack()
-    if pack_weights and device.type == "cpu" and os.environ.get("TOKENLOOM_CPU_FUSED", "1") != "0":
+    if pack_weights and device.type == "cpu" and cpu_kernels.fused_enabled():
         model.use_fused_cpu_ops()
     if device.type == "cpu":
         _return_freed_memory_to_os()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom.kernels import cpu as cpu_kernels
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -129,7 +130,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.clone()
         _apply_constraints(logits, rows)
 
-    tokens = logits.argmax(dim=-1)  # greedy rows keep this
+    tokens = cpu_kernels.argmax_rows(logits)  # greedy rows keep this
     sampled_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled_rows:
         idx = torch.tensor(sampled_rows, device=logits.device)
