@@ -10,7 +10,7 @@ stock kernels stream them poorly at decode's shapes:
   without AVX-512 (see `preferred`; model/packed_linear.py has the figures).
 * `cpu_gemm_avx512.cpp`: the same GEMM for fp32 weights on CPUs with AVX-512, in the same
   panels, with a micro-kernel shaped for 512-bit FMAs; a separate extension built with
-  AVX-512 flags.  It beats oneDNN at decode's row counts and loses ~10% at prefill's.
+  AVX-512 flags.  It beats oneDNN at decode's row counts and loses ~5-10% at prefill's.
 * `cpu_gemm_bf16.cpp`: the same GEMM for bf16 weights on CPUs with AVX512-BF16, in the
   layout its dot-product instruction reads (`pack_pairs`); also its own extension.
   Used for bf16 on those CPUs, where it streams faster than oneDNN's bf16 GEMV.
