@@ -219,6 +219,24 @@ def test_fused_silu_and_mul_matches_the_reference(rows, inter, seed):
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@settings(max_examples=30, deadline=None)
+@given(t=st.integers(0, 7), hq=st.sampled_from([1, 4, 14]), hk=st.sampled_from([1, 2]),
+       d=st.sampled_from([2, 8, 64, 128]), seed=st.integers(0, 2**16))
+def test_fused_rope_matches_the_reference(t, hq, hk, d, seed):
+    """Rotary embedding of q and k read straight out of the fused qkv output (strided views)."""
+    from tokenloom.model.layers import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(seed)
+    rope = RotaryEmbedding(d, 512, 10000.0, None)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g)
+    q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = q.view(t, hq, d), k.view(t, hk, d)
+    pos = torch.randint(0, 512, (t,), generator=g)
+    ref_q, ref_k = rope(pos, q, k)
+    out_q, out_k = torch.ops.tokenloom_cpu.rope(q, k, pos, rope.cos, rope.sin)
+    assert torch.allclose(out_q, ref_q, rtol=1e-5, atol=1e-6) and torch.allclose(out_k, ref_k, rtol=1e-5, atol=1e-6)
+
+
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 5), n=st.integers(1, 300), ties=st.booleans(), special=st.sampled_from(["", "nan", "-inf"]),
        seed=st.integers(0, 2**16))
@@ -239,7 +257,7 @@ def test_the_cpu_fast_path_uses_the_fused_ops(model_factory, monkeypatch):
     """Loaded on CPU in float32, every RMSNorm and SwiGLU goes through them (and through
     PyTorch with TOKENLOOM_CPU_FUSED=0); greedy tokens equal transformers' either way."""
     from tests.test_parity import _hf, _hf_greedy, _prompts
-    from tokenloom.model.layers import GatedMLP, RMSNorm
+    from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
     path = model_factory("tiny-qwen2")  # Qwen2: biases on q/k/v too
     prompts = _prompts(3)
@@ -250,6 +268,7 @@ def test_the_cpu_fast_path_uses_the_fused_ops(model_factory, monkeypatch):
         mods = list(llm.llm_engine.runner.model.modules())
         assert all((m.fused is not None) == (fused == "1") for m in mods if isinstance(m, RMSNorm))
         assert all((m.fused_act is not None) == (fused == "1") for m in mods if isinstance(m, GatedMLP))
+        assert all((m.fused is not None) == (fused == "1") for m in mods if isinstance(m, RotaryEmbedding))
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(_hf(path), prompts, 12)

@@ -14,7 +14,7 @@ stock kernels stream them poorly at decode's shapes:
 * `cpu_gemm_bf16.cpp`: the same GEMM for bf16 weights on CPUs with AVX512-BF16, in the
   layout its dot-product instruction reads (`pack_pairs`); also its own extension.
   Used for bf16 on those CPUs, where it streams faster than oneDNN's bf16 GEMV.
-* `cpu_fused.cpp`: the decoder layer's element-wise ops (RMSNorm, SiLU(gate) * up) as one
+* `cpu_fused.cpp`: the decoder layer's element-wise ops (RMSNorm, rotary, SiLU(gate) * up) as one
   op and one pass each, for float32 (`CausalLM.use_fused_cpu_ops`), and the greedy argmax
   over the vocabulary (`argmax_rows`).
 * `cpu_attention.cpp`: decode attention reading the paged KV cache in place, instead of
@@ -103,6 +103,10 @@ def load() -> bool:
     @torch.library.register_fake("tokenloom_cpu::silu_and_mul")
     def _(x):
         return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+    @torch.library.register_fake("tokenloom_cpu::rope")
+    def _(q, k, positions, cos, sin):
+        return q.new_empty(q.shape), k.new_empty(k.shape)
 
     @torch.library.register_fake("tokenloom_cpu::argmax_rows")
     def _(x):

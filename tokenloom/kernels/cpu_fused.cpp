@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 
 #include "simd_avx2.h"
 
@@ -104,6 +105,52 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return y;
 }
 
+// Rotary embedding of q [T, Hq, D] and k [T, Hk, D] (any row and head strides, such as views
+// into the fused qkv output) at each token's position, HF's rotate_half layout:
+//   out[i] = x[i] cos[i] - x[i + D/2] sin[i],  out[i + D/2] = x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2]
+// with cos/sin [max_positions, D] tables.  Returns new contiguous q and k.
+std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                                        const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "tokenloom_cpu::rope takes float32 CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
+                  q.stride(2) == 1 && k.stride(2) == 1 && q.size(2) % 2 == 0,
+              "q [T, Hq, D] and k [T, Hk, D] with unit stride in D (even)");
+  const int64_t T = q.size(0), D = q.size(2), half = D / 2;
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes(), "cos/sin must be [positions, D]");
+  const auto pos = positions.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == T, "one position per token");
+  const auto cc = cos.contiguous(), sc = sin.contiguous();
+  auto qo = at::empty(q.sizes(), q.options());
+  auto ko = at::empty(k.sizes(), k.options());
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t max_pos = cc.size(0);
+  auto rotate = [&](const at::Tensor& x, at::Tensor& out, int64_t t, const float* c, const float* sn) {
+    const float* xp = x.data_ptr<float>() + t * x.stride(0);
+    float* op = out.data_ptr<float>() + t * out.stride(0);
+    for (int64_t h = 0; h < x.size(1); ++h) {
+      const float* xh = xp + h * x.stride(1);
+      float* oh = op + h * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = xh[i], x2 = xh[i + half];
+        oh[i] = x1 * c[i] - x2 * sn[i];
+        oh[i + half] = x2 * c[i + half] + x1 * sn[i + half];
+      }
+    }
+  };
+  at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "position ", pp[t], " is outside the rotary table");
+      const float* c = cc.data_ptr<float>() + pp[t] * D;
+      const float* sn = sc.data_ptr<float>() + pp[t] * D;
+      rotate(q, qo, t, c, sn);
+      rotate(k, ko, t, c, sn);
+    }
+  });
+  return {qo, ko};
+}
+
 // Index of each row's largest value: greedy decoding over the vocabulary.  Same answer as
 // torch.argmax: the first index on ties, and the first NaN if the row has one.  (PyTorch's
 // CPU argmax scans each row one element at a time: 1.3 ms for 32 x 151,936 logits.)
@@ -174,10 +221,12 @@ TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("rope(Tensor q, Tensor k, Tensor positions, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("rope", &rope);
 }

@@ -66,9 +66,12 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self.fused = None  # our one-pass float32 op on CPU (CausalLM.use_fused_cpu_ops)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, Hq, D], k: [T, Hk, D]
+        if self.fused is not None and q.dtype == torch.float32:
+            return self.fused(q, k, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

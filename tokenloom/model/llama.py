@@ -181,10 +181,10 @@ class CausalLM(nn.Module):
         return n
 
     def use_fused_cpu_ops(self) -> bool:
-        """CPU fast path: every RMSNorm and SwiGLU activation through our one-pass float32
-        ops (kernels/cpu_fused.cpp) where they build; other dtypes keep the PyTorch code."""
+        """CPU fast path: every RMSNorm, rotary embedding and SwiGLU activation through our
+        one-pass float32 ops (kernels/cpu_fused.cpp) where they build; other dtypes keep the
+        PyTorch code."""
         from tokenloom.kernels import cpu as cpu_kernels
-        from tokenloom.model.layers import GatedMLP, RMSNorm
 
         if not cpu_kernels.load():
             return False
@@ -193,6 +193,8 @@ class CausalLM(nn.Module):
                 m.fused = torch.ops.tokenloom_cpu.rms_norm
             elif isinstance(m, GatedMLP):
                 m.fused_act = torch.ops.tokenloom_cpu.silu_and_mul
+            elif isinstance(m, RotaryEmbedding):
+                m.fused = torch.ops.tokenloom_cpu.rope
         return True
 
     def _tie_through_panels(self) -> None:
