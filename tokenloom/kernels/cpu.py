@@ -26,8 +26,8 @@ ops share besides their kernels (input flattening, output, bias).  They are comp
 C++ toolchain PyTorch uses for extensions (cached under ~/.cache/torch_extensions; ~30-60 s
 once).  Anything that fails (no compiler, not x86) leaves PyTorch's kernels in charge.
 `TOKENLOOM_CPU_GEMM=own|onednn` overrides the GEMM choice (tests force each),
-`TOKENLOOM_CPU_ATTENTION=0` turns the attention kernel off, `TOKENLOOM_CPU_FUSED=0` the fused
-element-wise ops.
+`TOKENLOOM_CPU_ATTENTION=0` turns the attention kernel off (`=avx2`: its AVX2 build even on
+AVX-512 CPUs), `TOKENLOOM_CPU_FUSED=0` the fused element-wise ops.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def attention_enabled() -> bool:
 def attention_op():
     """Our paged decode attention: the AVX-512 build where the CPU has it (512-bit loop for
     head sizes that are multiples of 16), else the AVX2 one."""
-    if avx512_enabled():
+    if os.environ.get("TOKENLOOM_CPU_ATTENTION") != "avx2" and avx512_enabled():
         return torch.ops.tokenloom_avx512.paged_decode_attention
     return torch.ops.tokenloom_cpu.paged_decode_attention
 
