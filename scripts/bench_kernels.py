@@ -4,7 +4,8 @@
 
 * GEMM: the 24 decoder layers' matrices of Qwen2.5-0.5B (qkv 1152x896, o 896x896, gate/up
   9728x896, down 896x4864; 1.43 GB in fp32, more than any cache) at each row count, through
-  our kernel for this CPU (`cpu.linear_op`) and through oneDNN's packed GEMM.
+  our kernel for this CPU (`cpu.linear_op`) from 2 MiB pages (as the engine stores them, see
+  kernels/hugepages.py), the same from a copy in 4 KiB pages, and oneDNN's packed GEMM.
 * Decode attention: 32 requests of Qwen2.5-0.5B's heads (2 KV heads x 7 query heads, head_dim
   64) over 128 / 512 / 2048 tokens of context in shuffled 16-token blocks, the AVX2 build
   against the AVX-512 build (where the CPU has it).
@@ -49,6 +50,7 @@ def bench_gemm(rows: list[int], repeats: int) -> None:
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g) for _ in range(LAYERS) for n, k in LAYER_SHAPES]
     ours = [(cpu.pack(w), w.shape[0]) for w in weights]
+    small_pages = [(p.clone(), n) for p, n in ours]  # torch's allocator: 4 KiB pages
     op = cpu.linear_op(ours[0][0])
     onednn = [(_pack(w), w.shape[1]) for w in weights]
     del weights
@@ -62,13 +64,17 @@ def bench_gemm(rows: list[int], repeats: int) -> None:
             for p, n in ours:
                 op(xs[p.shape[1]], p, n, None)
 
+        def run_small_pages():
+            for p, n in small_pages:
+                op(xs[p.shape[1]], p, n, None)
+
         def run_onednn():
             for w, k in onednn:
                 torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
 
-        t = _median_rounds({"ours": run_ours, "oneDNN": run_onednn}, repeats)
+        t = _median_rounds({"ours": run_ours, "4k": run_small_pages, "oneDNN": run_onednn}, repeats)
         unit = (lambda s: f"{nbytes / s / 1e9:6.1f} GB/s") if m == 1 else (lambda s: f"{flops / s / 1e9:6.0f} GF/s")
-        print(f"  {m:4d} rows: ours {unit(t['ours'])}   oneDNN {unit(t['oneDNN'])}")
+        print(f"  {m:4d} rows: ours {unit(t['ours'])} (4 KiB pages {unit(t['4k'])})   oneDNN {unit(t['oneDNN'])}")
 
 
 def bench_attention(repeats: int) -> None:

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from tokenloom.kernels import hugepages
+
 log = logging.getLogger(__name__)
 
 NR = 16  # panel width; must match cpu_gemm.cpp
@@ -203,7 +205,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     w = weight.detach()
     full, rest = divmod(n, NR)
-    out = w.new_empty((full + (rest > 0), k, NR))  # one copy: no padded temporary of the whole matrix
+    # One copy (no padded temporary of the whole matrix), in 2 MiB pages (hugepages.py).
+    out = hugepages.empty((full + (rest > 0), k, NR), w.dtype, w.device)
     out[:full].copy_(w[: full * NR].view(full, NR, k).transpose(1, 2))
     if rest:
         out[full].zero_()
@@ -221,7 +224,8 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
         padded = w.new_zeros((p * NR, k2 * 2))
         padded[:n, :k] = w
         w = padded
-    return w.view(p, NR, k2, 2).transpose(1, 2).contiguous()
+    out = hugepages.empty((p, k2, NR, 2), w.dtype, w.device)
+    return out.copy_(w.view(p, NR, k2, 2).transpose(1, 2))
 
 
 def pack_for(weight: torch.Tensor) -> torch.Tensor:

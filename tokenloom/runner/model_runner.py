@@ -20,6 +20,7 @@ import torch
 
 from tokenloom.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenloom.kernels import cpu as cpu_kernels
+from tokenloom.kernels import hugepages
 from tokenloom.model.attention import AttentionMetadata
 from tokenloom.model.loader import LoadedModel
 from tokenloom.runner.sampler import SamplingRow, sample
@@ -52,9 +53,10 @@ class ModelRunner:
         a = loaded.args
         shape = (num_blocks, block_size, a.num_kv_heads, a.head_dim)
         # zeros, not empty: masked-out slots still enter the attention matmul, and NaN
-        # garbage there would poison the softmax (0 * NaN = NaN).
+        # garbage there would poison the softmax (0 * NaN = NaN).  On CPU in 2 MiB pages,
+        # which attention streams like the weights (kernels/hugepages.py).
         self.kv_caches = [
-            (torch.zeros(shape, dtype=loaded.dtype, device=self.device), torch.zeros(shape, dtype=loaded.dtype, device=self.device))
+            (hugepages.zeros(shape, loaded.dtype, self.device), hugepages.zeros(shape, loaded.dtype, self.device))
             for _ in range(a.num_layers)
         ]
         self.generators: dict[str, torch.Generator] = {}
