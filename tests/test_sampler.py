@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.runner.sampler import SamplingRow, _apply_penalties, sample
+from tokenloom.runner.sampler import SamplingRow, _apply_penalties, _top_p, sample
 from tokenloom.sampling_params import SamplingParamError
 
 
@@ -33,6 +35,34 @@ def test_top_k_top_p_min_p_never_emit_filtered_tokens():
     allowed = {i for i in range(8) if probs[i] >= 0.3 * probs.max()}
     assert _draws(logits, min_p=0.3) <= allowed
     assert _draws(logits, top_k=5, top_p=0.9, min_p=0.1) <= {0, 1, 2, 3, 4}
+
+
+@given(rows=st.integers(1, 6), vocab=st.integers(1, 300), candidates=st.sampled_from([1, 4, 64, 1024]),
+       spread=st.sampled_from([0.1, 1.0, 8.0]), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=60, deadline=None)
+def test_top_p_keeps_what_a_full_sort_keeps(rows, vocab, candidates, spread, seed):
+    """The partial-sort nucleus (with the full-sort fallback for rows whose nucleus lies past
+    the candidates) keeps exactly the tokens the definition's full sort keeps."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * spread  # flat to peaked
+    top_p = torch.rand(rows, 1, generator=g) * 0.98 + 0.01
+    vals, order = logits.softmax(dim=1).sort(dim=1, descending=True)
+    expect = torch.zeros_like(logits, dtype=torch.bool).scatter(1, order, (vals.cumsum(dim=1) - vals) < top_p)
+    assert torch.equal(_top_p(logits, top_p, candidates) > float("-inf"), expect)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_sampled_tokens_follow_the_distribution(temperature):
+    """Frequencies of 20,000 draws match softmax(logits / T), zero-probability tokens (here
+    masked to -inf) included, within 4 standard errors."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5, 3.0, -2.0]])
+    n = 20_000
+    gen = torch.Generator().manual_seed(7)
+    rows = [SamplingRow("r", SamplingParams(temperature=temperature), [], [], frozenset(), gen) for _ in range(n)]
+    counts = torch.bincount(torch.tensor(sample(logits.repeat(n, 1), rows).token_ids), minlength=8).double()
+    p = (logits[0].double() / temperature).softmax(-1)
+    assert counts[4] == 0
+    assert ((counts / n - p).abs() <= 4 * (p * (1 - p) / n).sqrt() + 1e-12).all(), (counts / n, p)
 
 
 def test_greedy_is_argmax_and_mixed_batches_work():

@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from tokenloom.model.llama import CausalLM, ModelArgs
 from tokenloom.model.registry import resolve_architecture
+from tokenloom.runner import glibc_heap
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -156,23 +157,6 @@ class LoadedModel:
         return total
 
 
-def _return_freed_memory_to_os() -> None:
-    """Ask glibc to give freed heap pages back to the OS.
-
-    Loading frees as much as it keeps (each checkpoint tensor is copied, then converted or
-    packed), and glibc holds freed chunks for reuse, so without this the process stays
-    ~0.2 GiB larger than its live data for its whole life.  No-op off glibc."""
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def load_model(path: Path, dtype: str, device: torch.device, max_positions: int, pack_weights: bool = True) -> LoadedModel:
     cfg = load_config(path)
     arch = resolve_architecture(cfg)
@@ -235,7 +219,7 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
     if pack_weights and device.type == "cpu" and cpu_kernels.fused_enabled():
         model.use_fused_cpu_ops()
     if device.type == "cpu":
-        _return_freed_memory_to_os()
+        glibc_heap.release_free_memory()
     return LoadedModel(model=model, args=a, hf_config=cfg, path=path, dtype=tdtype, device=device)
 
 

@@ -23,6 +23,7 @@ from tokenloom.kernels import cpu as cpu_kernels
 from tokenloom.kernels import hugepages
 from tokenloom.model.attention import AttentionMetadata
 from tokenloom.model.loader import LoadedModel
+from tokenloom.runner import glibc_heap
 from tokenloom.runner.sampler import SamplingRow, sample
 
 
@@ -60,6 +61,8 @@ class ModelRunner:
             for _ in range(a.num_layers)
         ]
         self.generators: dict[str, torch.Generator] = {}
+        if self.device.type == "cpu":
+            glibc_heap.keep_step_buffers()  # every step's temporaries reused, not faulted in anew
         # Chosen once: our paged decode kernel where it runs, else SDPA (needs a mask).
         self._decode_op = cpu_kernels.decode_attention_op(self.device, loaded.dtype, a.head_dim)
         self._forward = self.model.forward

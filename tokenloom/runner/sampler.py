@@ -83,6 +83,29 @@ def _apply_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=dev, dtype=logits.dtype)
 
 
+# Top-p looks for each row's nucleus among its most likely tokens first: a partial sort of
+# 1,024 of Qwen2.5's 151,936 tokens takes ~0.2 ms a row on a CPU, a full sort ~5 ms.
+TOP_P_CANDIDATES = 1024
+
+
+def _top_p(logits: torch.Tensor, top_p: torch.Tensor, candidates: int = TOP_P_CANDIDATES) -> torch.Tensor:
+    """Keep each row's smallest set of most likely tokens whose mass reaches its top_p
+    [N, 1]: a token is dropped when the mass strictly before it, in descending order,
+    already reaches top_p (so the top token always stays).  Rows whose nucleus is not
+    within their top `candidates` (flat distributions) sort their whole vocabulary."""
+    probs = logits.softmax(dim=1)
+    vals, order = probs.topk(min(candidates, probs.shape[1]), dim=1)  # descending
+    cum = vals.cumsum(dim=1)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    keep.scatter_(1, order, (cum - vals) < top_p)
+    wide = (cum[:, -1:] < top_p).squeeze(1).nonzero().squeeze(1)  # the candidates' mass falls short
+    if wide.numel():
+        vals, order = probs[wide].sort(dim=1, descending=True)
+        cum = vals.cumsum(dim=1)
+        keep[wide] = torch.zeros_like(vals, dtype=torch.bool).scatter_(1, order, (cum - vals) < top_p[wide])
+    return logits.masked_fill(~keep, float("-inf"))
+
+
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on the sampled (non-greedy) rows."""
     dev = logits.device
@@ -99,20 +122,29 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         logits = torch.where(active & (logits < thresh), float("-inf"), logits)
     ps = [r.params.top_p for r in rows]
     if any(p < 1.0 for p in ps):
-        sorted_logits, order = logits.sort(dim=1, descending=True)
-        probs = sorted_logits.softmax(dim=1)
-        cum = probs.cumsum(dim=1)
-        top_p = torch.tensor(ps, device=dev, dtype=probs.dtype).unsqueeze(1)
-        # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
-        drop_sorted = (cum - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = _top_p(logits, torch.tensor(ps, device=dev, dtype=logits.dtype).unsqueeze(1))
     mins = [r.params.min_p for r in rows]
     if any(mins):
         probs = logits.softmax(dim=1)
         min_p = torch.tensor(mins, device=dev, dtype=probs.dtype).unsqueeze(1)
         logits = logits.masked_fill(probs < min_p * probs.max(dim=1, keepdim=True).values, float("-inf"))
     return logits
+
+
+def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """One token per row of `probs` [N, vocab], drawn from that row's distribution by
+    inverting its CDF at one uniform number, taken from the row's own generator.
+
+    One random number per row, not one per vocabulary entry: the exponential race
+    argmax(p / E), E ~ Exp(1) (and torch.multinomial, which draws the same way) spends ~2 ms
+    per row on a CPU drawing 151,936 exponentials, 64 ms at batch 32; the CDF (a cumulative
+    sum, accumulated in float64 by PyTorch on CPU) takes ~0.06 ms a row."""
+    cdf = probs.cumsum(dim=-1)
+    u = torch.stack([torch.rand((), generator=r.generator, device=cdf.device) for r in rows])
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    # The first token whose cumulative mass exceeds the target: tokens of zero probability
+    # (filtered out) add no mass, so they are never chosen.
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -136,11 +168,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         idx = torch.tensor(sampled_rows, device=logits.device)
         sub_rows = [rows[i] for i in sampled_rows]
         probs = _filter(logits[idx], sub_rows).softmax(dim=-1)
-        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p without a CDF search.
-        noise = torch.empty_like(probs)
-        for j, r in enumerate(sub_rows):
-            noise[j].exponential_(generator=r.generator)
-        tokens[idx] = (probs / noise).argmax(dim=-1)
+        tokens[idx] = _draw(probs, sub_rows)
 
     token_list = tokens.tolist()
     lp_out: list = [None] * len(rows)

@@ -1,0 +1,35 @@
+"""The decode loop's large temporaries come from glibc's heap, not from fresh mappings
+(runner/glibc_heap.py), so they are not faulted in anew every step."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tokenloom.runner import glibc_heap
+
+PROBE = """
+import sys, torch
+from tokenloom.runner import glibc_heap
+if sys.argv[1] == "1":
+    assert glibc_heap.keep_step_buffers()
+t = torch.empty(30 << 18)  # 30 MiB of float32, a batch-48 logits tensor for a 151,936-token vocabulary
+for line in open("/proc/self/maps"):
+    lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+    if lo <= t.data_ptr() < hi:
+        print("heap" if line.rstrip().endswith("[heap]") else "own mapping")
+"""
+
+
+@pytest.mark.skipif(glibc_heap._libc() is None, reason="needs glibc")
+def test_step_sized_allocations_come_from_the_heap_only_when_asked():
+    def where(keep: str) -> str:
+        env = {**os.environ, "TOKENLOOM_GLIBC_HEAP": "1"}
+        return subprocess.run([sys.executable, "-c", PROBE, keep], capture_output=True, text=True, check=True,
+                              env=env).stdout.strip()
+
+    assert where("0") == "own mapping"  # glibc's default: a fresh mmap, unmapped on free
+    assert where("1") == "heap"
