@@ -186,7 +186,8 @@ def test_paged_decode_attention_matches_sdpa(n, kv_heads, group, head_dim, block
 @given(rows=st.integers(0, 9), hidden=st.sampled_from([1, 7, 8, 64, 72, 130, 896]), strided=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_fused_rms_norm_matches_the_reference(rows, hidden, strided, seed):
-    """One pass per row vs HF's float32 RMSNorm (pow, mean, rsqrt, two muls)."""
+    """One pass per row vs HF's float32 RMSNorm (pow, mean, rsqrt, two muls), alone and
+    after the residual add."""
     from tokenloom.model.layers import RMSNorm
 
     g = torch.Generator().manual_seed(seed)
@@ -200,6 +201,13 @@ def test_fused_rms_norm_matches_the_reference(rows, hidden, strided, seed):
         out = torch.ops.tokenloom_cpu.rms_norm(x, norm.weight, norm.eps)
     assert out.shape == ref.shape
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+    # with the residual add before it: (norm(x + residual), x + residual)
+    residual = torch.randn(rows, hidden, generator=g)
+    with torch.no_grad():
+        ref_sum = x + residual
+        out, out_sum = torch.ops.tokenloom_cpu.add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(out_sum, ref_sum)
+    assert torch.allclose(out, norm(ref_sum), rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=30, deadline=None)
@@ -223,7 +231,8 @@ def test_fused_silu_and_mul_matches_the_reference(rows, inter, seed):
 @given(t=st.integers(0, 7), hq=st.sampled_from([1, 4, 14]), hk=st.sampled_from([1, 2]),
        d=st.sampled_from([2, 8, 64, 128]), seed=st.integers(0, 2**16))
 def test_fused_rope_matches_the_reference(t, hq, hk, d, seed):
-    """Rotary embedding of q and k read straight out of the fused qkv output (strided views)."""
+    """Rotary embedding of q and k read straight out of the fused qkv output (strided views),
+    and the variant that writes k and v into the paged KV cache."""
     from tokenloom.model.layers import RotaryEmbedding
 
     g = torch.Generator().manual_seed(seed)
@@ -235,6 +244,22 @@ def test_fused_rope_matches_the_reference(t, hq, hk, d, seed):
     ref_q, ref_k = rope(pos, q, k)
     out_q, out_k = torch.ops.tokenloom_cpu.rope(q, k, pos, rope.cos, rope.sin)
     assert torch.allclose(out_q, ref_q, rtol=1e-5, atol=1e-6) and torch.allclose(out_k, ref_k, rtol=1e-5, atol=1e-6)
+
+    # rope_write_kv: the same rotation, k and v written into the paged caches at each token's
+    # slot (every other slot untouched), from a qkv whose rows are strided
+    wide = torch.randn(t, (hq + 2 * hk) * d + 3, generator=g)
+    wide[:, : qkv.shape[1]] = qkv
+    blocks, bs = 6, 4
+    k_cache, v_cache = (torch.randn(blocks, bs, hk, d, generator=g) for _ in range(2))
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(blocks * bs, generator=g)[:t]
+    out_q = torch.ops.tokenloom_cpu.rope_write_kv(wide[:, : qkv.shape[1]], pos, rope.cos, rope.sin, k_cache, v_cache,
+                                                  slots, hq, hk)
+    assert torch.allclose(out_q, ref_q, rtol=1e-5, atol=1e-6)
+    expect_k, expect_v = before_k.view(-1, hk, d).clone(), before_v.view(-1, hk, d).clone()
+    expect_k[slots], expect_v[slots] = ref_k, qkv[:, (hq + hk) * d :].reshape(t, hk, d)
+    assert torch.allclose(k_cache.view(-1, hk, d), expect_k, rtol=1e-5, atol=1e-6)
+    assert torch.equal(v_cache.view(-1, hk, d), expect_v)
 
 
 @settings(max_examples=40, deadline=None)
@@ -254,7 +279,7 @@ def test_argmax_rows_matches_torch(rows, n, ties, special, seed):
 
 
 def test_the_cpu_fast_path_uses_the_fused_ops(model_factory, monkeypatch):
-    """Loaded on CPU in float32, every RMSNorm and SwiGLU goes through them (and through
+    """Loaded on CPU in float32, every RMSNorm (and residual add before one), rotary embedding and SwiGLU goes through them (and through
     PyTorch with TOKENLOOM_CPU_FUSED=0); greedy tokens equal transformers' either way."""
     from tests.test_parity import _hf, _hf_greedy, _prompts
     from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -266,9 +291,10 @@ def test_the_cpu_fast_path_uses_the_fused_ops(model_factory, monkeypatch):
         cpu_kernels.fused_enabled.cache_clear()
         llm = LLM(str(path), dtype="float32", max_model_len=128, num_kv_blocks=64)
         mods = list(llm.llm_engine.runner.model.modules())
-        assert all((m.fused is not None) == (fused == "1") for m in mods if isinstance(m, RMSNorm))
+        assert all((m.fused is not None) == (m.fused_add is not None) == (fused == "1") for m in mods if isinstance(m, RMSNorm))
         assert all((m.fused_act is not None) == (fused == "1") for m in mods if isinstance(m, GatedMLP))
-        assert all((m.fused is not None) == (fused == "1") for m in mods if isinstance(m, RotaryEmbedding))
+        assert all((m.fused is not None) == (m.fused_kv is not None) == (fused == "1")
+                   for m in mods if isinstance(m, RotaryEmbedding))
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(_hf(path), prompts, 12)

@@ -14,9 +14,10 @@ stock kernels stream them poorly at decode's shapes:
 * `cpu_gemm_bf16.cpp`: the same GEMM for bf16 weights on CPUs with AVX512-BF16, in the
   layout its dot-product instruction reads (`pack_pairs`); also its own extension.
   Used for bf16 on those CPUs, where it streams faster than oneDNN's bf16 GEMV.
-* `cpu_fused.cpp`: the decoder layer's element-wise ops (RMSNorm, rotary, SiLU(gate) * up) as one
-  op and one pass each, for float32 (`CausalLM.use_fused_cpu_ops`), and the greedy argmax
-  over the vocabulary (`argmax_rows`).
+* `cpu_fused.cpp`: the decoder layer's element-wise ops as one op and one pass each, for
+  float32 (`CausalLM.use_fused_cpu_ops`): RMSNorm (with the residual add before it, or
+  not), rotary embedding (also straight from the qkv output into the KV cache), SiLU(gate)
+  * up; and the greedy argmax over the vocabulary (`argmax_rows`).
 * `cpu_attention.cpp`: decode attention reading the paged KV cache in place, instead of
   gathering it into a dense copy for SDPA.  Used on any CPU where the kernels build; the
   AVX-512 extension compiles the same source again with its 512-bit loop (`attention_op`).
@@ -102,6 +103,10 @@ def load() -> bool:
     def _(x, weight, eps):
         return torch.empty_like(x)
 
+    @torch.library.register_fake("tokenloom_cpu::add_rms_norm")
+    def _(x, residual, weight, eps):
+        return torch.empty_like(x), torch.empty_like(x)
+
     @torch.library.register_fake("tokenloom_cpu::silu_and_mul")
     def _(x):
         return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
@@ -109,6 +114,10 @@ def load() -> bool:
     @torch.library.register_fake("tokenloom_cpu::rope")
     def _(q, k, positions, cos, sin):
         return q.new_empty(q.shape), k.new_empty(k.shape)
+
+    @torch.library.register_fake("tokenloom_cpu::rope_write_kv")
+    def _(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads):
+        return qkv.new_empty((qkv.shape[0], num_heads, k_cache.shape[3]))
 
     @torch.library.register_fake("tokenloom_cpu::argmax_rows")
     def _(x):

@@ -331,7 +331,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t bs = k_cache.size(1), Hk = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && D % 8 == 0 && Hq % Hk == 0, "head_dim must be a multiple of 8");
   const int64_t G = Hq / Hk;
-  const auto qf = (q.to(at::kFloat) * scale).contiguous();
+  const auto qf = q.to(at::kFloat).contiguous();  // no copy for a float32 decode batch
   const auto bt = block_tables.to(at::kLong).contiguous();
   const auto cl = context_lens.to(at::kLong).contiguous();
   TORCH_CHECK(bt.size(0) == N && cl.size(0) == N, "one block table and context length per query");
@@ -348,13 +348,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto run = [&](auto* kc, auto* vc) {
     at::parallel_for(0, N * (Hk / H), 1, [&](int64_t i0, int64_t i1) {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
-      std::vector<float> scores(G * ((bs + 7) / 8 * 8)), acc(H * G * D);
+      std::vector<float> scores(G * ((bs + 7) / 8 * 8)), acc(H * G * D), qs(H * G * D);
       std::vector<const T*> rows((bs + 7) / 8 * 8);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t r = i / (Hk / H), h = i % (Hk / H) * H;
         const int64_t ctx = clp[r];
         TORCH_CHECK(ctx >= 0 && ctx <= nb * bs, "context length exceeds the block table");
-        attend_heads(qp + (r * Hq + h * G) * D, H, G, D, kc + h * D, vc + h * D, btp + r * nb, ctx, bs, token_stride,
+        // The item's query rows, pre-scaled: the scores come out as q.k * scale.
+        const float* qi = qp + (r * Hq + h * G) * D;
+        for (int64_t j = 0; j < H * G * D; ++j) qs[j] = qi[j] * static_cast<float>(scale);
+        attend_heads(qs.data(), H, G, D, kc + h * D, vc + h * D, btp + r * nb, ctx, bs, token_stride,
                      op + (r * Hq + h * G) * D, scores.data(), acc.data(), rows.data());
       }
     });

@@ -1,7 +1,7 @@
 // The decoder layer's small element-wise ops, fused, for float32 on x86 CPUs with AVX2.
 //
 // A decode step's matmuls stream the weights; between them every layer runs a handful of
-// element-wise ops (two RMSNorms, SiLU(gate) * up), and in eager PyTorch each is several
+// element-wise ops (two residual adds and RMSNorms, SiLU(gate) * up), and in eager PyTorch each is several
 // ops, each one a dispatch plus a pass over its tensor: RMSNorm alone is pow, mean, add,
 // rsqrt, mul, mul.  At batch 1 the dispatches cost more than the arithmetic; at batch 32
 // the extra passes over [32, 2 x 4864] activations do.  Here each is one op and one pass
@@ -15,6 +15,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -26,50 +27,87 @@ namespace {
 // Rows per thread before a second thread is worth waking (one row: a batch-1 decode).
 constexpr int64_t kRowGrain = 8;
 
-// y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)) for every row r of the last dimension.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "tokenloom_cpu::rms_norm takes float32 CPU tensors");
+// yr = w * (xr / sqrt(mean(xr^2) + eps)) for one row of H.
+inline void norm_row(const float* xr, const float* wp, float* yr, int64_t H, float eps) {
+  __m256 acc[8];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 64 <= H; j += 64)  // eight independent sums: no wait on the FMA latency
+    for (int u = 0; u < 8; ++u) {
+      const __m256 v = _mm256_loadu_ps(xr + j + 8 * u);
+      acc[u] = _mm256_fmadd_ps(v, v, acc[u]);
+    }
+  for (; j + 8 <= H; j += 8) {
+    const __m256 v = _mm256_loadu_ps(xr + j);
+    acc[0] = _mm256_fmadd_ps(v, v, acc[0]);
+  }
+  // hsum8 gives each accumulator's sum in its own lane: add the eight lanes
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, tokenloom::hsum8(acc));
+  float ss = 0.0f;
+  for (float v : sums) ss += v;
+  for (; j < H; ++j) ss += xr[j] * xr[j];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  const __m256 iv = _mm256_set1_ps(inv);
+  j = 0;
+  for (; j + 8 <= H; j += 8)
+    _mm256_storeu_ps(yr + j, _mm256_mul_ps(_mm256_loadu_ps(wp + j), _mm256_mul_ps(_mm256_loadu_ps(xr + j), iv)));
+  for (; j < H; ++j) yr[j] = wp[j] * (xr[j] * inv);
+}
+
+// The row-wise driver of both norms: y = norm(x), or with a residual, s = x + residual
+// and y = norm(s).
+void norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps, at::Tensor& y,
+               at::Tensor* sum) {
   const int64_t H = x.size(-1);
-  TORCH_CHECK(weight.numel() == H, "weight has ", weight.numel(), " elements, rows have ", H);
-  const auto xc = x.contiguous();
-  const auto wc = weight.contiguous();
-  auto y = at::empty_like(xc);
-  const int64_t rows = H ? xc.numel() / H : 0;
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
+  const int64_t rows = H ? x.numel() / H : 0;
+  const float* xp = x.data_ptr<float>();
+  const float* rp = residual ? residual->data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  float* sp = sum ? sum->data_ptr<float>() : nullptr;
   at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = xp + r * H;
-      float* yr = yp + r * H;
-      __m256 acc[8];
-      for (auto& a : acc) a = _mm256_setzero_ps();
-      int64_t j = 0;
-      for (; j + 64 <= H; j += 64)  // eight independent sums: no wait on the FMA latency
-        for (int u = 0; u < 8; ++u) {
-          const __m256 v = _mm256_loadu_ps(xr + j + 8 * u);
-          acc[u] = _mm256_fmadd_ps(v, v, acc[u]);
-        }
-      for (; j + 8 <= H; j += 8) {
-        const __m256 v = _mm256_loadu_ps(xr + j);
-        acc[0] = _mm256_fmadd_ps(v, v, acc[0]);
+      if (rp) {
+        float* sr = sp + r * H;
+        const float* rr = rp + r * H;
+        int64_t j = 0;
+        for (; j + 8 <= H; j += 8)
+          _mm256_storeu_ps(sr + j, _mm256_add_ps(_mm256_loadu_ps(xr + j), _mm256_loadu_ps(rr + j)));
+        for (; j < H; ++j) sr[j] = xr[j] + rr[j];
+        xr = sr;
       }
-      // hsum8 gives each accumulator's sum in its own lane: add the eight lanes
-      alignas(32) float sums[8];
-      _mm256_store_ps(sums, tokenloom::hsum8(acc));
-      float ss = 0.0f;
-      for (float v : sums) ss += v;
-      for (; j < H; ++j) ss += xr[j] * xr[j];
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
-      const __m256 iv = _mm256_set1_ps(inv);
-      j = 0;
-      for (; j + 8 <= H; j += 8)
-        _mm256_storeu_ps(yr + j, _mm256_mul_ps(_mm256_loadu_ps(wp + j), _mm256_mul_ps(_mm256_loadu_ps(xr + j), iv)));
-      for (; j < H; ++j) yr[j] = wp[j] * (xr[j] * inv);
+      norm_row(xr, wp, yp + r * H, H, static_cast<float>(eps));
     }
   });
+}
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "tokenloom_cpu::rms_norm takes float32 CPU tensors");
+  TORCH_CHECK(weight.numel() == x.size(-1), "weight has ", weight.numel(), " elements, rows have ", x.size(-1));
+}
+
+// y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)) for every row r of the last dimension.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  const auto xc = x.contiguous();
+  auto y = at::empty_like(xc);
+  norm_rows(xc, nullptr, weight.contiguous(), eps, y, nullptr);
   return y;
+}
+
+// The residual stream's add and the next RMSNorm in one pass: s = x + residual,
+// y = rms_norm(s); returns (y, s), s being the new residual.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == at::kFloat, "residual must match x");
+  const auto xc = x.contiguous(), rc = residual.contiguous();
+  auto y = at::empty_like(xc), s = at::empty_like(xc);
+  norm_rows(xc, &rc, weight.contiguous(), eps, y, &s);
+  return {y, s};
 }
 
 // x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]: the SwiGLU activation on the fused
@@ -109,16 +147,29 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // into the fused qkv output) at each token's position, HF's rotate_half layout:
 //   out[i] = x[i] cos[i] - x[i + D/2] sin[i],  out[i + D/2] = x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2]
 // with cos/sin [max_positions, D] tables.  Returns new contiguous q and k.
+// One head of D = 2 * half values rotated into `out` (HF's rotate_half layout).
+inline void rotate_head(const float* x, float* out, const float* c, const float* sn, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    out[i] = x1 * c[i] - x2 * sn[i];
+    out[i + half] = x2 * c[i + half] + x1 * sn[i + half];
+  }
+}
+
+void check_rope_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t D) {
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos/sin must be float32");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes(), "cos/sin must be [positions, D]");
+}
+
 std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
                                         const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat,
               "tokenloom_cpu::rope takes float32 CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
                   q.stride(2) == 1 && k.stride(2) == 1 && q.size(2) % 2 == 0,
               "q [T, Hq, D] and k [T, Hk, D] with unit stride in D (even)");
   const int64_t T = q.size(0), D = q.size(2), half = D / 2;
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes(), "cos/sin must be [positions, D]");
+  check_rope_tables(cos, sin, D);
   const auto pos = positions.to(at::kLong).contiguous();
   TORCH_CHECK(pos.numel() == T, "one position per token");
   const auto cc = cos.contiguous(), sc = sin.contiguous();
@@ -129,15 +180,7 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k
   auto rotate = [&](const at::Tensor& x, at::Tensor& out, int64_t t, const float* c, const float* sn) {
     const float* xp = x.data_ptr<float>() + t * x.stride(0);
     float* op = out.data_ptr<float>() + t * out.stride(0);
-    for (int64_t h = 0; h < x.size(1); ++h) {
-      const float* xh = xp + h * x.stride(1);
-      float* oh = op + h * D;
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = xh[i], x2 = xh[i + half];
-        oh[i] = x1 * c[i] - x2 * sn[i];
-        oh[i + half] = x2 * c[i + half] + x1 * sn[i + half];
-      }
-    }
+    for (int64_t h = 0; h < x.size(1); ++h) rotate_head(xp + h * x.stride(1), op + h * D, c, sn, half);
   };
   at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -149,6 +192,51 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k
     }
   });
   return {qo, ko};
+}
+
+// The attention block's glue between the qkv projection and attention, in one op: from the
+// fused projection's output qkv [T, (Hq + 2 Hk) D] (rows may be strided), rotate q and k at
+// each token's position, write the rotated k and v into the paged caches
+// ([num_blocks, block_size, Hk, D], float32) at the token's slot, and return the rotated q
+// [T, Hq, D].  In PyTorch this is a split, three views, the rotation and two index_copy_.
+at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                         const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                         const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1,
+              "qkv must be a float32 CPU [T, (Hq + 2 Hk) D] tensor with unit inner stride");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous float32 [num_blocks, block_size, Hk, D]");
+  const int64_t T = qkv.size(0), Hq = num_heads, Hk = num_kv_heads, D = k_cache.size(3), half = D / 2;
+  TORCH_CHECK(k_cache.size(2) == Hk && D % 2 == 0 && qkv.size(1) == (Hq + 2 * Hk) * D,
+              "qkv's width must be (num_heads + 2 num_kv_heads) head_dim");
+  check_rope_tables(cos, sin, D);
+  const auto pos = positions.to(at::kLong).contiguous();
+  const auto slots = slot_mapping.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == T && slots.numel() == T, "one position and one slot per token");
+  const auto cc = cos.contiguous(), sc = sin.contiguous();
+  auto qo = at::empty({T, Hq, D}, qkv.options());
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t max_pos = cc.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
+  const float* xp = qkv.data_ptr<float>();
+  float* qp = qo.data_ptr<float>();
+  float* kp = k_cache.data_ptr<float>();
+  float* vp = v_cache.data_ptr<float>();
+  at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "position ", pp[t], " is outside the rotary table");
+      TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " is outside the KV cache");
+      const float* c = cc.data_ptr<float>() + pp[t] * D;
+      const float* sn = sc.data_ptr<float>() + pp[t] * D;
+      const float* row = xp + t * qkv.stride(0);
+      for (int64_t h = 0; h < Hq; ++h) rotate_head(row + h * D, qp + (t * Hq + h) * D, c, sn, half);
+      const float* k = row + Hq * D;
+      for (int64_t h = 0; h < Hk; ++h) rotate_head(k + h * D, kp + (sp[t] * Hk + h) * D, c, sn, half);
+      std::copy(k + Hk * D, k + 2 * Hk * D, vp + sp[t] * Hk * D);
+    }
+  });
+  return qo;
 }
 
 // Index of each row's largest value: greedy decoding over the vocabulary.  Same answer as
@@ -221,12 +309,17 @@ TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope(Tensor q, Tensor k, Tensor positions, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def("rope_write_kv(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("rope", &rope);
+  m.impl("rope_write_kv", &rope_write_kv);
 }

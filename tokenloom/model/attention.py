@@ -61,21 +61,24 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor,  # [T, Hk, D]
-    v: torch.Tensor,  # [T, Hk, D]
+    k: torch.Tensor | None,  # [T, Hk, D]; None: already written (tokenloom_cpu::rope_write_kv)
+    v: torch.Tensor | None,  # [T, Hk, D]
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Write this step's K/V into the paged cache, then attend. Returns [T, Hq, D]."""
-    flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
-    flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
-    flat_k.index_copy_(0, meta.slot_mapping, k)
-    flat_v.index_copy_(0, meta.slot_mapping, v)
+    if k is not None:
+        flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
+        flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
 
-    out = torch.empty_like(q)
     nd = meta.num_decode
+    if nd and meta.decode_op is not None and not meta.has_prefill:  # a decode-only step: no copy
+        return meta.decode_op(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    out = torch.empty_like(q)
     if nd and meta.decode_op is not None:
         # CPU: our kernel reads each block in place, once (kernels/cpu_attention.cpp).
         out[:nd] = meta.decode_op(

@@ -20,9 +20,17 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.fused = None  # our one-pass float32 op on CPU (CausalLM.use_fused_cpu_ops)
+        self.fused = None  # our one-pass float32 ops on CPU (CausalLM.use_fused_cpu_ops)
+        self.fused_add = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, the residual stream's add first: returns (norm(x +
+        residual), x + residual)."""
+        if residual is not None:
+            if self.fused_add is not None and x.dtype == torch.float32:
+                return self.fused_add(x, residual, self.weight, self.eps)
+            x = x + residual
+            return self.forward(x), x
         if self.fused is not None and x.dtype == torch.float32:
             return self.fused(x, self.weight, self.eps)
         # Normalize in float32 like the reference implementations, so bf16/fp16 match them.
@@ -67,6 +75,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
         self.fused = None  # our one-pass float32 op on CPU (CausalLM.use_fused_cpu_ops)
+        self.fused_kv = None  # the same, reading the qkv output and writing the KV cache
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, Hq, D], k: [T, Hk, D]

@@ -93,7 +93,16 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if rope.fused_kv is not None and self.q_norm is None and qkv.dtype == k_cache.dtype == torch.float32 \
+                and not torch.compiler.is_compiling():
+            # CPU float32: rotation and the KV cache write in one op (kernels/cpu_fused.cpp).
+            # Not under torch.compile, which would functionalize the cache writes.
+            q = rope.fused_kv(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
+                              self.num_heads, self.num_kv_heads)
+            o = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale)
+            return self.o_proj(o.reshape(t, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -113,9 +122,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
 
-    def forward(self, x, positions, rope, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, k_cache, v_cache, meta):
+        """x: the previous layer's output, not yet added to `residual`, the stream of sums
+        before it (None at the first layer); each add happens inside the norm that follows
+        it (RMSNorm's `residual`).  Returns this layer's (output, residual)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rope, k_cache, v_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -138,10 +155,10 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, (kc, vc) in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kc, vc, meta)
-        return x  # final norm is applied in compute_logits, only on the rows that need it
+            x, residual = layer(x, residual, positions, self.rope, kc, vc, meta)
+        return x + residual  # final norm is applied in compute_logits, only on the rows that need it
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = self.norm(hidden)
@@ -191,10 +208,12 @@ class CausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.fused = torch.ops.tokenloom_cpu.rms_norm
+                m.fused_add = torch.ops.tokenloom_cpu.add_rms_norm
             elif isinstance(m, GatedMLP):
                 m.fused_act = torch.ops.tokenloom_cpu.silu_and_mul
             elif isinstance(m, RotaryEmbedding):
                 m.fused = torch.ops.tokenloom_cpu.rope
+                m.fused_kv = torch.ops.tokenloom_cpu.rope_write_kv
         return True
 
     def _tie_through_panels(self) -> None:
