@@ -85,7 +85,8 @@ def test_logprobs_match_transformers(model_factory, preset):
 
 
 def test_sharded_checkpoint_and_bfloat16(model_factory):
-    """A sharded safetensors checkpoint loads; bfloat16 stays close to transformers' bfloat16."""
+    """A sharded safetensors checkpoint loads; bfloat16 stays close to transformers' bfloat16,
+    prefill and decode."""
     path = model_factory("tiny-qwen2", max_shard_bytes=200_000)
     assert (path / "model.safetensors.index.json").exists()
     prompts = _prompts(2)[:3]
@@ -98,11 +99,14 @@ def test_sharded_checkpoint_and_bfloat16(model_factory):
     hf16 = _hf(path, torch.bfloat16)
     llm16 = LLM(str(path), dtype="bfloat16", max_model_len=128, num_kv_blocks=64)
     p = prompts[0]
-    o = llm16.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
-    with torch.no_grad():
-        ref = hf16(torch.tensor([p])).logits[0, -1].float().log_softmax(-1)
-    for tok, lp in o.outputs[0].logprobs[0].items():
-        assert abs(lp.logprob - ref[tok].item()) < 0.1  # bf16: ~3 significant digits
+    # the prefill's token and three decode steps (the decode path: fused ops, paged attention)
+    o = llm16.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=4, logprobs=5),
+                       use_tqdm=False)[0].outputs[0]
+    for i, step in enumerate(o.logprobs):
+        with torch.no_grad():
+            ref = hf16(torch.tensor([p + o.token_ids[:i]])).logits[0, -1].float().log_softmax(-1)
+        for tok, lp in step.items():
+            assert abs(lp.logprob - ref[tok].item()) < 0.1  # bf16: ~3 significant digits
 
 
 def test_prefix_cache_hits_under_pressure_match_transformers(model_factory):

@@ -27,6 +27,31 @@ namespace {
 // Rows per thread before a second thread is worth waking (one row: a batch-1 decode).
 constexpr int64_t kRowGrain = 8;
 
+// bfloat16 <-> float32 on eight lanes.  Widening is exact; narrowing rounds to nearest even
+// and keeps NaN a (quiet) NaN, exactly as c10::BFloat16 does, so vector and scalar code and
+// PyTorch's own bf16 ops all round alike.
+using bf16 = at::BFloat16;
+
+inline __m256 bf16_load8(const bf16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+inline __m256i bf16_bits8(__m256 v) {  // each lane's rounded bf16 bits, in its low half
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+inline __m256 bf16_round8(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16)); }
+
+inline void bf16_store8(bf16* p, __m256 v) {
+  const __m256i r = bf16_bits8(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
 // yr = w * (xr / sqrt(mean(xr^2) + eps)) for one row of H.
 inline void norm_row(const float* xr, const float* wp, float* yr, int64_t H, float eps) {
   __m256 acc[8];
@@ -83,10 +108,61 @@ void norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor
   });
 }
 
+// norm_rows for bfloat16 x, residual and weight, rounding where the reference does: the sum
+// x + residual to bf16, the normalized row (computed in float32) to bf16, then w * that to bf16.
+void norm_rows_bf16(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
+                    at::Tensor& y, at::Tensor* sum) {
+  const int64_t H = x.size(-1);
+  const int64_t rows = H ? x.numel() / H : 0;
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* rp = residual ? residual->data_ptr<bf16>() : nullptr;
+  const bf16* wp = weight.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  bf16* sp = sum ? sum->data_ptr<bf16>() : nullptr;
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const bf16* xr = xp + r * H;
+      if (rp) {
+        bf16* sr = sp + r * H;
+        const bf16* rr = rp + r * H;
+        int64_t j = 0;
+        for (; j + 8 <= H; j += 8) bf16_store8(sr + j, _mm256_add_ps(bf16_load8(xr + j), bf16_load8(rr + j)));
+        for (; j < H; ++j) sr[j] = static_cast<float>(xr[j]) + static_cast<float>(rr[j]);
+        xr = sr;
+      }
+      __m256 acc = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 8 <= H; j += 8) {
+        const __m256 v = bf16_load8(xr + j);
+        acc = _mm256_fmadd_ps(v, v, acc);
+      }
+      __m256 a8[8] = {acc, acc, acc, acc, acc, acc, acc, acc};
+      float ss = _mm256_cvtss_f32(tokenloom::hsum8(a8));
+      for (; j < H; ++j) ss += static_cast<float>(xr[j]) * static_cast<float>(xr[j]);
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      const __m256 iv = _mm256_set1_ps(inv);
+      bf16* yr = yp + r * H;
+      j = 0;
+      for (; j + 8 <= H; j += 8)
+        bf16_store8(yr + j, _mm256_mul_ps(bf16_load8(wp + j), bf16_round8(_mm256_mul_ps(bf16_load8(xr + j), iv))));
+      for (; j < H; ++j) yr[j] = static_cast<float>(wp[j]) * static_cast<float>(bf16(static_cast<float>(xr[j]) * inv));
+    }
+  });
+}
+
 void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "tokenloom_cpu::rms_norm takes float32 CPU tensors");
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "tokenloom_cpu::rms_norm takes float32 or bfloat16 CPU tensors");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x differ in dtype");
   TORCH_CHECK(weight.numel() == x.size(-1), "weight has ", weight.numel(), " elements, rows have ", x.size(-1));
+}
+
+void any_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
+                   at::Tensor& y, at::Tensor* sum) {
+  if (x.scalar_type() == at::kBFloat16)
+    norm_rows_bf16(x, residual, weight, eps, y, sum);
+  else
+    norm_rows(x, residual, weight, eps, y, sum);
 }
 
 // y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)) for every row r of the last dimension.
@@ -94,7 +170,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm_args(x, weight);
   const auto xc = x.contiguous();
   auto y = at::empty_like(xc);
-  norm_rows(xc, nullptr, weight.contiguous(), eps, y, nullptr);
+  any_norm_rows(xc, nullptr, weight.contiguous(), eps, y, nullptr);
   return y;
 }
 
@@ -103,17 +179,18 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps) {
   check_norm_args(x, weight);
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == at::kFloat, "residual must match x");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), "residual must match x");
   const auto xc = x.contiguous(), rc = residual.contiguous();
   auto y = at::empty_like(xc), s = at::empty_like(xc);
-  norm_rows(xc, &rc, weight.contiguous(), eps, y, &s);
+  any_norm_rows(xc, &rc, weight.contiguous(), eps, y, &s);
   return {y, s};
 }
 
 // x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]: the SwiGLU activation on the fused
 // gate/up projection's output.
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "tokenloom_cpu::silu_and_mul takes float32 CPU");
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "tokenloom_cpu::silu_and_mul takes float32 or bfloat16 CPU tensors");
   const int64_t I2 = x.size(-1);
   TORCH_CHECK(I2 % 2 == 0, "the last dimension must hold gate and up halves");
   const int64_t I = I2 / 2;
@@ -122,6 +199,29 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   sizes.back() = I;
   auto y = at::empty(sizes, xc.options());
   const int64_t rows = I2 ? xc.numel() / I2 : 0;
+  if (xc.scalar_type() == at::kBFloat16) {  // bf16(bf16(silu(g)) * u), as F.silu(gate) * up rounds
+    const bf16* xp = xc.data_ptr<bf16>();
+    bf16* yp = y.data_ptr<bf16>();
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
+      const __m256 one = _mm256_set1_ps(1.0f);
+      for (int64_t r = r0; r < r1; ++r) {
+        const bf16* g = xp + r * I2;
+        const bf16* u = g + I;
+        bf16* yr = yp + r * I;
+        int64_t j = 0;
+        for (; j + 8 <= I; j += 8) {
+          const __m256 gv = bf16_load8(g + j);
+          const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, tokenloom::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+          bf16_store8(yr + j, _mm256_mul_ps(bf16_round8(_mm256_mul_ps(gv, sig)), bf16_load8(u + j)));
+        }
+        for (; j < I; ++j) {
+          const float gj = g[j];
+          yr[j] = static_cast<float>(bf16(gj / (1.0f + std::exp(-gj)))) * static_cast<float>(u[j]);
+        }
+      }
+    });
+    return y;
+  }
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
@@ -199,15 +299,52 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k
 // each token's position, write the rotated k and v into the paged caches
 // ([num_blocks, block_size, Hk, D], float32) at the token's slot, and return the rotated q
 // [T, Hq, D].  In PyTorch this is a split, three views, the rotation and two index_copy_.
+// rotate_head for bfloat16, rounding as the reference's bf16 ops do: the tables to bf16, each
+// product to bf16, their sum to bf16.
+inline void rotate_head(const bf16* x, bf16* out, const float* c, const float* sn, int64_t half) {
+  auto r = [](float v) { return static_cast<float>(bf16(v)); };
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    out[i] = r(x1 * r(c[i])) + r(-x2 * r(sn[i]));
+    out[i + half] = r(x2 * r(c[i + half])) + r(x1 * r(sn[i + half]));
+  }
+}
+
+template <typename E>
+void rope_write_kv_rows(const at::Tensor& qkv, const int64_t* pp, const int64_t* sp, const float* cp, const float* snp,
+                        int64_t max_pos, int64_t num_slots, int64_t Hq, int64_t Hk, int64_t D, at::Tensor& qo,
+                        at::Tensor& k_cache, at::Tensor& v_cache) {
+  const int64_t T = qkv.size(0), half = D / 2;
+  const E* xp = qkv.data_ptr<E>();
+  E* qp = qo.data_ptr<E>();
+  E* kp = k_cache.data_ptr<E>();
+  E* vp = v_cache.data_ptr<E>();
+  at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "position ", pp[t], " is outside the rotary table");
+      TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " is outside the KV cache");
+      const float* c = cp + pp[t] * D;
+      const float* sn = snp + pp[t] * D;
+      const E* row = xp + t * qkv.stride(0);
+      for (int64_t h = 0; h < Hq; ++h) rotate_head(row + h * D, qp + (t * Hq + h) * D, c, sn, half);
+      const E* k = row + Hq * D;
+      for (int64_t h = 0; h < Hk; ++h) rotate_head(k + h * D, kp + (sp[t] * Hk + h) * D, c, sn, half);
+      std::copy(k + Hk * D, k + 2 * Hk * D, vp + sp[t] * Hk * D);
+    }
+  });
+}
+
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                          const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                          const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
-  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1,
-              "qkv must be a float32 CPU [T, (Hq + 2 Hk) D] tensor with unit inner stride");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
+  const auto dt = qkv.scalar_type();
+  TORCH_CHECK(qkv.device().is_cpu() && (dt == at::kFloat || dt == at::kBFloat16) && qkv.dim() == 2 &&
+                  qkv.stride(1) == 1,
+              "qkv must be a float32 or bfloat16 CPU [T, (Hq + 2 Hk) D] tensor with unit inner stride");
+  TORCH_CHECK(k_cache.scalar_type() == dt && v_cache.scalar_type() == dt && k_cache.dim() == 4 &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "caches must be contiguous float32 [num_blocks, block_size, Hk, D]");
-  const int64_t T = qkv.size(0), Hq = num_heads, Hk = num_kv_heads, D = k_cache.size(3), half = D / 2;
+              "caches must be contiguous [num_blocks, block_size, Hk, D] in qkv's dtype");
+  const int64_t T = qkv.size(0), Hq = num_heads, Hk = num_kv_heads, D = k_cache.size(3);
   TORCH_CHECK(k_cache.size(2) == Hk && D % 2 == 0 && qkv.size(1) == (Hq + 2 * Hk) * D,
               "qkv's width must be (num_heads + 2 num_kv_heads) head_dim");
   check_rope_tables(cos, sin, D);
@@ -216,26 +353,15 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions, con
   TORCH_CHECK(pos.numel() == T && slots.numel() == T, "one position and one slot per token");
   const auto cc = cos.contiguous(), sc = sin.contiguous();
   auto qo = at::empty({T, Hq, D}, qkv.options());
+  const int64_t max_pos = cc.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t max_pos = cc.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
-  const float* xp = qkv.data_ptr<float>();
-  float* qp = qo.data_ptr<float>();
-  float* kp = k_cache.data_ptr<float>();
-  float* vp = v_cache.data_ptr<float>();
-  at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "position ", pp[t], " is outside the rotary table");
-      TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " is outside the KV cache");
-      const float* c = cc.data_ptr<float>() + pp[t] * D;
-      const float* sn = sc.data_ptr<float>() + pp[t] * D;
-      const float* row = xp + t * qkv.stride(0);
-      for (int64_t h = 0; h < Hq; ++h) rotate_head(row + h * D, qp + (t * Hq + h) * D, c, sn, half);
-      const float* k = row + Hq * D;
-      for (int64_t h = 0; h < Hk; ++h) rotate_head(k + h * D, kp + (sp[t] * Hk + h) * D, c, sn, half);
-      std::copy(k + Hk * D, k + 2 * Hk * D, vp + sp[t] * Hk * D);
-    }
-  });
+  if (dt == at::kBFloat16)
+    rope_write_kv_rows<bf16>(qkv, pp, sp, cc.data_ptr<float>(), sc.data_ptr<float>(), max_pos, num_slots, Hq,
+                                     Hk, D, qo, k_cache, v_cache);
+  else
+    rope_write_kv_rows<float>(qkv, pp, sp, cc.data_ptr<float>(), sc.data_ptr<float>(), max_pos, num_slots, Hq, Hk, D,
+                              qo, k_cache, v_cache);
   return qo;
 }
 

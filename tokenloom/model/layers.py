@@ -14,6 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# The dtypes our fused CPU ops take (kernels/cpu_fused.cpp); the rotary-only op takes float32.
+# In bfloat16 they round wherever the reference's separate ops do.
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -27,11 +31,11 @@ class RMSNorm(nn.Module):
         """norm(x); with `residual`, the residual stream's add first: returns (norm(x +
         residual), x + residual)."""
         if residual is not None:
-            if self.fused_add is not None and x.dtype == torch.float32:
+            if self.fused_add is not None and x.dtype in FUSED_DTYPES:
                 return self.fused_add(x, residual, self.weight, self.eps)
             x = x + residual
             return self.forward(x), x
-        if self.fused is not None and x.dtype == torch.float32:
+        if self.fused is not None and x.dtype in FUSED_DTYPES:
             return self.fused(x, self.weight, self.eps)
         # Normalize in float32 like the reference implementations, so bf16/fp16 match them.
         dtype = x.dtype
@@ -108,7 +112,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
-        if self.fused_act is not None and gu.dtype == torch.float32:
+        if self.fused_act is not None and gu.dtype in FUSED_DTYPES:
             return self.down_proj(self.fused_act(gu))
         gate, up = gu.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tokenloom.model.attention import AttentionMetadata, paged_attention
-from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from tokenloom.model.layers import FUSED_DTYPES, GatedMLP, RMSNorm, RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,9 @@ class Attention(nn.Module):
     def forward(self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if rope.fused_kv is not None and self.q_norm is None and qkv.dtype == k_cache.dtype == torch.float32 \
-                and not torch.compiler.is_compiling():
-            # CPU float32: rotation and the KV cache write in one op (kernels/cpu_fused.cpp).
+        if rope.fused_kv is not None and self.q_norm is None and qkv.dtype == k_cache.dtype \
+                and qkv.dtype in FUSED_DTYPES and not torch.compiler.is_compiling():
+            # CPU: rotation and the KV cache write in one op (kernels/cpu_fused.cpp).
             # Not under torch.compile, which would functionalize the cache writes.
             q = rope.fused_kv(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
                               self.num_heads, self.num_kv_heads)
@@ -198,9 +198,11 @@ class CausalLM(nn.Module):
         return n
 
     def use_fused_cpu_ops(self) -> bool:
-        """CPU fast path: every RMSNorm, rotary embedding and SwiGLU activation through our
-        one-pass float32 ops (kernels/cpu_fused.cpp) where they build; other dtypes keep the
-        PyTorch code."""
+        """CPU fast path: every RMSNorm (with the residual add before it), rotary embedding
+        (with the KV cache write after it) and SwiGLU activation through our one-pass ops
+        (kernels/cpu_fused.cpp) where they build, in float32 and bfloat16 (layers.FUSED_DTYPES;
+        the rotary op alone, used with per-head q/k norms, is float32 only); other dtypes keep
+        the PyTorch code."""
         from tokenloom.kernels import cpu as cpu_kernels
 
         if not cpu_kernels.load():
