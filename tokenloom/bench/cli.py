@@ -107,6 +107,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", default="1,8,32", help="decode batch sizes (default: 1,8,32)")
     p.add_argument("--context-lens", default="128,512", help="context lengths (default: 128,512)")
     p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per point (default: 8)")
+    p.add_argument("--max-tries", type=int, default=3,
+                   help="times a point is taken while the bandwidth/FLOP readings around it differ by "
+                        "more than 10%% (default: 3)")
     p.add_argument("--bandwidth-mib", type=int, default=None, help="bandwidth test buffer size (default: microbench's)")
     _add_output_args(p)
     p.set_defaults(func=_lazy("tokenloom.bench.roofline", "main"))
