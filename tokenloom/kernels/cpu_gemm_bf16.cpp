@@ -27,71 +27,88 @@
 namespace {
 
 constexpr int64_t NR = 16;    // panel width: one 512-bit vector of float32 sums
-constexpr int64_t MR = 12;    // rows per micro-tile: 12 accumulators of 32 zmm registers
-constexpr int64_t KC2 = 256;  // k-pairs per block: 16 KB of weights, reused from L1 by every micro-tile
-constexpr int64_t MC = 240;   // m-block: activations of one k-block (240 x 256 x 4 B) stay in L2
+constexpr int64_t MR = 12;    // rows per micro-tile: 2 x 12 accumulators + 2 weight vectors of 32 zmm registers
+constexpr int64_t KC2 = 128;  // k-pairs per block: 8 KB per panel, 16 KB per pair, reused from L1 by every micro-tile
+constexpr int64_t MC = 240;   // m-block: activations of one k-block (240 x 128 pairs x 4 B) stay in L2
 
-// y[0:R, 0:ncols] (+)= x-pairs[0:kc, 0:R] . panel[0:kc]; S interleaved accumulator chains
-// keep one or two rows from waiting on the instruction's latency.
-template <int R, int S>
-inline void micro(const uint32_t* x, const __m512bh* w, int64_t kc, float* y, int64_t ldy, bool accumulate,
-                  const float* bias, int64_t ncols, const __m512bh* pf) {
-  __m512 acc[S][R];
+// y[0:R, cols of NP panels] (+)= x-pairs[0:kc, 0:R] . panels[0:kc]; S interleaved
+// accumulator chains keep one or two rows from waiting on the instruction's latency.  Two
+// neighbouring panels at once (NP = 2) give each broadcast two uses and each core two
+// weight streams, as in the float32 kernel.  `pf[j]`, when set, is the block that follows
+// panel j's block, prefetched one line per k-pair.
+template <int R, int NP, int S>
+inline void micro(const uint32_t* x, const __m512bh* const w[2], int64_t kc, float* y, int64_t ldy, bool accumulate,
+                  const float* bias, int64_t ncols, const __m512bh* const pf[2]) {
+  __m512 acc[S][R][NP];
   for (int s = 0; s < S; ++s)
-    for (int i = 0; i < R; ++i) acc[s][i] = _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < NP; ++j) acc[s][i][j] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + S <= kc; k += S) {
 #pragma GCC unroll 4
     for (int s = 0; s < S; ++s) {
-      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + k + s), _MM_HINT_T0);
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + s);  // loadu: a view may be unaligned
+      __m512bh wv[NP];
+#pragma GCC unroll 2
+      for (int j = 0; j < NP; ++j) {
+        if (pf[j]) _mm_prefetch(reinterpret_cast<const char*>(pf[j] + k + s), _MM_HINT_T0);
+        wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k + s);  // loadu: a view may be unaligned
+      }
 #pragma GCC unroll 12
       for (int i = 0; i < R; ++i) {
         const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[(k + s) * R + i]));
-        acc[s][i] = _mm512_dpbf16_ps(acc[s][i], a, wv);
+#pragma GCC unroll 2
+        for (int j = 0; j < NP; ++j) acc[s][i][j] = _mm512_dpbf16_ps(acc[s][i][j], a, wv[j]);
       }
     }
   }
   for (; k < kc; ++k) {
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+    __m512bh wv[NP];
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
 #pragma GCC unroll 12
     for (int i = 0; i < R; ++i) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[k * R + i]));
-      acc[0][i] = _mm512_dpbf16_ps(acc[0][i], a, wv);
+#pragma GCC unroll 2
+      for (int j = 0; j < NP; ++j) acc[0][i][j] = _mm512_dpbf16_ps(acc[0][i][j], a, wv[j]);
     }
   }
-  for (int i = 0; i < R; ++i) {
-    __m512 v = acc[0][i];
-    for (int s = 1; s < S; ++s) v = _mm512_add_ps(v, acc[s][i]);
-    float* yi = y + i * ldy;
-    if (ncols == NR) {
-      if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(yi));
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
-      _mm512_storeu_ps(yi, v);
-    } else {  // the last panel of an N that is not a multiple of 16
-      const __mmask16 m = static_cast<__mmask16>((1u << ncols) - 1);
-      if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, yi));
-      if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias));
-      _mm512_mask_storeu_ps(yi, m, v);
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NP; ++j) {
+      __m512 v = acc[0][i][j];
+      for (int s = 1; s < S; ++s) v = _mm512_add_ps(v, acc[s][i][j]);
+      float* yij = y + i * ldy + j * NR;
+      const float* bj = bias ? bias + j * NR : nullptr;
+      // Only the last panel of an N that is not a multiple of 16 is partial.
+      const int64_t cols = std::min<int64_t>(NR, ncols - j * NR);
+      if (cols == NR) {
+        if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(yij));
+        if (bj) v = _mm512_add_ps(v, _mm512_loadu_ps(bj));
+        _mm512_storeu_ps(yij, v);
+      } else {
+        const __mmask16 m = static_cast<__mmask16>((1u << cols) - 1);
+        if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, yij));
+        if (bj) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bj));
+        _mm512_mask_storeu_ps(yij, m, v);
+      }
     }
-  }
 }
 
-void micro_rows(int64_t rows, const uint32_t* x, const __m512bh* w, int64_t kc, float* y, int64_t ldy,
-                bool accumulate, const float* bias, int64_t ncols, const __m512bh* pf) {
+template <int NP>
+void micro_rows(int64_t rows, const uint32_t* x, const __m512bh* const w[2], int64_t kc, float* y, int64_t ldy,
+                bool accumulate, const float* bias, int64_t ncols, const __m512bh* const pf[2]) {
   switch (rows) {
-    case 1: return micro<1, 4>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 2: return micro<2, 2>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 3: return micro<3, 2>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 4: return micro<4, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 5: return micro<5, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 6: return micro<6, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 7: return micro<7, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 8: return micro<8, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 9: return micro<9, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 10: return micro<10, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 11: return micro<11, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    default: return micro<12, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 1: return micro<1, NP, 4 / NP>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 2: return micro<2, NP, 2 / NP>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 3: return micro<3, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 4: return micro<4, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 5: return micro<5, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 6: return micro<6, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 7: return micro<7, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 8: return micro<8, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 9: return micro<9, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 10: return micro<10, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 11: return micro<11, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    default: return micro<12, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
   }
 }
 
@@ -116,20 +133,39 @@ void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t K2, uint32_t* ou
 
 void gemm(const uint32_t* xp, int64_t M, int64_t K2, const __m512bh* wp, int64_t N, const float* bias, float* y) {
   const int64_t panels = (N + NR - 1) / NR;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  const int64_t pairs = (panels + 1) / 2;
+  // Each thread takes a contiguous run of panel pairs: two sequential weight streams per core.
+  at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
       const int64_t m1 = std::min(M, m0 + MC);
-      for (int64_t p = p0; p < p1; ++p) {
-        const __m512bh* panel = wp + p * K2;
-        const int64_t ncols = std::min(NR, N - p * NR);
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t p = 2 * q, np = std::min<int64_t>(2, panels - p);
+        const __m512bh* panel[2] = {wp + p * K2, wp + (p + np - 1) * K2};
+        const int64_t ncols = std::min(np * NR, N - p * NR);
         for (int64_t k0 = 0; k0 < K2; k0 += KC2) {
           const int64_t kc = std::min(KC2, K2 - k0);
           const float* b = (bias && k0 + kc == K2) ? bias + p * NR : nullptr;
-          const __m512bh* next = (p + 1 < p1 || k0 + kc < K2) ? panel + k0 + kc : nullptr;
+          const __m512bh* w[2] = {panel[0] + k0, panel[1] + k0};
+          // The weights this thread reads next: the same panels' next k-block, or the next
+          // pair's first; past this thread's last block nothing is prefetched.
+          const __m512bh* next[2] = {nullptr, nullptr};
+          if (k0 + kc < K2) {
+            next[0] = w[0] + kc;
+            next[1] = w[1] + kc;
+          } else if (q + 1 < q1) {
+            next[0] = wp + (p + 2) * K2;
+            next[1] = wp + std::min(p + 3, panels - 1) * K2;
+          }
+          const __m512bh* none[2] = {nullptr, nullptr};
           for (int64_t m = m0; m < m1; m += MR) {
             const int64_t r = std::min(MR, m1 - m);
-            micro_rows(r, xp + m * K2 + k0 * r, panel + k0, kc, y + m * N + p * NR, N, k0 > 0, b, ncols,
-                       m == m0 ? next : nullptr);
+            const uint32_t* xt = xp + m * K2 + k0 * r;
+            float* yt = y + m * N + p * NR;
+            const __m512bh* const* pf = m == m0 ? next : none;
+            if (np == 2)
+              micro_rows<2>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
+            else
+              micro_rows<1>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
           }
         }
       }

@@ -142,19 +142,22 @@ class LoadedModel:
     def weight_bytes(self) -> int:
         """Bytes the model's tensors (weights, rotary tables) occupy, each shared tensor counted once
         (tied embeddings) and oneDNN-packed weights by their element count.  Panel-packed
-        weights (cpu_gemm) include their zero padding to a multiple of 16 rows."""
-        total, seen = 0, set()
+        weights (cpu_gemm) include their zero padding to a multiple of 16 rows, but not the
+        never-touched alignment slack of their 2 MiB-page mappings (kernels/hugepages.py)."""
+        total, extents = 0, {}
         for t in [*self.model.parameters(), *self.model.buffers()]:
             if t is None or t.device.type == "meta":
                 continue
             if t.is_mkldnn:  # opaque: no storage to ask, one copy of the elements
                 total += t.numel() * t.element_size()
                 continue
-            st = t.untyped_storage()
-            if st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-        return total
+            # the span of its storage each tensor views, merged per storage
+            lo = t.storage_offset() * t.element_size()
+            hi = lo + t.numel() * t.element_size()
+            key = t.untyped_storage().data_ptr()
+            a, b = extents.get(key, (lo, hi))
+            extents[key] = (min(a, lo), max(b, hi))
+        return total + sum(b - a for a, b in extents.values())
 
 
 def load_model(path: Path, dtype: str, device: torch.device, max_positions: int, pack_weights: bool = True) -> LoadedModel:
