@@ -76,7 +76,7 @@ needs_bf16 = pytest.mark.skipif(not cpu_kernels.bf16_enabled(), reason="needs AV
 @settings(max_examples=40, deadline=None)
 @given(
     m=st.integers(0, 40) | st.sampled_from([241, 400]),  # decode rows, and prefill past one m-block (240)
-    k=st.integers(1, 1100),  # odd k (a zero-padded pair), and past the 256-pair k-block
+    k=st.integers(1, 1100),  # odd k (a zero-padded pair), and past the 128-pair k-block
     n=st.integers(1, 70),
     with_bias=st.booleans(),
     seed=st.integers(0, 2**16),
@@ -91,6 +91,10 @@ def test_bf16_pairs_kernel_matches_matmul(m, k, n, with_bias, seed):
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     scale = float(ref.abs().max()) if ref.numel() else 0.0
     assert torch.allclose(y.float(), ref, atol=1e-2 * (1 + scale), rtol=1e-2)  # the output is rounded to bf16
+    # the kernel's own rounding of its float32 sums is PyTorch's: a float32 x (the same values)
+    # gets the float32 sums back, and rounding those gives y bit for bit
+    y32 = torch.ops.tokenloom_bf16.linear(x.float(), cpu_kernels.pack_pairs(w), n, cpu_kernels.pad_bias(bias, n))
+    assert y32.dtype == torch.float32 and torch.equal(y32.bfloat16(), y)
 
 
 def test_packed_rows_read_the_original_rows_of_the_pairs_layout():

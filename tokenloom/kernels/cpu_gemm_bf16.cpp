@@ -131,7 +131,25 @@ void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t K2, uint32_t* ou
   });
 }
 
-void gemm(const uint32_t* xp, int64_t M, int64_t K2, const __m512bh* wp, int64_t N, const float* bias, float* y) {
+// rows x cols of float32 y (row stride ldy) rounded to bfloat16 into y16, to nearest even with
+// NaN kept a quiet NaN, exactly as PyTorch's float -> bfloat16 conversion does.
+void round_tile(const float* y, int64_t ldy, int64_t rows, int64_t cols, at::BFloat16* y16) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t c = 0; c < cols; c += NR) {
+      const __mmask16 m = static_cast<__mmask16>(cols - c >= NR ? 0xFFFF : (1u << (cols - c)) - 1);
+      const __m512 v = _mm512_maskz_loadu_ps(m, y + i * ldy + c);
+      const __m512i u = _mm512_castps_si512(v);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+      r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+      _mm256_mask_storeu_epi16(y16 + i * ldy + c, m, _mm512_cvtepi32_epi16(r));
+    }
+}
+
+// y16, when given, receives y rounded to bfloat16 tile by tile as each is finished (still in
+// cache), instead of in a separate pass over y afterwards.
+void gemm(const uint32_t* xp, int64_t M, int64_t K2, const __m512bh* wp, int64_t N, const float* bias, float* y,
+          at::BFloat16* y16) {
   const int64_t panels = (N + NR - 1) / NR;
   const int64_t pairs = (panels + 1) / 2;
   // Each thread takes a contiguous run of panel pairs: two sequential weight streams per core.
@@ -166,6 +184,7 @@ void gemm(const uint32_t* xp, int64_t M, int64_t K2, const __m512bh* wp, int64_t
               micro_rows<2>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
             else
               micro_rows<1>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
+            if (y16 && k0 + kc == K2) round_tile(yt, N, r, ncols, y16 + m * N + p * NR);
           }
         }
       }
@@ -185,14 +204,17 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight_packed, int
   TORCH_CHECK(weight_packed.size(0) * NR >= n, "n exceeds the packed panels");
   const auto wp = weight_packed.contiguous();
   const auto c = tokenloom::begin_linear(x, K, n, weight_packed.size(0) * NR, bias, at::kBFloat16);
+  // A bfloat16 x gets a bfloat16 y, rounded by the kernel (a float32 x keeps float32).
+  const bool bf16_out = x.scalar_type() == at::kBFloat16;
+  auto y16 = bf16_out ? at::empty_like(c.y, c.y.options().dtype(at::kBFloat16)) : at::Tensor();
   if (c.M > 0) {
     auto xp = at::empty({c.M * K2}, c.x2.options().dtype(at::kInt));
     auto* xpp = reinterpret_cast<uint32_t*>(xp.data_ptr<int32_t>());
     pack_rows(reinterpret_cast<const uint16_t*>(c.x2.data_ptr<at::BFloat16>()), c.M, K, K2, xpp);
     gemm(xpp, c.M, K2, reinterpret_cast<const __m512bh*>(wp.data_ptr<at::BFloat16>()), n, c.bias_ptr,
-         c.y.data_ptr<float>());
+         c.y.data_ptr<float>(), bf16_out ? y16.data_ptr<at::BFloat16>() : nullptr);
   }
-  return c.result(x);
+  return bf16_out ? y16.view(c.out_sizes) : c.result(x);
 }
 
 }  // namespace
