@@ -5,11 +5,15 @@
 * GEMM: the 24 decoder layers' matrices of Qwen2.5-0.5B (qkv 1152x896, o 896x896, gate/up
   9728x896, down 896x4864; 1.43 GB in fp32, more than any cache) at each row count, through
   our kernel for this CPU (`cpu.linear_op`) from 2 MiB pages (as the engine stores them, see
-  kernels/hugepages.py), the same from a copy in 4 KiB pages, and oneDNN's packed GEMM.
+  kernels/hugepages.py), the same from a copy in 4 KiB pages, and oneDNN's packed GEMM; at one
+  row also per matrix shape, beside a copy-bandwidth reading.  Then the bf16 kernel over the
+  same matrices (on CPUs with AVX512-BF16) at 1 and 32 rows.
 * Decode attention: 32 requests of Qwen2.5-0.5B's heads (2 KV heads x 7 query heads, head_dim
   64) over 128 / 512 / 2048 tokens of context in shuffled 16-token blocks, the AVX2 build
   against the AVX-512 build (where the CPU has it).
 * Greedy argmax over a [32, 151936] float32 logits row block: ours against torch.argmax.
+* The sampler (runner/sampler.py) over 32 such rows, peaked and flat: greedy, temperature,
+  top-p, top-k.
 
 Each figure is the median of `--repeats` alternating rounds (this machine is shared and noisy:
 compare the two columns of one run, not runs).
@@ -24,6 +28,8 @@ import time
 import torch
 
 from tokenloom.kernels import cpu
+from tokenloom.runner import glibc_heap
+from tokenloom.sim.microbench import measure_bandwidth
 from tokenloom.model.packed_linear import _pack
 
 LAYER_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # (N, K) per layer
@@ -75,6 +81,27 @@ def bench_gemm(rows: list[int], repeats: int) -> None:
         t = _median_rounds({"ours": run_ours, "4k": run_small_pages, "oneDNN": run_onednn}, repeats)
         unit = (lambda s: f"{nbytes / s / 1e9:6.1f} GB/s") if m == 1 else (lambda s: f"{flops / s / 1e9:6.0f} GF/s")
         print(f"  {m:4d} rows: ours {unit(t['ours'])} (4 KiB pages {unit(t['4k'])})   oneDNN {unit(t['oneDNN'])}")
+        if m == 1:  # which matrices stream at the copy rate, next to a copy reading of the same moment
+            shapes = {}
+            for p, n in ours:
+                shapes.setdefault((n, p.shape[1]), []).append(p)
+            fns = {s: (lambda s=s, ps=ps: [op(xs[s[1]], p, s[0], None) for p in ps]) for s, ps in shapes.items()}
+            ts = _median_rounds(fns, repeats)
+            per = "   ".join(f"{n}x{k} {sum(p.numel() * 4 for p in shapes[(n, k)]) / ts[(n, k)] / 1e9:5.1f} GB/s"
+                             f" ({ts[(n, k)] / len(shapes[(n, k)]) * 1e6:.0f} us/call)" for n, k in shapes)
+            print(f"        by matrix (x{LAYERS}): {per}; copy {measure_bandwidth() / 1e9:.1f} GB/s")
+    del ours, small_pages, onednn
+    if cpu.bf16_enabled():  # the bf16 kernel over the same matrices, half the bytes
+        pairs = [(cpu.pack_pairs(torch.randn(n, k, generator=g).bfloat16()), n, k)
+                 for _ in range(LAYERS) for n, k in LAYER_SHAPES]
+        op16 = cpu.linear_op(pairs[0][0])
+        nbytes16 = sum(p.numel() * 2 for p, _, _ in pairs)
+        for m in (1, 32):
+            xs = {k: torch.randn(m, k, generator=g).bfloat16() for _, k in LAYER_SHAPES}
+            t16 = _median_rounds({"bf16": lambda: [op16(xs[k], p, n, None) for p, n, k in pairs]}, repeats)["bf16"]
+            rate = f"{nbytes16 / t16 / 1e9:.1f} GB/s" if m == 1 else \
+                f"{sum(2 * m * n * k for _, n, k in pairs) / t16 / 1e9:.0f} GF/s"
+            print(f"  bf16, {op16}, {m} rows: {rate} ({nbytes16 / 1e9:.2f} GB)")
 
 
 def bench_attention(repeats: int) -> None:
@@ -96,6 +123,29 @@ def bench_attention(repeats: int) -> None:
               f"   {wide} {t['ours'] * 1e3:6.2f} ms   x{t['AVX2'] / t['ours']:.2f}")
 
 
+def bench_sampler(repeats: int) -> None:
+    """The sampler over 32 rows of Qwen2.5-sized logits: peaked (a trained model's) and flat (a
+    random-weight model's), greedy, temperature only, top-p and top-k."""
+    from tokenloom import SamplingParams
+    from tokenloom.runner.sampler import SamplingRow, sample
+
+    g = torch.Generator().manual_seed(0)
+    row = torch.empty(151936)
+    t = _median_rounds({"exp": lambda: row.exponential_(generator=g)}, repeats, inner=5)["exp"]
+    print(f"sampler, 32 x 151936 logits (one row's 151,936 exponentials, the old draw's cost per row: {t * 1e3:.2f} ms):")
+    for spread, name in ((5.0, "peaked"), (1.0, "flat")):
+        logits = torch.randn(32, 151936, generator=g) * spread
+        cases = {"greedy": {"temperature": 0.0}, "temperature 1": {}, "top_p 0.95": {"top_p": 0.95},
+                 "top_k 50": {"top_k": 50}}
+        fns = {}
+        for label, kw in cases.items():
+            rows = [SamplingRow("r", SamplingParams(**{"temperature": 1.0, **kw}), [], [], frozenset(), None)
+                    for _ in range(32)]
+            fns[label] = lambda rows=rows: sample(logits, rows)
+        ts = _median_rounds(fns, repeats)
+        print(f"  {name:6s}: " + "   ".join(f"{k} {v * 1e3:.1f} ms" for k, v in ts.items()))
+
+
 def bench_argmax(repeats: int) -> None:
     x = torch.randn(32, 151936, generator=torch.Generator().manual_seed(0))
     t = _median_rounds({"torch": lambda: x.argmax(dim=-1), "ours": lambda: torch.ops.tokenloom_cpu.argmax_rows(x)},
@@ -108,12 +158,14 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,16,32,64,256")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
+    glibc_heap.keep_step_buffers()  # as the engine runs
     if not cpu.load():
         raise SystemExit("our CPU kernels do not build here (needs x86 with AVX2 + FMA and a C++ toolchain)")
     cpu.avx512_enabled()
     bench_gemm([int(r) for r in a.rows.split(",")], a.repeats)
     bench_attention(a.repeats)
     bench_argmax(a.repeats)
+    bench_sampler(a.repeats)
 
 
 if __name__ == "__main__":

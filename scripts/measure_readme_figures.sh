@@ -22,5 +22,5 @@ done
 run tokenloom bench sweep --model "$M" --dtype float32 --workload mixed-long --num-prompts 24 \
     --input-len 32:128 --output-len 16:48 --long-fraction 0.125 --long-len 768 --request-rate 2 \
     --max-num-seqs-list 4,16 --max-num-batched-tokens-list 128,512,2048 --chunked-prefill on \
-    --disable-tqdm --output-json "$R/sweep.json" --output-csv "$R/sweep.csv" --output-png docs/sweep.png
+    --disable-tqdm --output-json "$R/sweep.json" --output-csv "$R/sweep.csv" --output-png "$R/sweep.png"
 run tokenloom simulate --compare-with "$R/sweep.json" --recalibrate --output-json "$R/validate-sim-sweep.json"
