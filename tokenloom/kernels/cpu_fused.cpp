@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 
 #include "simd_avx2.h"
 
@@ -80,72 +81,55 @@ inline void norm_row(const float* xr, const float* wp, float* yr, int64_t H, flo
   for (; j < H; ++j) yr[j] = wp[j] * (xr[j] * inv);
 }
 
-// The row-wise driver of both norms: y = norm(x), or with a residual, s = x + residual
-// and y = norm(s).
+// bfloat16 norm_row, rounding where the reference does: the normalized row (computed in
+// float32) to bf16, then w * that to bf16.
+inline void norm_row(const bf16* xr, const bf16* wp, bf16* yr, int64_t H, float eps) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= H; j += 8) {
+    const __m256 v = bf16_load8(xr + j);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  __m256 a8[8] = {acc, acc, acc, acc, acc, acc, acc, acc};
+  float ss = _mm256_cvtss_f32(tokenloom::hsum8(a8));
+  for (; j < H; ++j) ss += static_cast<float>(xr[j]) * static_cast<float>(xr[j]);
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  const __m256 iv = _mm256_set1_ps(inv);
+  j = 0;
+  for (; j + 8 <= H; j += 8)
+    bf16_store8(yr + j, _mm256_mul_ps(bf16_load8(wp + j), bf16_round8(_mm256_mul_ps(bf16_load8(xr + j), iv))));
+  for (; j < H; ++j) yr[j] = static_cast<float>(wp[j]) * static_cast<float>(bf16(static_cast<float>(xr[j]) * inv));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) { return bf16_load8(p); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(bf16* p, __m256 v) { bf16_store8(p, v); }
+
+// The row-wise driver of both norms, float32 or bfloat16 (E): y = norm(x), or with a
+// residual, s = x + residual (rounded to E, as the reference's add is) and y = norm(s).
+template <typename E>
 void norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps, at::Tensor& y,
                at::Tensor* sum) {
   const int64_t H = x.size(-1);
   const int64_t rows = H ? x.numel() / H : 0;
-  const float* xp = x.data_ptr<float>();
-  const float* rp = residual ? residual->data_ptr<float>() : nullptr;
-  const float* wp = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  float* sp = sum ? sum->data_ptr<float>() : nullptr;
+  const E* xp = x.data_ptr<E>();
+  const E* rp = residual ? residual->data_ptr<E>() : nullptr;
+  const E* wp = weight.data_ptr<E>();
+  E* yp = y.data_ptr<E>();
+  E* sp = sum ? sum->data_ptr<E>() : nullptr;
   at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = xp + r * H;
+      const E* xr = xp + r * H;
       if (rp) {
-        float* sr = sp + r * H;
-        const float* rr = rp + r * H;
+        E* sr = sp + r * H;
+        const E* rr = rp + r * H;
         int64_t j = 0;
-        for (; j + 8 <= H; j += 8)
-          _mm256_storeu_ps(sr + j, _mm256_add_ps(_mm256_loadu_ps(xr + j), _mm256_loadu_ps(rr + j)));
-        for (; j < H; ++j) sr[j] = xr[j] + rr[j];
-        xr = sr;
-      }
-      norm_row(xr, wp, yp + r * H, H, static_cast<float>(eps));
-    }
-  });
-}
-
-// norm_rows for bfloat16 x, residual and weight, rounding where the reference does: the sum
-// x + residual to bf16, the normalized row (computed in float32) to bf16, then w * that to bf16.
-void norm_rows_bf16(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
-                    at::Tensor& y, at::Tensor* sum) {
-  const int64_t H = x.size(-1);
-  const int64_t rows = H ? x.numel() / H : 0;
-  const bf16* xp = x.data_ptr<bf16>();
-  const bf16* rp = residual ? residual->data_ptr<bf16>() : nullptr;
-  const bf16* wp = weight.data_ptr<bf16>();
-  bf16* yp = y.data_ptr<bf16>();
-  bf16* sp = sum ? sum->data_ptr<bf16>() : nullptr;
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const bf16* xr = xp + r * H;
-      if (rp) {
-        bf16* sr = sp + r * H;
-        const bf16* rr = rp + r * H;
-        int64_t j = 0;
-        for (; j + 8 <= H; j += 8) bf16_store8(sr + j, _mm256_add_ps(bf16_load8(xr + j), bf16_load8(rr + j)));
+        for (; j + 8 <= H; j += 8) store8(sr + j, _mm256_add_ps(load8(xr + j), load8(rr + j)));
         for (; j < H; ++j) sr[j] = static_cast<float>(xr[j]) + static_cast<float>(rr[j]);
         xr = sr;
       }
-      __m256 acc = _mm256_setzero_ps();
-      int64_t j = 0;
-      for (; j + 8 <= H; j += 8) {
-        const __m256 v = bf16_load8(xr + j);
-        acc = _mm256_fmadd_ps(v, v, acc);
-      }
-      __m256 a8[8] = {acc, acc, acc, acc, acc, acc, acc, acc};
-      float ss = _mm256_cvtss_f32(tokenloom::hsum8(a8));
-      for (; j < H; ++j) ss += static_cast<float>(xr[j]) * static_cast<float>(xr[j]);
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
-      const __m256 iv = _mm256_set1_ps(inv);
-      bf16* yr = yp + r * H;
-      j = 0;
-      for (; j + 8 <= H; j += 8)
-        bf16_store8(yr + j, _mm256_mul_ps(bf16_load8(wp + j), bf16_round8(_mm256_mul_ps(bf16_load8(xr + j), iv))));
-      for (; j < H; ++j) yr[j] = static_cast<float>(wp[j]) * static_cast<float>(bf16(static_cast<float>(xr[j]) * inv));
+      norm_row(xr, wp, yp + r * H, H, static_cast<float>(eps));
     }
   });
 }
@@ -160,9 +144,9 @@ void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
 void any_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
                    at::Tensor& y, at::Tensor* sum) {
   if (x.scalar_type() == at::kBFloat16)
-    norm_rows_bf16(x, residual, weight, eps, y, sum);
+    norm_rows<bf16>(x, residual, weight, eps, y, sum);
   else
-    norm_rows(x, residual, weight, eps, y, sum);
+    norm_rows<float>(x, residual, weight, eps, y, sum);
 }
 
 // y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)) for every row r of the last dimension.
@@ -186,6 +170,38 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {y, s};
 }
 
+// A float32 result as the element type E stores it: unchanged, or rounded to bf16.
+template <typename E>
+inline __m256 round8(__m256 v) {
+  if constexpr (std::is_same_v<E, bf16>) return bf16_round8(v);
+  return v;
+}
+
+// silu(gate) * up for rows of [gate | up] (I each), in float32 or bfloat16 (E); in bf16 the
+// SiLU is rounded before the product, as F.silu(gate) * up rounds.
+template <typename E>
+void silu_rows(const E* xp, E* yp, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t r = r0; r < r1; ++r) {
+      const E* g = xp + r * 2 * I;
+      const E* u = g + I;
+      E* yr = yp + r * I;
+      int64_t j = 0;
+      for (; j + 8 <= I; j += 8) {
+        const __m256 gv = load8(g + j);
+        // sigmoid(g) = 1 / (1 + e^-g); exp8 clamps, so a very negative g gives 0, not NaN
+        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, tokenloom::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        store8(yr + j, _mm256_mul_ps(round8<E>(_mm256_mul_ps(gv, sig)), load8(u + j)));
+      }
+      for (; j < I; ++j) {
+        const float gj = g[j];
+        yr[j] = static_cast<float>(E(gj / (1.0f + std::exp(-gj)))) * static_cast<float>(u[j]);
+      }
+    }
+  });
+}
+
 // x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]: the SwiGLU activation on the fused
 // gate/up projection's output.
 at::Tensor silu_and_mul(const at::Tensor& x) {
@@ -199,47 +215,10 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   sizes.back() = I;
   auto y = at::empty(sizes, xc.options());
   const int64_t rows = I2 ? xc.numel() / I2 : 0;
-  if (xc.scalar_type() == at::kBFloat16) {  // bf16(bf16(silu(g)) * u), as F.silu(gate) * up rounds
-    const bf16* xp = xc.data_ptr<bf16>();
-    bf16* yp = y.data_ptr<bf16>();
-    at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
-      const __m256 one = _mm256_set1_ps(1.0f);
-      for (int64_t r = r0; r < r1; ++r) {
-        const bf16* g = xp + r * I2;
-        const bf16* u = g + I;
-        bf16* yr = yp + r * I;
-        int64_t j = 0;
-        for (; j + 8 <= I; j += 8) {
-          const __m256 gv = bf16_load8(g + j);
-          const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, tokenloom::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-          bf16_store8(yr + j, _mm256_mul_ps(bf16_round8(_mm256_mul_ps(gv, sig)), bf16_load8(u + j)));
-        }
-        for (; j < I; ++j) {
-          const float gj = g[j];
-          yr[j] = static_cast<float>(bf16(gj / (1.0f + std::exp(-gj)))) * static_cast<float>(u[j]);
-        }
-      }
-    });
-    return y;
-  }
-  const float* xp = xc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* g = xp + r * I2;
-      const float* u = g + I;
-      float* yr = yp + r * I;
-      int64_t j = 0;
-      for (; j + 8 <= I; j += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + j);
-        // sigmoid(g) = 1 / (1 + e^-g); exp8 clamps, so a very negative g gives 0, not NaN
-        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, tokenloom::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-        _mm256_storeu_ps(yr + j, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + j)));
-      }
-      for (; j < I; ++j) yr[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
-    }
-  });
+  if (xc.scalar_type() == at::kBFloat16)
+    silu_rows(xc.data_ptr<bf16>(), y.data_ptr<bf16>(), rows, I);
+  else
+    silu_rows(xc.data_ptr<float>(), y.data_ptr<float>(), rows, I);
   return y;
 }
 

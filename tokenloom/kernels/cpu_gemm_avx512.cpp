@@ -78,29 +78,7 @@ inline void micro(const float* x, int64_t ldx, const float* const w[2], int64_t 
       for (int j = 0; j < NP; ++j) acc[0][i][j] = _mm512_fmadd_ps(a, wv[j], acc[0][i][j]);
     }
   }
-#pragma GCC unroll 12
-  for (int i = 0; i < R; ++i) {
-#pragma GCC unroll 2
-    for (int j = 0; j < NP; ++j) {
-      __m512 v = acc[0][i][j];
-#pragma GCC unroll 4
-      for (int s = 1; s < S; ++s) v = _mm512_add_ps(v, acc[s][i][j]);
-      float* yij = y + i * ldy + j * NR;
-      const float* bj = bias ? bias + j * NR : nullptr;
-      // Only the last panel of an N that is not a multiple of 16 is partial.
-      const int64_t cols = std::min<int64_t>(NR, ncols - j * NR);
-      if (cols == NR) {
-        if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(yij));
-        if (bj) v = _mm512_add_ps(v, _mm512_loadu_ps(bj));
-        _mm512_storeu_ps(yij, v);
-      } else {
-        const __mmask16 m = static_cast<__mmask16>((1u << cols) - 1);
-        if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, yij));
-        if (bj) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bj));
-        _mm512_mask_storeu_ps(yij, m, v);
-      }
-    }
-  }
+  tokenloom::store_tile<S, R, NP>(acc, y, ldy, accumulate, bias, ncols);
 }
 
 template <int NP, bool DIRECT>

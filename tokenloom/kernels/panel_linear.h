@@ -1,12 +1,15 @@
 // What every packed-linear op does besides its kernel (cpu_gemm*.cpp): flatten x to
 // [M, K] in the dtype the kernel reads, allocate the float32 output, widen a bias padded
-// to the panels, and give the output back in x's shape and dtype.  Shared by the AVX2,
+// to the panels, and give the output back in x's shape and dtype; and, for the two AVX-512
+// kernels, the micro-kernel's epilogue (`store_tile`).  Shared by the AVX2,
 // AVX-512 and AVX512-BF16 extensions, which are compiled separately with their own ISA
 // flags and so cannot share one compiled function.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -39,5 +42,38 @@ inline LinearCall begin_linear(const at::Tensor& x, int64_t K, int64_t n, int64_
   }
   return c;
 }
+
+#ifdef __AVX512F__
+// The AVX-512 micro-kernels' epilogue (fp32 and bf16 GEMMs): each of R rows x NP 16-column
+// panels sums its S interleaved partial sums and is written to y, plus the previous k-blocks'
+// sums (`accumulate`) and, on the last k-block, the bias.  Only the last panel of an N that is
+// not a multiple of 16 is partial: it is masked to its `ncols - 16 j` columns.
+template <int S, int R, int NP>
+inline void store_tile(const __m512 (&acc)[S][R][NP], float* y, int64_t ldy, bool accumulate, const float* bias,
+                       int64_t ncols) {
+#pragma GCC unroll 12
+  for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) {
+      __m512 v = acc[0][i][j];
+#pragma GCC unroll 4
+      for (int s = 1; s < S; ++s) v = _mm512_add_ps(v, acc[s][i][j]);
+      float* yij = y + i * ldy + j * 16;
+      const float* bj = bias ? bias + j * 16 : nullptr;
+      const int64_t cols = std::min<int64_t>(16, ncols - j * 16);
+      if (cols == 16) {
+        if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(yij));
+        if (bj) v = _mm512_add_ps(v, _mm512_loadu_ps(bj));
+        _mm512_storeu_ps(yij, v);
+      } else {
+        const __mmask16 m = static_cast<__mmask16>((1u << cols) - 1);
+        if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, yij));
+        if (bj) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bj));
+        _mm512_mask_storeu_ps(yij, m, v);
+      }
+    }
+  }
+}
+#endif
 
 }  // namespace tokenloom
