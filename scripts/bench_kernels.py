@@ -89,7 +89,11 @@ def bench_gemm(rows: list[int], repeats: int) -> None:
             ts = _median_rounds(fns, repeats)
             per = "   ".join(f"{n}x{k} {sum(p.numel() * 4 for p in shapes[(n, k)]) / ts[(n, k)] / 1e9:5.1f} GB/s"
                              f" ({ts[(n, k)] / len(shapes[(n, k)]) * 1e6:.0f} us/call)" for n, k in shapes)
-            print(f"        by matrix (x{LAYERS}): {per}; copy {measure_bandwidth() / 1e9:.1f} GB/s")
+            flat = torch.ones(nbytes // 4)  # the same bytes read by PyTorch's vectorized sum, nothing written
+            t_read = _median_rounds({"sum": flat.sum}, repeats)["sum"]
+            del flat
+            print(f"        by matrix (x{LAYERS}): {per}; copy {measure_bandwidth() / 1e9:.1f} GB/s, "
+                  f"plain read (torch.sum) {nbytes / t_read / 1e9:.1f} GB/s")
     del ours, small_pages, onednn
     if cpu.bf16_enabled():  # the bf16 kernel over the same matrices, half the bytes
         pairs = [(cpu.pack_pairs(torch.randn(n, k, generator=g).bfloat16()), n, k)
