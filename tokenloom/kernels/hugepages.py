@@ -8,11 +8,11 @@ Linux backs anonymous memory with transparent huge pages (THP) where a program a
 them (`madvise` mode, the usual default), so these buffers are mapped on their own, aligned
 to 2 MiB and marked MADV_HUGEPAGE before their first write.
 
-Measured on the AMD Zen 5 VM this project is developed on (scripts/bench_kernels.py, which
-runs our GEMM from both page sizes): over Qwen2.5-0.5B's matrices at 32 rows it ran 6-9%
-faster from 2 MiB pages; at one row ~3% faster in the VM's fast bandwidth state, the same in
-its slow one.  Batch-32 decode steps, alternating runs: 83.7 / 87.8 / 86.2 ms -> 80.1 / 83.6 /
-79.7 ms.
+Measured on the AMD Zen 5 VM this project is developed on (scripts/bench_kernels.py runs our
+GEMM over Qwen2.5-0.5B's matrices from both page sizes): 433 -> 469 GF/s at 32 rows, 73.7 ->
+76.3 GB/s at one row (the VM's fast bandwidth state; in its slow one the page size made no
+difference at one row).  Batch-32 decode steps, alternating `bench roofline` runs with
+TOKENLOOM_HUGEPAGES=0|1: 83.7 / 87.8 / 86.2 ms -> 80.1 / 83.6 / 79.7 ms.
 
 Where THP is off, on other OSes, or with `TOKENLOOM_HUGEPAGES=0`, these are plain
 `torch.empty` / `torch.zeros`.
@@ -42,8 +42,8 @@ def empty(shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device
 def zeros(shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """`torch.zeros`, the same way.  Written through now, like torch.zeros, although a fresh
     mapping already reads as zeros: every page is faulted in here, at start-up, instead of
-    the first time a decode step writes a KV block there (a 2 MiB page is zeroed by the
-    kernel on its first touch, ~0.1 ms inside someone's step)."""
+    the first time a decode step writes a KV block there (the kernel zeroes a 2 MiB page on
+    its first touch, which would land inside somebody's step)."""
     t = _mapped(shape, dtype) if torch.device(device).type == "cpu" else None
     return torch.zeros(shape, dtype=dtype, device=device) if t is None else t.zero_()
 
