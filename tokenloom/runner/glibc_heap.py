@@ -23,7 +23,7 @@ import sys
 M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 << 20  # the largest mmap threshold glibc accepts on 64-bit
-TRIM_THRESHOLD = 1 << 30
+TRIM_THRESHOLD = 256 << 20  # more than a step's heap-served temporaries, little to hold on to
 
 
 @functools.cache
@@ -39,7 +39,7 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def keep_step_buffers() -> bool:
-    """Serve allocations up to 32 MiB from the heap and keep up to 1 GiB of freed heap for
+    """Serve allocations up to 32 MiB from the heap and keep up to 256 MiB of freed heap for
     reuse; True if glibc took both settings."""
     libc = _libc()
     if libc is None or os.environ.get("TOKENLOOM_GLIBC_HEAP", "1") == "0":
