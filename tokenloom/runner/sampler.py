@@ -167,7 +167,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     if sampled_rows:
         idx = torch.tensor(sampled_rows, device=logits.device)
         sub_rows = [rows[i] for i in sampled_rows]
-        probs = _filter(logits[idx], sub_rows).softmax(dim=-1)
+        every = len(sampled_rows) == len(rows)  # then no copy of the rows is needed
+        probs = _filter(logits if every else logits[idx], sub_rows).softmax(dim=-1)
         tokens[idx] = _draw(probs, sub_rows)
 
     token_list = tokens.tolist()
