@@ -331,15 +331,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t bs = k_cache.size(1), Hk = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && D % 8 == 0 && Hq % Hk == 0, "head_dim must be a multiple of 8");
   const int64_t G = Hq / Hk;
-  const auto qf = q.to(at::kFloat).contiguous();  // no copy for a float32 decode batch
+  // q and the output stay in q's dtype when it is float32 or bfloat16 (no conversion ops
+  // around the kernel); the arithmetic is float32 either way.
+  const bool bf16_io = q.scalar_type() == at::kBFloat16;
+  const auto qc = bf16_io ? q.contiguous() : q.to(at::kFloat).contiguous();
   const auto bt = block_tables.to(at::kLong).contiguous();
   const auto cl = context_lens.to(at::kLong).contiguous();
   TORCH_CHECK(bt.size(0) == N && cl.size(0) == N, "one block table and context length per query");
-  auto out = at::empty({N, Hq, D}, qf.options());
-  const float* qp = qf.data_ptr<float>();
+  auto out = at::empty({N, Hq, D}, qc.options());
+  const float* qp = bf16_io ? nullptr : qc.data_ptr<float>();
+  const at::BFloat16* qp16 = bf16_io ? qc.data_ptr<at::BFloat16>() : nullptr;
+  float* op = bf16_io ? nullptr : out.data_ptr<float>();
+  at::BFloat16* op16 = bf16_io ? out.data_ptr<at::BFloat16>() : nullptr;
   const int64_t* btp = bt.data_ptr<int64_t>();
   const int64_t* clp = cl.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
   const int64_t nb = bt.size(1);
   const int64_t token_stride = Hk * D;
   // Work items: (request, KV head), or whole requests where the 512-bit loop serves all of
@@ -348,17 +353,21 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto run = [&](auto* kc, auto* vc) {
     at::parallel_for(0, N * (Hk / H), 1, [&](int64_t i0, int64_t i1) {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
-      std::vector<float> scores(G * ((bs + 7) / 8 * 8)), acc(H * G * D), qs(H * G * D);
+      const int64_t len = H * G * D;
+      std::vector<float> scores(G * ((bs + 7) / 8 * 8)), acc(len), qs(len), o32(bf16_io ? len : 0);
       std::vector<const T*> rows((bs + 7) / 8 * 8);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t r = i / (Hk / H), h = i % (Hk / H) * H;
         const int64_t ctx = clp[r];
         TORCH_CHECK(ctx >= 0 && ctx <= nb * bs, "context length exceeds the block table");
         // The item's query rows, pre-scaled: the scores come out as q.k * scale.
-        const float* qi = qp + (r * Hq + h * G) * D;
-        for (int64_t j = 0; j < H * G * D; ++j) qs[j] = qi[j] * static_cast<float>(scale);
+        const int64_t off = (r * Hq + h * G) * D;
+        const float sc = static_cast<float>(scale);
+        for (int64_t j = 0; j < len; ++j) qs[j] = (bf16_io ? static_cast<float>(qp16[off + j]) : qp[off + j]) * sc;
         attend_heads(qs.data(), H, G, D, kc + h * D, vc + h * D, btp + r * nb, ctx, bs, token_stride,
-                     op + (r * Hq + h * G) * D, scores.data(), acc.data(), rows.data());
+                     bf16_io ? o32.data() : op + off, scores.data(), acc.data(), rows.data());
+        if (bf16_io)  // rounded as float -> bfloat16 conversion rounds
+          for (int64_t j = 0; j < len; ++j) op16[off + j] = at::BFloat16(o32[j]);
       }
     });
   };
@@ -369,7 +378,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     run(reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
         reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()));
   }
-  return out.to(q.scalar_type());
+  return bf16_io ? out : out.to(q.scalar_type());
 }
 
 }  // namespace
