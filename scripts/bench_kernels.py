@@ -66,19 +66,15 @@ def bench_gemm(rows: list[int], repeats: int) -> None:
         xs = {k: torch.randn(m, k, generator=g) for _, k in LAYER_SHAPES}
         flops = sum(2 * m * n * p.shape[1] for p, n in ours)
 
-        def run_ours():
-            for p, n in ours:
-                op(xs[p.shape[1]], p, n, None)
-
-        def run_small_pages():
-            for p, n in small_pages:
+        def run(panels):
+            for p, n in panels:
                 op(xs[p.shape[1]], p, n, None)
 
         def run_onednn():
             for w, k in onednn:
                 torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
 
-        t = _median_rounds({"ours": run_ours, "4k": run_small_pages, "oneDNN": run_onednn}, repeats)
+        t = _median_rounds({"ours": lambda: run(ours), "4k": lambda: run(small_pages), "oneDNN": run_onednn}, repeats)
         unit = (lambda s: f"{nbytes / s / 1e9:6.1f} GB/s") if m == 1 else (lambda s: f"{flops / s / 1e9:6.0f} GF/s")
         print(f"  {m:4d} rows: ours {unit(t['ours'])} (4 KiB pages {unit(t['4k'])})   oneDNN {unit(t['oneDNN'])}")
         if m == 1:  # which matrices stream at the copy rate, next to a copy reading of the same moment

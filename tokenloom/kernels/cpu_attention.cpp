@@ -363,7 +363,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
         // The item's query rows, pre-scaled: the scores come out as q.k * scale.
         const int64_t off = (r * Hq + h * G) * D;
         const float sc = static_cast<float>(scale);
-        for (int64_t j = 0; j < len; ++j) qs[j] = (bf16_io ? static_cast<float>(qp16[off + j]) : qp[off + j]) * sc;
+        if (bf16_io)
+          for (int64_t j = 0; j < len; ++j) qs[j] = static_cast<float>(qp16[off + j]) * sc;
+        else
+          for (int64_t j = 0; j < len; ++j) qs[j] = qp[off + j] * sc;
         attend_heads(qs.data(), H, G, D, kc + h * D, vc + h * D, btp + r * nb, ctx, bs, token_stride,
                      bf16_io ? o32.data() : op + off, scores.data(), acc.data(), rows.data());
         if (bf16_io)  // rounded as float -> bfloat16 conversion rounds
