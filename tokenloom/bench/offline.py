@@ -251,6 +251,16 @@ def peak_rss_bytes() -> int | None:
         return None
 
 
+def peak_device_bytes(device: Any) -> int | None:
+    """Peak memory PyTorch's caching allocator has held on an accelerator (None on CPUs,
+    where the weights and KV pool count in the process's RSS instead)."""
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    return None
+
+
 def current_rss_bytes() -> int | None:
     try:
         import psutil

@@ -18,8 +18,8 @@ from typing import Any
 from rich.console import Console
 
 from tokenloom.bench import metrics, report
-from tokenloom.bench.offline import (build_llm, current_rss_bytes, engine_vocab_range, peak_rss_bytes,
-                                     run_generate, warmup)
+from tokenloom.bench.offline import (build_llm, current_rss_bytes, engine_vocab_range, peak_device_bytes,
+                                     peak_rss_bytes, run_generate, warmup)
 from tokenloom.bench.workloads import BenchRequest, workload_from_args, workload_stats
 
 
@@ -82,9 +82,14 @@ def main(args: argparse.Namespace) -> int:
         "kv_pool_gib": _gib(eng.runner.kv_cache_bytes),
         "steps": run.steps.summary(),
     }
-    if engine_res["peak_rss_gib"]:
-        engine_res["peak_rss_over_weights_kv"] = engine_res["peak_rss_gib"] / (
-            engine_res["weights_gib"] + engine_res["kv_pool_gib"])
+    # Set the peak against weights + KV where they live: host RSS on CPUs, the allocator's
+    # peak on a GPU (whose host RSS holds neither).
+    by_design = engine_res["weights_gib"] + engine_res["kv_pool_gib"]
+    engine_res["peak_device_gib"] = _gib(peak_device_bytes(eng.loaded.device))
+    if engine_res["peak_device_gib"]:
+        engine_res["peak_device_over_weights_kv"] = engine_res["peak_device_gib"] / by_design
+    elif engine_res["peak_rss_gib"]:
+        engine_res["peak_rss_over_weights_kv"] = engine_res["peak_rss_gib"] / by_design
     results: dict[str, Any] = {"engine": engine_res, "latency": summary}
 
     if args.baseline == "hf":
@@ -135,9 +140,10 @@ def _print(console: Console, results: dict) -> None:
             cells.append(f"{sp:.2f}x" if sp and math.isfinite(sp) else "")
         t.add_row(*cells)
     console.print(t)
-    if e.get("peak_rss_over_weights_kv"):
-        console.print(f"engine memory: weights {e['weights_gib']:.2f} GiB + KV pool {e['kv_pool_gib']:.2f} GiB; "
-                      f"peak RSS {e['peak_rss_gib']:.2f} GiB = {100 * (e['peak_rss_over_weights_kv'] - 1):+.1f}%")
+    for key, what in (("peak_rss", "peak RSS"), ("peak_device", "peak device memory")):
+        if e.get(f"{key}_over_weights_kv"):
+            console.print(f"engine memory: weights {e['weights_gib']:.2f} GiB + KV pool {e['kv_pool_gib']:.2f} GiB; "
+                          f"{what} {e[f'{key}_gib']:.2f} GiB = {100 * (e[f'{key}_over_weights_kv'] - 1):+.1f}%")
     if hf:
         console.print(f"peak RSS is the process's; HF's column includes the engine still loaded "
                       f"(HF added {report.fmt(hf.get('rss_added_gib'))} GiB)")
