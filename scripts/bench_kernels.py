@@ -55,7 +55,7 @@ def _median_rounds(fns: dict, repeats: int, inner: int = 1) -> dict:
 def bench_gemm(rows: list[int], repeats: int) -> None:
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g) for _ in range(LAYERS) for n, k in LAYER_SHAPES]
-    ours = [(cpu.pack(w), w.shape[0]) for w in weights]
+    ours = [(cpu.pack_for(w), w.shape[0]) for w in weights]  # the engine's layout on this CPU
     small_pages = [(p.clone(), n) for p, n in ours]  # torch's allocator: 4 KiB pages
     op = cpu.linear_op(ours[0][0])
     onednn = [(_pack(w), w.shape[1]) for w in weights]

@@ -46,7 +46,7 @@ def test_kernel_matches_matmul(m, k, n, bf16, with_bias, seed):
 @given(
     m=st.integers(0, 40) | st.sampled_from([241, 400]),  # decode rows (tiles of 12), prefill past an m-block (240)
     k=st.integers(1, 600),  # crosses the 128-row k-blocks
-    n=st.integers(1, 90),  # pairs of panels, a lone last panel, a ragged last one
+    n=st.integers(1, 90),  # whole 32-column panels, a last one of <= 16 columns (one half), a ragged one
     with_bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
@@ -55,17 +55,21 @@ def test_avx512_kernel_matches_matmul(m, k, n, with_bias, seed):
     w = torch.randn(n, k, generator=g)
     x = torch.randn(m, k, generator=g)
     bias = torch.randn(n, generator=g) if with_bias else None
-    y = torch.ops.tokenloom_avx512.linear(x, cpu_kernels.pack(w), n, cpu_kernels.pad_bias(bias, n))
+    y = torch.ops.tokenloom_avx512.linear(x, cpu_kernels.pack(w, cpu_kernels.WIDE), n, cpu_kernels.pad_bias(bias, n))
     ref = x @ w.t() + (0 if bias is None else bias)
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert torch.allclose(y, ref, atol=1e-4 * k**0.5, rtol=1e-4)
 
 
-def test_packed_rows_read_the_original_rows():
+@pytest.mark.parametrize("width", [cpu_kernels.NR, cpu_kernels.WIDE])
+def test_packed_rows_read_the_original_rows(width):
     w = torch.randn(37, 11)
-    packed = cpu_kernels.pack(w)
-    assert packed.shape == (3, 11, 16) and torch.all(packed[2, :, 5:] == 0)  # zero padding
-    ids = torch.tensor([[0, 36], [15, 16]])
+    packed = cpu_kernels.pack(w, width)
+    panels = -(-37 // width)
+    assert packed.shape == (panels, 11, width)
+    assert torch.all(packed[-1, :, 37 - (panels - 1) * width:] == 0)  # zero padding
+    assert torch.equal(packed[0, 3], w[:width, 3])  # out[p, k, c] = W[width p + c, k]
+    ids = torch.tensor([[0, 36], [15, 16], [31, 32]])
     assert torch.equal(cpu_kernels.packed_rows(packed, ids, 11), w[ids])
 
 

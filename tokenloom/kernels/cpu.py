@@ -8,9 +8,9 @@ stock kernels stream them poorly at decode's shapes:
 * `cpu_gemm.cpp`: y = x W^T with W packed in 16-column panels (`pack`), fp32 or bf16
   weights.  Used where it was measured to beat oneDNN: x86 CPUs with AVX2 + FMA but
   without AVX-512 (see `preferred`; model/packed_linear.py has the figures).
-* `cpu_gemm_avx512.cpp`: the same GEMM for fp32 weights on CPUs with AVX-512, in the same
-  panels, with a micro-kernel shaped for 512-bit FMAs; a separate extension built with
-  AVX-512 flags.  It beats oneDNN at decode's row counts and loses ~5-10% at prefill's.
+* `cpu_gemm_avx512.cpp`: the same GEMM for fp32 weights on CPUs with AVX-512, in 32-column
+  panels (`pack(w, WIDE)`: one sequential stream per thread), with a micro-kernel shaped
+  for 512-bit FMAs; a separate extension built with AVX-512 flags.  It beats oneDNN at decode's row counts and loses ~5-10% at prefill's.
 * `cpu_gemm_bf16.cpp`: the same GEMM for bf16 weights on CPUs with AVX512-BF16, in the
   layout its dot-product instruction reads (`pack_pairs`); also its own extension.
   Used for bf16 on those CPUs, where it streams faster than oneDNN's bf16 GEMV.
@@ -44,7 +44,8 @@ from tokenloom.kernels import hugepages
 
 log = logging.getLogger(__name__)
 
-NR = 16  # panel width; must match cpu_gemm.cpp
+NR = 16  # panel width of the AVX2 and bf16 kernels; must match cpu_gemm.cpp, cpu_gemm_bf16.cpp
+WIDE = 32  # panel width of the AVX-512 fp32 kernel; must match cpu_gemm_avx512.cpp
 
 
 def _cpu_flags() -> set[str]:
@@ -209,17 +210,21 @@ def fused_enabled() -> bool:
     return os.environ.get("TOKENLOOM_CPU_FUSED", "1") != "0" and load()
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N/16), K, 16], zero-padded: each panel of 16 outputs one stream."""
+def pack(weight: torch.Tensor, width: int = NR) -> torch.Tensor:
+    """[N, K] -> [ceil(N/width), K, width], zero-padded: out[p, k, c] = W[width p + c, k].
+
+    Each panel of `width` outputs is one sequential stream.  The AVX2 kernel reads 16-wide
+    panels (one ymm pair per k); the AVX-512 one reads 32-wide panels (`WIDE`: two zmm per
+    k, 128 contiguous bytes), so a thread streams one sequence, not two panels side by side."""
     n, k = weight.shape
     w = weight.detach()
-    full, rest = divmod(n, NR)
+    full, rest = divmod(n, width)
     # One copy (no padded temporary of the whole matrix), in 2 MiB pages (hugepages.py).
-    out = hugepages.empty((full + (rest > 0), k, NR), w.dtype, w.device)
-    out[:full].copy_(w[: full * NR].view(full, NR, k).transpose(1, 2))
+    out = hugepages.empty((full + (rest > 0), k, width), w.dtype, w.device)
+    out[:full].copy_(w[: full * width].view(full, width, k).transpose(1, 2))
     if rest:
         out[full].zero_()
-        out[full, :, :rest].copy_(w[full * NR :].t())
+        out[full, :, :rest].copy_(w[full * width :].t())
     return out
 
 
@@ -239,7 +244,9 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
 
 def pack_for(weight: torch.Tensor) -> torch.Tensor:
     """The packed layout our GEMM for this weight's dtype on this CPU reads."""
-    return pack_pairs(weight) if weight.dtype == torch.bfloat16 and bf16_enabled() else pack(weight)
+    if weight.dtype == torch.bfloat16 and bf16_enabled():
+        return pack_pairs(weight)
+    return pack(weight, WIDE if weight.dtype == torch.float32 and avx512_enabled() else NR)
 
 
 def linear_op(packed: torch.Tensor):
@@ -247,7 +254,7 @@ def linear_op(packed: torch.Tensor):
     panels go to the AVX-512 kernel where the CPU has it."""
     if packed.dim() == 4:
         return torch.ops.tokenloom_bf16.linear
-    if packed.dtype == torch.float32 and avx512_enabled():
+    if packed.shape[-1] == WIDE:
         return torch.ops.tokenloom_avx512.linear
     return torch.ops.tokenloom_cpu.linear
 
@@ -255,7 +262,7 @@ def linear_op(packed: torch.Tensor):
 def pad_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
     if bias is None:
         return None
-    out = torch.zeros(-(-n // NR) * NR, dtype=torch.float32)
+    out = torch.zeros(-(-n // WIDE) * WIDE, dtype=torch.float32)  # covers either panel width
     out[:n] = bias.detach().float()
     return out
 
@@ -265,6 +272,7 @@ def packed_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor
     lookup on a tied vocab matrix that is stored only once, packed for the lm_head)."""
     if packed.dim() == 4:  # pairs: [P, K2, 16, 2] -> K2 * 2 values per row, an odd k's pad dropped
         return packed[ids // NR, :, ids % NR, :].reshape(*ids.shape, -1)[..., :k]
-    return packed[ids // NR, :, ids % NR]
+    width = packed.shape[-1]
+    return packed[ids // width, :, ids % width]
 
 

@@ -1,14 +1,17 @@
 // float32 decode GEMM for x86 CPUs with AVX-512: y[M, N] = x[M, K] * W[N, K]^T (+ bias).
 //
-// The same panels as cpu_gemm.cpp ([ceil(N/16), K, 16]: 16 output columns, one 64-byte
-// row per k, so one k of a panel is exactly one cache line and one zmm register), read
-// with 512-bit FMAs.  At a few dozen rows a decode step is bound by the FMA units, not by
-// memory, so the micro-kernel is shaped for FMA throughput: it multiplies two neighbouring
-// panels at once (two weight vectors per k) by up to 12 activation rows, 24 accumulators
-// of the 32 zmm registers, so each weight load feeds 12 FMAs and each broadcast 2.  At one
-// row it is a memory stream and the shape does not matter; the next weight block is
-// prefetched a block ahead while this one is multiplied.  From 16 rows up the activations
-// are read in place (`kDirectRows`); below, from a k-major copy of each 12-row tile.
+// W is packed in 32-column panels ([ceil(N/32), K, 32], kernels/cpu.py `pack(w, WIDE)`):
+// one k of a panel is 128 contiguous bytes, two cache lines and two zmm registers.  At a
+// few dozen rows a decode step is bound by the FMA units, not by memory, so the
+// micro-kernel is shaped for FMA throughput: it multiplies both 16-column halves of a panel
+// (two weight vectors per k) by up to 12 activation rows, 24 accumulators of the 32 zmm
+// registers, so each weight load feeds 12 FMAs and each broadcast 2.  At one row it is a
+// memory stream, and the layout is what matters: each thread reads its run of panels as
+// one sequential stream.  (16-column panels read two at a time were two streams per
+// thread, 8 KB apart per k-block: the 24 layers at one row streamed 75-77 GB/s, one stream
+// per thread 82, with the machine's copy reading 81-87 GB/s; `kPrefetchRows` below.)  From 16 rows up
+// the activations are read in place (`kDirectRows`); below, from a k-major copy of each
+// 12-row tile.
 //
 // Built as its own extension with AVX-512 flags (kernels/cpu.py loads it only where the CPU
 // has AVX-512), so the AVX2 kernels never contain AVX-512 instructions.
@@ -25,22 +28,27 @@
 
 namespace {
 
-constexpr int64_t NR = 16;   // panel width: one zmm of float32
+constexpr int64_t NR = 16;   // one zmm of float32: half a panel
+constexpr int64_t LDW = 32;  // panel width (kernels/cpu.py WIDE): floats per k of a panel
 constexpr int64_t MR = 12;   // rows per micro-tile: 2 x 12 accumulators + 2 weight vectors of 32 registers
-constexpr int64_t KC = 128;  // k-block: 8 KB per panel, 16 KB per pair, reused from L1 by every micro-tile
+constexpr int64_t KC = 128;  // k-block: 16 KB of a panel, reused from L1 by every micro-tile
 constexpr int64_t MC = 240;  // m-block: activations of one k-block (240 x 128 x 4 B) stay in L2
 // From this many rows the micro-kernel reads x in place (a row's next 16 k share one line)
 // instead of from a k-major copy: packing costs a pass over x per call (~50 us at 32 x 4864),
 // which pays back only below ~16 rows (same 24 layers: 8 rows 7% faster packed; 32, 64 and
 // 256 rows 2%, 6% and 4% faster in place).
 constexpr int64_t kDirectRows = 16;
+// From this many rows each k-block's first micro-tile prefetches the block after it: there
+// the kernel is FMA-bound and would stall on every new block (32 rows: 497 GF/s with, 282
+// without); at one row it is a plain stream that the hardware prefetchers serve better alone
+// (82 GB/s without, 77-78 with).
+constexpr int64_t kPrefetchRows = 2;
 
-// y[0:R, cols of NP panels] (+)= x[0:kc, 0:R] * panels[0:kc]; S interleaved accumulator
-// chains keep one or two rows from waiting on FMA latency.  `pf[j]`, when set, is the block
-// that follows panel j's block, prefetched one line per k (one k row is one line).
+// y[0:R, NP halves of a panel] (+)= x[0:kc, 0:R] * panel[0:kc]; S interleaved accumulator
+// chains keep one or two rows from waiting on FMA latency.
 template <int R, int NP, int S, bool DIRECT>
-inline void micro(const float* x, int64_t ldx, const float* const w[2], int64_t kc, float* y, int64_t ldy, bool accumulate,
-                  const float* bias, int64_t ncols, const float* const pf[2]) {
+inline void micro(const float* x, int64_t ldx, const float* w, int64_t kc, float* y, int64_t ldy, bool accumulate,
+                  const float* bias, int64_t ncols, const float* pf) {
   __m512 acc[S][R][NP];
 #pragma GCC unroll 4
   for (int s = 0; s < S; ++s)
@@ -56,8 +64,8 @@ inline void micro(const float* x, int64_t ldx, const float* const w[2], int64_t 
       __m512 wv[NP];
 #pragma GCC unroll 2
       for (int j = 0; j < NP; ++j) {
-        if (pf[j]) _mm_prefetch(reinterpret_cast<const char*>(pf[j] + (k + s) * NR), _MM_HINT_T0);
-        wv[j] = _mm512_loadu_ps(w[j] + (k + s) * NR);  // loadu: a view may be unaligned
+        if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + (k + s) * LDW + j * NR), _MM_HINT_T0);
+        wv[j] = _mm512_loadu_ps(w + (k + s) * LDW + j * NR);  // loadu: a view may be unaligned
       }
 #pragma GCC unroll 12
       for (int i = 0; i < R; ++i) {
@@ -70,7 +78,7 @@ inline void micro(const float* x, int64_t ldx, const float* const w[2], int64_t 
   for (; k < kc; ++k) {  // tail when S does not divide kc
     __m512 wv[NP];
 #pragma GCC unroll 2
-    for (int j = 0; j < NP; ++j) wv[j] = _mm512_loadu_ps(w[j] + k * NR);
+    for (int j = 0; j < NP; ++j) wv[j] = _mm512_loadu_ps(w + k * LDW + j * NR);
 #pragma GCC unroll 12
     for (int i = 0; i < R; ++i) {
       const __m512 a = _mm512_set1_ps(DIRECT ? x[i * ldx + k] : x[k * R + i]);
@@ -82,8 +90,8 @@ inline void micro(const float* x, int64_t ldx, const float* const w[2], int64_t 
 }
 
 template <int NP, bool DIRECT>
-void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* const w[2], int64_t kc, float* y, int64_t ldy,
-                bool accumulate, const float* bias, int64_t ncols, const float* const pf[2]) {
+void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t kc, float* y, int64_t ldy,
+                bool accumulate, const float* bias, int64_t ncols, const float* pf) {
   switch (rows) {
     case 1: return micro<1, NP, 4 / NP, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
     case 2: return micro<2, NP, 2 / NP, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
@@ -117,39 +125,29 @@ void pack_rows(const float* x, int64_t M, int64_t K, float* out) {
 // x: packed by pack_rows, or (`direct`) the row-major [M, K] input itself.
 template <bool DIRECT>
 void gemm(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, const float* bias, float* y) {
-  const int64_t panels = (N + NR - 1) / NR;
-  const int64_t pairs = (panels + 1) / 2;
-  // Each thread takes a contiguous run of panel pairs: two sequential weight streams per core.
-  at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
+  const int64_t panels = (N + LDW - 1) / LDW;
+  const bool prefetch = M >= kPrefetchRows;
+  // Each thread takes a contiguous run of panels: one sequential weight stream per core.
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
       const int64_t m1 = std::min(M, m0 + MC);
-      for (int64_t q = q0; q < q1; ++q) {
-        const int64_t p = 2 * q, np = std::min<int64_t>(2, panels - p);
-        const float* panel[2] = {wp + p * K * NR, wp + (p + np - 1) * K * NR};
-        const int64_t ncols = std::min(np * NR, N - p * NR);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t ncols = std::min(LDW, N - p * LDW);
         for (int64_t k0 = 0; k0 < K; k0 += KC) {
           const int64_t kc = std::min(KC, K - k0);
-          const float* b = (bias && k0 + kc == K) ? bias + p * NR : nullptr;
-          const float* w[2] = {panel[0] + k0 * NR, panel[1] + k0 * NR};
-          // The weights this thread reads next: the same panels' next k-block, or the next
-          // pair's first; past this thread's last block nothing is prefetched.
-          const float* next[2] = {nullptr, nullptr};
-          if (k0 + kc < K) {
-            next[0] = w[0] + kc * NR;
-            next[1] = w[1] + kc * NR;
-          } else if (q + 1 < q1) {
-            next[0] = wp + (p + 2) * K * NR;
-            next[1] = wp + std::min(p + 3, panels - 1) * K * NR;
-          }
-          const float* none[2] = {nullptr, nullptr};
+          const float* b = (bias && k0 + kc == K) ? bias + p * LDW : nullptr;
+          const float* w = wp + (p * K + k0) * LDW;
+          // The weights this thread reads next (the rest of this panel, then its next
+          // panel), prefetched by the first micro-tile, which stalls on them otherwise.
+          const float* next = !prefetch ? nullptr : k0 + kc < K ? w + kc * LDW : p + 1 < p1 ? wp + (p + 1) * K * LDW : nullptr;
           for (int64_t m = m0; m < m1; m += MR) {
             const int64_t r = std::min(MR, m1 - m);
             const float* xt = xp + m * K + (DIRECT ? k0 : k0 * r);
-            float* yt = y + m * N + p * NR;
-            const float* const* pf = m == m0 ? next : none;
-            if (np == 2)
+            float* yt = y + m * N + p * LDW;
+            const float* pf = m == m0 ? next : nullptr;
+            if (ncols > NR)
               micro_rows<2, DIRECT>(r, xt, K, w, kc, yt, N, k0 > 0, b, ncols, pf);
-            else
+            else  // a last panel of at most 16 columns: its zero half is not multiplied
               micro_rows<1, DIRECT>(r, xt, K, w, kc, yt, N, k0 > 0, b, ncols, pf);
           }
         }
@@ -162,14 +160,14 @@ void gemm(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, con
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight_packed, int64_t n,
                       const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight_packed.device().is_cpu(), "tokenloom_avx512::linear runs on CPU");
-  TORCH_CHECK(weight_packed.scalar_type() == at::kFloat && weight_packed.dim() == 3 && weight_packed.size(2) == NR,
-              "weight must be float32 packed as [P, K, 16]");
+  TORCH_CHECK(weight_packed.scalar_type() == at::kFloat && weight_packed.dim() == 3 && weight_packed.size(2) == LDW,
+              "weight must be float32 packed as [P, K, 32]");
   const int64_t K = weight_packed.size(1);
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
-  TORCH_CHECK(weight_packed.size(0) * NR >= n, "n exceeds the packed panels");
+  TORCH_CHECK(weight_packed.size(0) * LDW >= n, "n exceeds the packed panels");
   const auto wp = weight_packed.contiguous();
-  const auto c = tokenloom::begin_linear(x, K, n, weight_packed.size(0) * NR, bias, at::kFloat);
-  if (c.M >= kDirectRows) {
+  const auto c = tokenloom::begin_linear(x, K, n, weight_packed.size(0) * LDW, bias, at::kFloat);
+  if (c.M >= kDirectRows || c.M == 1) {  // one row: its k-major copy would be itself
     gemm<true>(c.x2.data_ptr<float>(), c.M, K, wp.data_ptr<float>(), n, c.bias_ptr, c.y.data_ptr<float>());
   } else if (c.M > 0) {
     auto xp = at::empty({c.M * K}, c.x2.options());
