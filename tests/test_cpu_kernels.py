@@ -81,7 +81,7 @@ needs_bf16 = pytest.mark.skipif(not cpu_kernels.bf16_enabled(), reason="needs AV
 @given(
     m=st.integers(0, 40) | st.sampled_from([241, 400]),  # decode rows, and prefill past one m-block (240)
     k=st.integers(1, 1100),  # odd k (a zero-padded pair), and past the 128-pair k-block
-    n=st.integers(1, 70),
+    n=st.integers(1, 70),  # whole 32-column panels, a last one of <= 16 columns (one half), a ragged one
     with_bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
@@ -104,9 +104,10 @@ def test_bf16_pairs_kernel_matches_matmul(m, k, n, with_bias, seed):
 def test_packed_rows_read_the_original_rows_of_the_pairs_layout():
     w = torch.randn(37, 11).bfloat16()
     packed = cpu_kernels.pack_pairs(w)
-    assert packed.shape == (3, 6, 16, 2) and torch.all(packed[:, 5, :, 1] == 0)  # odd k: a zero partner
-    assert torch.equal(packed[1, 2, 3], w[16 + 3, 4:6])
-    ids = torch.tensor([[0, 36], [15, 16]])
+    assert packed.shape == (2, 6, 32, 2) and torch.all(packed[:, 5, :, 1] == 0)  # odd k: a zero partner
+    assert torch.all(packed[1, :, 5:] == 0)  # the last panel's missing columns
+    assert torch.equal(packed[1, 2, 3], w[32 + 3, 4:6])
+    ids = torch.tensor([[0, 36], [15, 16], [31, 32]])
     assert torch.equal(cpu_kernels.packed_rows(packed, ids, 11), w[ids])
 
 

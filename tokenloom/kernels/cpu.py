@@ -44,8 +44,8 @@ from tokenloom.kernels import hugepages
 
 log = logging.getLogger(__name__)
 
-NR = 16  # panel width of the AVX2 and bf16 kernels; must match cpu_gemm.cpp, cpu_gemm_bf16.cpp
-WIDE = 32  # panel width of the AVX-512 fp32 kernel; must match cpu_gemm_avx512.cpp
+NR = 16  # panel width of the AVX2 kernel; must match cpu_gemm.cpp
+WIDE = 32  # panel width of the AVX-512 fp32 and bf16 kernels; must match cpu_gemm_avx512.cpp, cpu_gemm_bf16.cpp
 
 
 def _cpu_flags() -> set[str]:
@@ -229,17 +229,18 @@ def pack(weight: torch.Tensor, width: int = NR) -> torch.Tensor:
 
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """bf16 [N, K] -> [ceil(N/16), ceil(K/2), 16, 2], zero-padded: out[p, j, c, t] = W[16p + c, 2j + t],
-    so each k-pair of a panel is the 64-byte vector `cpu_gemm_bf16.cpp` multiplies at once."""
+    """bf16 [N, K] -> [ceil(N/32), ceil(K/2), 32, 2], zero-padded: out[p, j, c, t] = W[32p + c, 2j + t],
+    so each k-pair of a 16-column half is the 64-byte vector `cpu_gemm_bf16.cpp` multiplies at
+    once, and each panel is one sequential stream, like `pack(w, WIDE)`."""
     n, k = weight.shape
-    p, k2 = -(-n // NR), -(-k // 2)
+    p, k2 = -(-n // WIDE), -(-k // 2)
     w = weight.detach()
-    if (p * NR, k2 * 2) != (n, k):  # ragged shapes only: a padded temporary
-        padded = w.new_zeros((p * NR, k2 * 2))
+    if (p * WIDE, k2 * 2) != (n, k):  # ragged shapes only: a padded temporary
+        padded = w.new_zeros((p * WIDE, k2 * 2))
         padded[:n, :k] = w
         w = padded
-    out = hugepages.empty((p, k2, NR, 2), w.dtype, w.device)
-    return out.copy_(w.view(p, NR, k2, 2).transpose(1, 2))
+    out = hugepages.empty((p, k2, WIDE, 2), w.dtype, w.device)
+    return out.copy_(w.view(p, WIDE, k2, 2).transpose(1, 2))
 
 
 def pack_for(weight: torch.Tensor) -> torch.Tensor:
@@ -270,8 +271,8 @@ def pad_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
 def packed_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
     """Rows `ids` of the original [N, k] matrix, read from either packed layout (embedding
     lookup on a tied vocab matrix that is stored only once, packed for the lm_head)."""
-    if packed.dim() == 4:  # pairs: [P, K2, 16, 2] -> K2 * 2 values per row, an odd k's pad dropped
-        return packed[ids // NR, :, ids % NR, :].reshape(*ids.shape, -1)[..., :k]
+    if packed.dim() == 4:  # pairs: [P, K2, 32, 2] -> K2 * 2 values per row, an odd k's pad dropped
+        return packed[ids // WIDE, :, ids % WIDE, :].reshape(*ids.shape, -1)[..., :k]
     width = packed.shape[-1]
     return packed[ids // width, :, ids % width]
 

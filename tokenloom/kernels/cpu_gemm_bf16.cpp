@@ -1,12 +1,13 @@
 // bfloat16 decode GEMM for x86 CPUs with AVX512-BF16: y[M, N] = x[M, K] * W[N, K]^T (+ bias).
 //
-// The same idea as cpu_gemm.cpp (weights in 16-column panels, streamed once per call), with
-// the layout the AVX512-BF16 dot-product instruction wants: vdpbf16ps multiplies 16 pairs
-// of bf16 values and adds each pair's sum into one float32 lane.  So each panel stores its
-// 16 columns as pairs of consecutive k ([ceil(N/16), ceil(K/2), 16, 2], zero-padded), one
-// 64-byte vector per k-pair, and an activation pair (x[k], x[k+1]) is broadcast as one
-// 32-bit value.  At one row that is one instruction per 64 bytes of weights, so the stream
-// is bound by memory, not by widening bf16 to float32 as the AVX2 kernel must.
+// The same idea as cpu_gemm_avx512.cpp (weights in 32-column panels, each thread's run of
+// panels one sequential stream, read once per call), with the layout the AVX512-BF16
+// dot-product instruction wants: vdpbf16ps multiplies 16 pairs of bf16 values and adds each
+// pair's sum into one float32 lane.  So each panel stores its 32 columns as pairs of
+// consecutive k ([ceil(N/32), ceil(K/2), 32, 2], zero-padded), two 64-byte vectors per
+// k-pair (one per 16-column half), and an activation pair (x[k], x[k+1]) is broadcast as
+// one 32-bit value.  At one row that is one instruction per 64 bytes of weights, so the
+// stream is bound by memory, not by widening bf16 to float32 as the AVX2 kernel must.
 // Products of bf16 values are exact in float32 and accumulation is float32, as in oneDNN's
 // bf16 matmul.
 //
@@ -26,19 +27,23 @@
 
 namespace {
 
-constexpr int64_t NR = 16;    // panel width: one 512-bit vector of float32 sums
+constexpr int64_t NR = 16;    // one 512-bit vector of float32 sums: half a panel
+constexpr int64_t LDW = 2;    // vectors per k-pair of a panel (32 columns; kernels/cpu.py WIDE)
 constexpr int64_t MR = 12;    // rows per micro-tile: 2 x 12 accumulators + 2 weight vectors of 32 zmm registers
-constexpr int64_t KC2 = 128;  // k-pairs per block: 8 KB per panel, 16 KB per pair, reused from L1 by every micro-tile
+constexpr int64_t KC2 = 128;  // k-pairs per block: 16 KB of a panel, reused from L1 by every micro-tile
+// From this many rows each k-block's first micro-tile prefetches the block after it (the
+// kernel is then bound by the dot products, and would stall on every new block); one row is
+// a plain stream that the hardware prefetchers serve better alone (as in the fp32 kernel).
+constexpr int64_t kPrefetchRows = 2;
 constexpr int64_t MC = 240;   // m-block: activations of one k-block (240 x 128 pairs x 4 B) stay in L2
 
-// y[0:R, cols of NP panels] (+)= x-pairs[0:kc, 0:R] . panels[0:kc]; S interleaved
-// accumulator chains keep one or two rows from waiting on the instruction's latency.  Two
-// neighbouring panels at once (NP = 2) give each broadcast two uses and each core two
-// weight streams, as in the float32 kernel.  `pf[j]`, when set, is the block that follows
-// panel j's block, prefetched one line per k-pair.
+// y[0:R, NP halves of a panel] (+)= x-pairs[0:kc, 0:R] . panel[0:kc]; S interleaved
+// accumulator chains keep one or two rows from waiting on the instruction's latency.  Both
+// halves at once (NP = 2) give each broadcast two uses.  `pf`, when set, is the block to
+// prefetch, one line per half per k-pair.
 template <int R, int NP, int S>
-inline void micro(const uint32_t* x, const __m512bh* const w[2], int64_t kc, float* y, int64_t ldy, bool accumulate,
-                  const float* bias, int64_t ncols, const __m512bh* const pf[2]) {
+inline void micro(const uint32_t* x, const __m512bh* w, int64_t kc, float* y, int64_t ldy, bool accumulate,
+                  const float* bias, int64_t ncols, const __m512bh* pf) {
   __m512 acc[S][R][NP];
   for (int s = 0; s < S; ++s)
     for (int i = 0; i < R; ++i)
@@ -50,8 +55,8 @@ inline void micro(const uint32_t* x, const __m512bh* const w[2], int64_t kc, flo
       __m512bh wv[NP];
 #pragma GCC unroll 2
       for (int j = 0; j < NP; ++j) {
-        if (pf[j]) _mm_prefetch(reinterpret_cast<const char*>(pf[j] + k + s), _MM_HINT_T0);
-        wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k + s);  // loadu: a view may be unaligned
+        if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + (k + s) * LDW + j), _MM_HINT_T0);
+        wv[j] = (__m512bh)_mm512_loadu_si512(w + (k + s) * LDW + j);  // loadu: a view may be unaligned
       }
 #pragma GCC unroll 12
       for (int i = 0; i < R; ++i) {
@@ -64,7 +69,7 @@ inline void micro(const uint32_t* x, const __m512bh* const w[2], int64_t kc, flo
   for (; k < kc; ++k) {
     __m512bh wv[NP];
 #pragma GCC unroll 2
-    for (int j = 0; j < NP; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
+    for (int j = 0; j < NP; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + k * LDW + j);
 #pragma GCC unroll 12
     for (int i = 0; i < R; ++i) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[k * R + i]));
@@ -76,8 +81,8 @@ inline void micro(const uint32_t* x, const __m512bh* const w[2], int64_t kc, flo
 }
 
 template <int NP>
-void micro_rows(int64_t rows, const uint32_t* x, const __m512bh* const w[2], int64_t kc, float* y, int64_t ldy,
-                bool accumulate, const float* bias, int64_t ncols, const __m512bh* const pf[2]) {
+void micro_rows(int64_t rows, const uint32_t* x, const __m512bh* w, int64_t kc, float* y, int64_t ldy,
+                bool accumulate, const float* bias, int64_t ncols, const __m512bh* pf) {
   switch (rows) {
     case 1: return micro<1, NP, 4 / NP>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
     case 2: return micro<2, NP, 2 / NP>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
@@ -132,41 +137,32 @@ void round_tile(const float* y, int64_t ldy, int64_t rows, int64_t cols, at::BFl
 // cache), instead of in a separate pass over y afterwards.
 void gemm(const uint32_t* xp, int64_t M, int64_t K2, const __m512bh* wp, int64_t N, const float* bias, float* y,
           at::BFloat16* y16) {
-  const int64_t panels = (N + NR - 1) / NR;
-  const int64_t pairs = (panels + 1) / 2;
-  // Each thread takes a contiguous run of panel pairs: two sequential weight streams per core.
-  at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
+  const int64_t W = NR * LDW;  // columns per panel
+  const int64_t panels = (N + W - 1) / W;
+  const bool prefetch = M >= kPrefetchRows;
+  // Each thread takes a contiguous run of panels: one sequential weight stream per core.
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
       const int64_t m1 = std::min(M, m0 + MC);
-      for (int64_t q = q0; q < q1; ++q) {
-        const int64_t p = 2 * q, np = std::min<int64_t>(2, panels - p);
-        const __m512bh* panel[2] = {wp + p * K2, wp + (p + np - 1) * K2};
-        const int64_t ncols = std::min(np * NR, N - p * NR);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t ncols = std::min(W, N - p * W);
         for (int64_t k0 = 0; k0 < K2; k0 += KC2) {
           const int64_t kc = std::min(KC2, K2 - k0);
-          const float* b = (bias && k0 + kc == K2) ? bias + p * NR : nullptr;
-          const __m512bh* w[2] = {panel[0] + k0, panel[1] + k0};
-          // The weights this thread reads next: the same panels' next k-block, or the next
-          // pair's first; past this thread's last block nothing is prefetched.
-          const __m512bh* next[2] = {nullptr, nullptr};
-          if (k0 + kc < K2) {
-            next[0] = w[0] + kc;
-            next[1] = w[1] + kc;
-          } else if (q + 1 < q1) {
-            next[0] = wp + (p + 2) * K2;
-            next[1] = wp + std::min(p + 3, panels - 1) * K2;
-          }
-          const __m512bh* none[2] = {nullptr, nullptr};
+          const float* b = (bias && k0 + kc == K2) ? bias + p * W : nullptr;
+          const __m512bh* w = wp + (p * K2 + k0) * LDW;
+          // The weights this thread reads next (the rest of this panel, then its next panel).
+          const __m512bh* next =
+              !prefetch ? nullptr : k0 + kc < K2 ? w + kc * LDW : p + 1 < p1 ? wp + (p + 1) * K2 * LDW : nullptr;
           for (int64_t m = m0; m < m1; m += MR) {
             const int64_t r = std::min(MR, m1 - m);
             const uint32_t* xt = xp + m * K2 + k0 * r;
-            float* yt = y + m * N + p * NR;
-            const __m512bh* const* pf = m == m0 ? next : none;
-            if (np == 2)
+            float* yt = y + m * N + p * W;
+            const __m512bh* pf = m == m0 ? next : nullptr;
+            if (ncols > NR)
               micro_rows<2>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
-            else
+            else  // a last panel of at most 16 columns: its zero half is not multiplied
               micro_rows<1>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
-            if (y16 && k0 + kc == K2) round_tile(yt, N, r, ncols, y16 + m * N + p * NR);
+            if (y16 && k0 + kc == K2) round_tile(yt, N, r, ncols, y16 + m * N + p * W);
           }
         }
       }
@@ -174,25 +170,32 @@ void gemm(const uint32_t* xp, int64_t M, int64_t K2, const __m512bh* wp, int64_t
   });
 }
 
-// weight_packed: [ceil(N/16), ceil(K/2), 16, 2] bfloat16; bias: None or float32 [ceil(N/16) * 16].
+// weight_packed: [ceil(N/32), ceil(K/2), 32, 2] bfloat16; bias: None or float32 [ceil(N/32) * 32].
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight_packed, int64_t n,
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight_packed.device().is_cpu(), "tokenloom_bf16::linear runs on CPU");
   TORCH_CHECK(weight_packed.scalar_type() == at::kBFloat16 && weight_packed.dim() == 4 &&
-                  weight_packed.size(2) == NR && weight_packed.size(3) == 2,
-              "weight must be bfloat16 packed as [P, ceil(K/2), 16, 2]");
+                  weight_packed.size(2) == NR * LDW && weight_packed.size(3) == 2,
+              "weight must be bfloat16 packed as [P, ceil(K/2), 32, 2]");
   const int64_t K = x.size(-1), K2 = weight_packed.size(1);
   TORCH_CHECK((K + 1) / 2 == K2, "x has ", K, " features, the packed weight ", K2, " pairs");
-  TORCH_CHECK(weight_packed.size(0) * NR >= n, "n exceeds the packed panels");
+  TORCH_CHECK(weight_packed.size(0) * NR * LDW >= n, "n exceeds the packed panels");
   const auto wp = weight_packed.contiguous();
-  const auto c = tokenloom::begin_linear(x, K, n, weight_packed.size(0) * NR, bias, at::kBFloat16);
+  const auto c = tokenloom::begin_linear(x, K, n, weight_packed.size(0) * NR * LDW, bias, at::kBFloat16);
   // A bfloat16 x gets a bfloat16 y, rounded by the kernel (a float32 x keeps float32).
   const bool bf16_out = x.scalar_type() == at::kBFloat16;
   auto y16 = bf16_out ? at::empty_like(c.y, c.y.options().dtype(at::kBFloat16)) : at::Tensor();
   if (c.M > 0) {
-    auto xp = at::empty({c.M * K2}, c.x2.options().dtype(at::kInt));
-    auto* xpp = reinterpret_cast<uint32_t*>(xp.data_ptr<int32_t>());
-    pack_rows(reinterpret_cast<const uint16_t*>(c.x2.data_ptr<at::BFloat16>()), c.M, K, K2, xpp);
+    const auto* x16 = reinterpret_cast<const uint16_t*>(c.x2.data_ptr<at::BFloat16>());
+    at::Tensor xp;
+    const uint32_t* xpp;
+    if (c.M == 1 && K % 2 == 0) {  // one row's (x[k], x[k+1]) pairs are its own bytes, in order
+      xpp = reinterpret_cast<const uint32_t*>(x16);
+    } else {
+      xp = at::empty({c.M * K2}, c.x2.options().dtype(at::kInt));
+      pack_rows(x16, c.M, K, K2, reinterpret_cast<uint32_t*>(xp.data_ptr<int32_t>()));
+      xpp = reinterpret_cast<const uint32_t*>(xp.data_ptr<int32_t>());
+    }
     gemm(xpp, c.M, K2, reinterpret_cast<const __m512bh*>(wp.data_ptr<at::BFloat16>()), n, c.bias_ptr,
          c.y.data_ptr<float>(), bf16_out ? y16.data_ptr<at::BFloat16>() : nullptr);
   }
