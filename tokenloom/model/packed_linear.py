@@ -38,7 +38,7 @@ and loses at prefill's (AMD EPYC Zen 5, the same 24 layers, bf16):
     our k-pair GEMM  34.1 GB/s  249 GF/s   513 GF/s   474 GF/s
 
 On CPUs with AVX-512, fp32 weights go to our AVX-512 kernel (kernels/cpu_gemm_avx512.cpp,
-the same panels, 2 panels x 12 rows per micro-tile), which beats oneDNN up to a few dozen
+32-column panels, both 16-column halves x 12 rows per micro-tile), which beats oneDNN up to a few dozen
 rows and loses ~10% at prefill's (AMD EPYC Zen 5, the same 24 layers, fp32, one process):
 
     rows M               1          8          32         256
@@ -134,8 +134,9 @@ class PackedLinear(nn.Module):
 
 
 class PanelLinear(nn.Module):
-    """y = x W^T + b through our kernel, W held as 16-column panels: `cpu_kernels.pack_for`
-    picks the AVX2 layout or, for bf16 on AVX512-BF16 CPUs, the k-pair layout.
+    """y = x W^T + b through our kernel, W held in column panels: `cpu_kernels.pack_for`
+    picks the AVX2 layout (16 columns), the AVX-512 one (32) or, for bf16 on AVX512-BF16
+    CPUs, the k-pair layout (32 columns of k-pairs).
 
     Built from a plain weight, or from an already packed one (`packed=`, with its shape),
     which is how a tied lm_head shares the panels with the embedding lookup."""
