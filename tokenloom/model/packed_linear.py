@@ -45,12 +45,12 @@ rows and loses ~10% at prefill's (AMD EPYC Zen 5, the same 24 layers, fp32, one 
     oneDNN packed    31.2 GB/s  108 GF/s   286 GF/s   397 GF/s
     our AVX-512 GEMM 34.7 GB/s  159 GF/s   329 GF/s   356 GF/s
 
-The same VM in its faster bandwidth state, activations read in place from 16 rows up
-(`python scripts/bench_kernels.py`):
+The same VM in its faster bandwidth state, activations read in place from 16 rows up,
+32-column panels (one weight stream per thread; `python scripts/bench_kernels.py`):
 
     rows M               1          8          32         256
-    oneDNN packed    77.4 GB/s  217 GF/s   383 GF/s   521 GF/s
-    our AVX-512 GEMM 72.8 GB/s  266 GF/s   456 GF/s   487 GF/s
+    oneDNN packed    75.9 GB/s  212 GF/s   394 GF/s   521 GF/s
+    our AVX-512 GEMM 82.4 GB/s  277 GF/s   496 GF/s   482 GF/s
 
 `PanelLinear` holds weights in our kernels' layouts (`cpu_kernels.pack_for`);
 `CausalLM.prepack_panels` / `prepack` pick the kernel (see `cpu_kernels.preferred`).
