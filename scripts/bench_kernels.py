@@ -104,10 +104,10 @@ def bench_gemm(rows: list[int], repeats: int) -> None:
             print(f"  bf16, {op16}, {m} rows: {rate} ({nbytes16 / 1e9:.2f} GB)")
 
 
-def bench_attention(repeats: int) -> None:
-    hk, grp, d, bs, n = 2, 7, 64, 16, 32
+def bench_attention(repeats: int, bs: int = 16) -> None:
+    hk, grp, d, n = 2, 7, 64, 32
     wide = cpu.attention_op()
-    print(f"decode attention, {n} requests x {hk} KV heads x {grp} query heads, head_dim {d}:")
+    print(f"decode attention, {n} requests x {hk} KV heads x {grp} query heads, head_dim {d}, {bs}-token blocks:")
     for ctx in (128, 512, 2048):
         per = ctx // bs
         g = torch.Generator().manual_seed(ctx)
@@ -166,13 +166,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,16,32,64,256")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--block-size", type=int, default=16, help="KV block size for the attention timings (default: 16)")
     a = ap.parse_args()
     glibc_heap.keep_step_buffers()  # as the engine runs
     if not cpu.load():
         raise SystemExit("our CPU kernels do not build here (needs x86 with AVX2 + FMA and a C++ toolchain)")
     cpu.avx512_enabled()
     bench_gemm([int(r) for r in a.rows.split(",")], a.repeats)
-    bench_attention(a.repeats)
+    bench_attention(a.repeats, a.block_size)
     bench_argmax(a.repeats)
     bench_sampler(a.repeats)
 
