@@ -9,9 +9,9 @@
 // memory stream, and the layout is what matters: each thread reads its run of panels as
 // one sequential stream.  (16-column panels read two at a time were two streams per
 // thread, 8 KB apart per k-block: the 24 layers at one row streamed 75-77 GB/s, one stream
-// per thread 82, with the machine's copy reading 81-87 GB/s; `kPrefetchRows` below.)  From 16 rows up
-// the activations are read in place (`kDirectRows`); below, from a k-major copy of each
-// 12-row tile.
+// per thread 82, with the machine's copy reading 81-87 GB/s; `kPrefetchRows` below.)  From
+// 16 rows up the activations are read in place (`kDirectRows`); below, from a k-major copy
+// of each 12-row tile.
 //
 // Built as its own extension with AVX-512 flags (kernels/cpu.py loads it only where the CPU
 // has AVX-512), so the AVX2 kernels never contain AVX-512 instructions.
@@ -139,7 +139,10 @@ void gemm(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, con
           const float* w = wp + (p * K + k0) * LDW;
           // The weights this thread reads next (the rest of this panel, then its next
           // panel), prefetched by the first micro-tile, which stalls on them otherwise.
-          const float* next = !prefetch ? nullptr : k0 + kc < K ? w + kc * LDW : p + 1 < p1 ? wp + (p + 1) * K * LDW : nullptr;
+          const float* next = !prefetch     ? nullptr
+                              : k0 + kc < K ? w + kc * LDW
+                              : p + 1 < p1  ? wp + (p + 1) * K * LDW
+                                            : nullptr;
           for (int64_t m = m0; m < m1; m += MR) {
             const int64_t r = std::min(MR, m1 - m);
             const float* xt = xp + m * K + (DIRECT ? k0 : k0 * r);
