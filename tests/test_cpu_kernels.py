@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tokenloom import LLM, SamplingParams
@@ -50,6 +50,7 @@ def test_kernel_matches_matmul(m, k, n, bf16, with_bias, seed):
     with_bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+@example(m=1, k=896, n=40, with_bias=True, seed=0)  # one row (x read in place), a last panel of 8 columns
 def test_avx512_kernel_matches_matmul(m, k, n, with_bias, seed):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g)
@@ -85,6 +86,8 @@ needs_bf16 = pytest.mark.skipif(not cpu_kernels.bf16_enabled(), reason="needs AV
     with_bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+@example(m=1, k=896, n=40, with_bias=True, seed=0)  # one row: its pairs read in place
+@example(m=1, k=895, n=17, with_bias=False, seed=0)  # one row with odd k: packed with a zero partner
 def test_bf16_pairs_kernel_matches_matmul(m, k, n, with_bias, seed):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g).bfloat16()
