@@ -12,7 +12,7 @@
 # 4. --compile, last, under its own time limit.
 # Results (JSON, logs) go to $OUT (the device tool's folder) or /tmp/gpu_out.
 #
-# Wheels the GPU image lacks travel in .whl/ (git-ignored through .git/info/exclude);
+# Wheels the GPU image lacks travel in .whl/ (git-ignored: name it in the device call's carry);
 # fetch them here first, for the image's Python 3.12:
 #   bash scripts/gpu_check.sh --fetch-wheels
 # Measured with it: docs/results/2026-12-04T07-h200/ (README, "On a GPU").
