@@ -81,20 +81,25 @@ class RotaryEmbedding(nn.Module):
         self.fused = None  # our one-pass float32 op on CPU (CausalLM.use_fused_cpu_ops)
         self.fused_kv = None  # the same, reading the qkv output and writing the KV cache
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, Hq, D], k: [T, Hk, D]
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin rows of `positions` ([T, 1, D], cast to `dtype` as the reference
+        casts them), gathered once per step for every layer: on a GPU each gather and cast
+        is a kernel launch, and a small model's step there is bound by launches."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                cs: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, Hq, D], k: [T, Hk, D]; cs: `at(positions, q.dtype)`, if the caller has it
         if self.fused is not None and q.dtype == torch.float32:
             return self.fused(q, k, positions, self.cos, self.sin)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = cs if cs is not None else self.at(positions, q.dtype)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Same arithmetic order and dtype as the HF reference (tables cast to x's dtype),
-    # so bf16/fp16 runs round the same way.
-    cos = cos.to(x.dtype)
-    sin = sin.to(x.dtype)
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by `RotaryEmbedding.at`'s tables.  Same arithmetic order and
+    dtype as the HF reference (tables cast to x's dtype), so bf16/fp16 runs round the same
+    way."""
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rot * sin
