@@ -76,13 +76,10 @@ def paged_attention(
         flat_v.index_copy_(0, meta.slot_mapping, v)
 
     nd = meta.num_decode
-    if nd and meta.decode_op is not None and not meta.has_prefill:  # a decode-only step: no copy
-        return meta.decode_op(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
-    out = torch.empty_like(q)
+    od = None  # the decodes' output, [nd, Hq, Dh]
     if nd and meta.decode_op is not None:
         # CPU: our kernel reads each block in place, once (kernels/cpu_attention.cpp).
-        out[:nd] = meta.decode_op(
-            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        od = meta.decode_op(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     elif nd:
         # Grouped-query attention with one query per request: the G query heads that share
         # a KV head become G query *rows* of that head ([D, Hk, G, Dh]), so each KV head is
@@ -93,12 +90,16 @@ def paged_attention(
         kd = _gather_kv(k_cache, meta.decode_block_tables)
         vd = _gather_kv(v_cache, meta.decode_block_tables)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[:nd] = od.reshape(nd, q.shape[1], q.shape[2])
-    if meta.has_prefill:
-        qp = q[meta.prefill_gather].transpose(1, 2)  # [P, Hq, max_q, Dh]
-        kp = _gather_kv(k_cache, meta.prefill_block_tables)
-        vp = _gather_kv(v_cache, meta.prefill_block_tables)
-        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
-        op = op.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [P*max_q, Hq, Dh]
-        out[nd:] = op[meta.prefill_scatter]
+        od = od.reshape(nd, q.shape[1], q.shape[2])
+    if not meta.has_prefill:  # a decode-only step: the decodes' output is the whole answer, no copy
+        return od if od is not None else torch.empty_like(q)
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = od
+    qp = q[meta.prefill_gather].transpose(1, 2)  # [P, Hq, max_q, Dh]
+    kp = _gather_kv(k_cache, meta.prefill_block_tables)
+    vp = _gather_kv(v_cache, meta.prefill_block_tables)
+    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
+    op = op.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [P*max_q, Hq, Dh]
+    out[nd:] = op[meta.prefill_scatter]
     return out
