@@ -152,3 +152,24 @@ def test_tied_lm_head_shares_the_embedding_matrix(model_factory):
     n_params = sum(p.numel() for p in hf.parameters())  # HF counts the tied matrix once too
     rope = m.rope.cos.numel() + m.rope.sin.numel()
     assert loaded.weight_bytes == 4 * (n_params + rope)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_generic_path_matches_transformers_bit_for_bit(dtype):
+    """The generic path's rotation (tables made once per step, rotate-half's sign folded into
+    the sin table) gives transformers' `apply_rotary_pos_emb` bit for bit."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    from tokenloom.model.layers import RotaryEmbedding, rotate
+
+    g = torch.Generator().manual_seed(0)
+    rope = RotaryEmbedding(64, 256, 1_000_000.0, None)
+    pos = torch.randint(0, 256, (9,), generator=g)
+    q = torch.randn(9, 14, 64, generator=g).to(dtype)
+    k = torch.randn(9, 2, 64, generator=g).to(dtype)
+    cos, sin = rope.cos[pos].to(dtype)[None], rope.sin[pos].to(dtype)[None]  # [1, T, D], as HF casts them
+    ref_q, ref_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    out_q, out_k = rope(pos, q, k)
+    assert torch.equal(out_q, ref_q[0].transpose(0, 1)) and torch.equal(out_k, ref_k[0].transpose(0, 1))
+    qk = torch.cat([q, k], dim=1)  # one pass over q and k together, as the attention layer does
+    assert torch.equal(rotate(qk, *rope.at(pos, dtype)), torch.cat([out_q, out_k], dim=1))

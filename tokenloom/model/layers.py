@@ -89,10 +89,14 @@ class RotaryEmbedding(nn.Module):
         self.fused_kv = None  # the same, reading the qkv output and writing the KV cache
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cos and sin rows of `positions` ([T, 1, D], cast to `dtype` as the reference
-        casts them), gathered once per step for every layer: on a GPU each gather and cast
-        is a kernel launch, and a small model's step there is bound by launches."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """`rotate`'s tables for `positions`: the cos rows and the sin rows with rotate-half's
+        sign folded in ([T, 1, D], cast to `dtype` as the reference casts them).  Made once
+        per step for every layer: on a GPU each gather, cast and negation is a kernel launch,
+        and a small model's step there is bound by launches."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        half = sin.shape[-1] // 2
+        return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 cs: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,13 +107,13 @@ class RotaryEmbedding(nn.Module):
         return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by `RotaryEmbedding.at`'s tables.  Same arithmetic order and
-    dtype as the HF reference (tables cast to x's dtype), so bf16/fp16 runs round the same
-    way."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by `RotaryEmbedding.at`'s tables: the reference's x * cos +
+    rotate_half(x) * sin, with rotate_half = cat(-x2, x1) and the sign moved into the table
+    (x2 * -sin1 is (-x2) * sin1 exactly), in the reference's order and dtype, so bf16/fp16
+    runs round the same way."""
     half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rot * sin
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * signed_sin
 
 
 class GatedMLP(nn.Module):
