@@ -8,7 +8,8 @@
 # 1. correctness: the parity, engine, sampler and server tests, where `LLM(...)` and the
 #    servers default to --device auto = cuda and transformers' reference runs on the CPU;
 # 2. the #9 benchmarks with --device cuda (roofline fp32/bf16, throughput vs transformers);
-# 3. where a step's time goes (scripts/profile_step.py, self-CPU time per op group);
+# 3. where a step's time goes (scripts/profile_step.py, self-CPU time per op group) and how
+#    many ops (at least one launch each) it dispatches (scripts/count_step_ops.py);
 # 4. --compile, last, under its own time limit.
 # Results (JSON, logs) go to $OUT (the device tool's folder) or /tmp/gpu_out.
 #
@@ -62,8 +63,9 @@ step roofline bf16
 tl bench roofline --model "$M" --device cuda --dtype bfloat16 --batch-sizes 1,8,32 --context-lens 128,512 \
   --disable-tqdm --output-json "$O/roofline_bf16.json" 2>&1 | tail -n 25
 
-step profile, batch 1 and 32
+step profile, batch 1 and 32, and the ops a decode step dispatches
 for b in 1 32; do python3 scripts/profile_step.py --model "$M" --batch-size $b --steps 3 2>&1 | tail -n 14; done
+for dt in float32 bfloat16; do python3 scripts/count_step_ops.py --model "$M" --dtype $dt 2>&1 | tail -n 13; done
 
 step roofline fp32 with --compile
 timeout "${COMPILE_TIMEOUT:-150}" python3 -m tokenloom.entrypoints.cli bench roofline --model "$M" --device cuda \
