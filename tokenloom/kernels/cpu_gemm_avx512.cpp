@@ -137,12 +137,8 @@ void gemm(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, con
           const int64_t kc = std::min(KC, K - k0);
           const float* b = (bias && k0 + kc == K) ? bias + p * LDW : nullptr;
           const float* w = wp + (p * K + k0) * LDW;
-          // The weights this thread reads next (the rest of this panel, then its next
-          // panel), prefetched by the first micro-tile, which stalls on them otherwise.
-          const float* next = !prefetch     ? nullptr
-                              : k0 + kc < K ? w + kc * LDW
-                              : p + 1 < p1  ? wp + (p + 1) * K * LDW
-                                            : nullptr;
+          // Prefetched by the first micro-tile, which stalls on these weights otherwise.
+          const float* next = prefetch ? tokenloom::next_weights(wp, p, p1, k0, kc, K, LDW) : nullptr;
           for (int64_t m = m0; m < m1; m += MR) {
             const int64_t r = std::min(MR, m1 - m);
             const float* xt = xp + m * K + (DIRECT ? k0 : k0 * r);

@@ -150,11 +150,7 @@ void gemm(const uint32_t* xp, int64_t M, int64_t K2, const __m512bh* wp, int64_t
           const int64_t kc = std::min(KC2, K2 - k0);
           const float* b = (bias && k0 + kc == K2) ? bias + p * W : nullptr;
           const __m512bh* w = wp + (p * K2 + k0) * LDW;
-          // The weights this thread reads next (the rest of this panel, then its next panel).
-          const __m512bh* next = !prefetch      ? nullptr
-                                 : k0 + kc < K2 ? w + kc * LDW
-                                 : p + 1 < p1   ? wp + (p + 1) * K2 * LDW
-                                                : nullptr;
+          const __m512bh* next = prefetch ? tokenloom::next_weights(wp, p, p1, k0, kc, K2, LDW) : nullptr;
           for (int64_t m = m0; m < m1; m += MR) {
             const int64_t r = std::min(MR, m1 - m);
             const uint32_t* xt = xp + m * K2 + k0 * r;

@@ -1,7 +1,8 @@
 // What every packed-linear op does besides its kernel (cpu_gemm*.cpp): flatten x to
 // [M, K] in the dtype the kernel reads, allocate the float32 output, widen a bias padded
 // to the panels, and give the output back in x's shape and dtype; and, for the two AVX-512
-// kernels, the micro-kernel's epilogue (`store_tile`).  Shared by the AVX2,
+// kernels, which weights to prefetch next (`next_weights`) and the micro-kernel's epilogue
+// (`store_tile`).  Shared by the AVX2,
 // AVX-512 and AVX512-BF16 extensions, which are compiled separately with their own ISA
 // flags and so cannot share one compiled function.
 #pragma once
@@ -41,6 +42,17 @@ inline LinearCall begin_linear(const at::Tensor& x, int64_t K, int64_t n, int64_
     c.bias_ptr = c.bias.data_ptr<float>();
   }
   return c;
+}
+
+// The two AVX-512 GEMMs walk each thread's run of panels [p0, p1) k-block by k-block; the
+// weights a thread reads after the block at k-offset k0 (kc long) of panel p: the rest of the
+// panel, else the next panel's start, else nothing.  `ldw` is one k's elements in a panel, `K`
+// a panel's k count.  What the first micro-tile of a block prefetches.
+template <typename T>
+inline const T* next_weights(const T* wp, int64_t p, int64_t p1, int64_t k0, int64_t kc, int64_t K, int64_t ldw) {
+  if (k0 + kc < K) return wp + (p * K + k0 + kc) * ldw;
+  if (p + 1 < p1) return wp + (p + 1) * K * ldw;
+  return nullptr;
 }
 
 #ifdef __AVX512F__
