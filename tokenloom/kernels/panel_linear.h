@@ -2,9 +2,8 @@
 // [M, K] in the dtype the kernel reads, allocate the float32 output, widen a bias padded
 // to the panels, and give the output back in x's shape and dtype; and, for the two AVX-512
 // kernels, which weights to prefetch next (`next_weights`) and the micro-kernel's epilogue
-// (`store_tile`).  Shared by the AVX2,
-// AVX-512 and AVX512-BF16 extensions, which are compiled separately with their own ISA
-// flags and so cannot share one compiled function.
+// (`store_tile`).  Shared by the AVX2, AVX-512 and AVX512-BF16 extensions, which are
+// compiled separately with their own ISA flags and so cannot share one compiled function.
 #pragma once
 
 #include <ATen/ATen.h>
