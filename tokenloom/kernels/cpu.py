@@ -10,7 +10,8 @@ stock kernels stream them poorly at decode's shapes:
   without AVX-512 (see `preferred`; model/packed_linear.py has the figures).
 * `cpu_gemm_avx512.cpp`: the same GEMM for fp32 weights on CPUs with AVX-512, in 32-column
   panels (`pack(w, WIDE)`: one sequential stream per thread), with a micro-kernel shaped
-  for 512-bit FMAs; a separate extension built with AVX-512 flags.  It beats oneDNN at decode's row counts and loses ~5-10% at prefill's.
+  for 512-bit FMAs; a separate extension built with AVX-512 flags.  It beats oneDNN at
+  decode's row counts and loses ~5-10% at prefill's.
 * `cpu_gemm_bf16.cpp`: the same GEMM for bf16 weights on CPUs with AVX512-BF16, in the
   layout its dot-product instruction reads (`pack_pairs`); also its own extension.
   Used for bf16 on those CPUs, where it streams faster than oneDNN's bf16 GEMV.
@@ -251,8 +252,8 @@ def pack_for(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_op(packed: torch.Tensor):
-    """The op that multiplies by `packed`: its layout says which kernel made it, and fp32
-    panels go to the AVX-512 kernel where the CPU has it."""
+    """The op that multiplies by `packed`: its layout says which kernel it was packed for
+    (k-pairs: the bf16 kernel; 32-column panels: the AVX-512 one; 16-column: the AVX2 one)."""
     if packed.dim() == 4:
         return torch.ops.tokenloom_bf16.linear
     if packed.shape[-1] == WIDE:

@@ -92,7 +92,7 @@ class Attention(nn.Module):
         self.scale = a.head_dim ** -0.5
 
     def forward(self, x, positions, rope, cs, k_cache, v_cache, meta: AttentionMetadata):
-        """`cs`: this step's cos/sin rows (`RotaryEmbedding.at`), shared by every layer."""
+        """`cs`: this step's rotation tables (`RotaryEmbedding.at`), shared by every layer."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         if rope.fused_kv is not None and self.q_norm is None and qkv.dtype == k_cache.dtype \

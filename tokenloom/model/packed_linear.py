@@ -38,8 +38,9 @@ and loses at prefill's (AMD EPYC Zen 5, the same 24 layers, bf16):
     our k-pair GEMM  34.1 GB/s  249 GF/s   513 GF/s   474 GF/s
 
 On CPUs with AVX-512, fp32 weights go to our AVX-512 kernel (kernels/cpu_gemm_avx512.cpp,
-32-column panels, both 16-column halves x 12 rows per micro-tile), which beats oneDNN up to a few dozen
-rows and loses ~10% at prefill's (AMD EPYC Zen 5, the same 24 layers, fp32, one process):
+32-column panels, both 16-column halves x 12 rows per micro-tile), which beats oneDNN up to
+a few dozen rows and loses ~10% at prefill's (AMD EPYC Zen 5, the same 24 layers, fp32, one
+process; this table from 16-column panels read two at a time):
 
     rows M               1          8          32         256
     oneDNN packed    31.2 GB/s  108 GF/s   286 GF/s   397 GF/s
