@@ -160,11 +160,3 @@ def test_cache_salt_isolates_and_lru_eviction_keeps_correctness():
     d = run_one("d", list(range(3, 20)))
     assert d.num_cached_tokens < 16
     assert kv.pool.num_free == 12
-
-
-def test_hash_collision_is_a_miss():
-    kv = KVCacheManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
-    blk = kv.pool.allocate(1)[0]
-    kv.pool.register(blk, 1234, (5, 6))
-    assert kv.pool.lookup(1234, (5, 6)) is blk
-    assert kv.pool.lookup(1234, (7, 8)) is None

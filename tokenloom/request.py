@@ -49,8 +49,8 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     chunked: bool = False  # its prompt was split over several steps this admission
-    # block hashes of its full blocks (prefix caching), extended as blocks fill
-    block_hashes: list[int] = field(default_factory=list)
+    # prefix-cache keys (chained SHA-256 digests) of its full blocks, extended as blocks fill
+    block_hashes: list[bytes] = field(default_factory=list)
     # engine-side bookkeeping
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

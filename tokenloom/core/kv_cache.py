@@ -6,9 +6,14 @@ request owns a *block table* (list of block ids); token i of the request lives i
 block `table[i // block_size]`, offset `i % block_size`.  Growing by one token only
 needs a new block every `block_size` steps, and memory is never fragmented.
 
-Prefix caching: a *full* block is named by a hash chained over
-(parent block hash, its token ids, cache_salt).  A new request whose prompt starts
-with the same tokens finds those blocks by hash and skips computing them.  Freed
+Prefix caching: a *full* block is named by a key: a SHA-256 digest chained over
+(parent block key, its token ids), where the first block's parent is a root digest of
+the request's extra keys (its `cache_salt`).  One key therefore names the whole token
+prefix up to the end of its block, so a lookup by key alone is exact: serving another
+prompt's KV would need a SHA-256 collision, not merely equal Python `hash()` values
+(which collide on demand: `hash(-1) == hash(-2)`, and are per-process under hash
+randomisation of strings).  A new request whose prompt starts with the same tokens
+finds those blocks by key and skips computing them.  Freed
 blocks keep their hash and stay findable until the pool needs them; the least
 recently freed block is evicted first.  Blocks are reference counted, so many
 requests can read one block; nobody writes into a full block, so sharing is safe.
@@ -23,23 +28,47 @@ decides which block ids hold which tokens (the simulator runs it unchanged).
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from tokenloom.request import Request
 
 
+BlockKey = bytes
+"""A full block's prefix-cache key: a SHA-256 digest of everything up to its end."""
+
+_KEY_DOMAIN = b"tokenloom-prefix-block-v1"
+
+
 @dataclass(eq=False)
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None  # set once the block is full and computed
-    token_ids: tuple[int, ...] = ()  # kept for hashed blocks: guards against hash collisions
+    block_hash: BlockKey | None = None  # set once the block is full and computed
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
-    """Chained block hash: a block's identity depends on everything before it."""
-    return hash((parent_hash, token_ids, salt))
+def root_key(cache_salt: str | None) -> BlockKey:
+    """The parent key of a request's first block: a digest of its extra keys.
+
+    Requests with different salts get unrelated chains, so they never share a block;
+    no salt and the empty salt are kept apart by a one-byte tag."""
+    h = hashlib.sha256(_KEY_DOMAIN)
+    if cache_salt is not None:
+        h.update(b"\x01" + cache_salt.encode("utf-8", "surrogatepass"))
+    return h.digest()
+
+
+def hash_block(parent_key: BlockKey, token_ids: list[int] | tuple[int, ...]) -> BlockKey:
+    """Chained block key: SHA-256 over the parent's key and the block's token ids.
+
+    The parent key has a fixed length and the ids are packed as fixed-width signed
+    64-bit integers, so the byte string is unambiguous; hashing one block costs one
+    small array and one digest of (32 + 8 * block_size) bytes."""
+    h = hashlib.sha256(parent_key)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
 
 
 class BlockPool:
@@ -53,7 +82,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Insertion order == eviction order: the least recently freed block goes first.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, KVBlock] = {}
+        self.cached: dict[BlockKey, KVBlock] = {}
         self.num_evictions = 0
 
     @property
@@ -78,7 +107,6 @@ class BlockPool:
                 if self.cached.get(blk.block_hash) is blk:
                     del self.cached[blk.block_hash]
                 blk.block_hash = None
-                blk.token_ids = ()
                 self.num_evictions += 1
             blk.ref_cnt = 1
             out.append(blk)
@@ -99,24 +127,23 @@ class BlockPool:
                 self.free_queue[blk.block_id] = None  # stays findable until evicted
             else:
                 blk.block_hash = None
-                blk.token_ids = ()
                 self.free_queue[blk.block_id] = None
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVBlock | None:
-        blk = self.cached.get(block_hash)
-        if blk is None or blk.token_ids != token_ids:  # a colliding hash is a miss
-            return None
-        return blk
+    def lookup(self, key: BlockKey) -> KVBlock | None:
+        """The cached block whose whole prefix digests to key, if any.
 
-    def register(self, blk: KVBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
-        """Publish a freshly filled block under its hash (first writer wins)."""
+        The key already covers the block's tokens and every block before it (and the
+        salt), so no per-block token check is needed, nor would one be enough."""
+        return self.cached.get(key)
+
+    def register(self, blk: KVBlock, key: BlockKey) -> None:
+        """Publish a freshly filled block under its key (first writer wins)."""
         if not self.enable_caching or blk.block_hash is not None:
             return
-        if block_hash in self.cached:
+        if key in self.cached:
             return  # an identical block already exists (computed twice in one step); keep that one
-        blk.block_hash = block_hash
-        blk.token_ids = token_ids
-        self.cached[block_hash] = blk
+        blk.block_hash = key
+        self.cached[key] = blk
 
 
 @dataclass
@@ -161,9 +188,8 @@ class KVCacheManager:
         full = num_tokens // bs
         while len(req.block_hashes) < full:
             i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if req.block_hashes else None
-            toks = tuple(req.token_slice(i * bs, (i + 1) * bs))
-            req.block_hashes.append(hash_block(parent, toks, req.cache_salt))
+            parent = req.block_hashes[-1] if req.block_hashes else root_key(req.cache_salt)
+            req.block_hashes.append(hash_block(parent, req.token_slice(i * bs, (i + 1) * bs)))
 
     def find_cached_prefix(self, req: Request) -> PrefixHit:
         """Longest run of cached full blocks from the start of req's tokens.
@@ -177,7 +203,7 @@ class KVCacheManager:
         self._extend_hashes(req, max_blocks * bs)
         hit = PrefixHit()
         for i in range(max_blocks):
-            blk = self.pool.lookup(req.block_hashes[i], tuple(req.token_slice(i * bs, (i + 1) * bs)))
+            blk = self.pool.lookup(req.block_hashes[i])
             if blk is None:
                 break
             hit.blocks.append(blk)
@@ -244,7 +270,7 @@ class KVCacheManager:
         for i in range(done, full):
             blk = table[i]
             if blk.block_hash is None:
-                self.pool.register(blk, req.block_hashes[i], tuple(req.token_slice(i * bs, (i + 1) * bs)))
+                self.pool.register(blk, req.block_hashes[i])
         self._num_published[req.request_id] = full
 
     def free(self, req: Request) -> None:
