@@ -44,38 +44,11 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict, architecture: str) -> "ModelArgs":
-        heads = cfg["num_attention_heads"]
-        hidden = cfg["hidden_size"]
-        family = architecture
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
-        attention_bias = bool(cfg.get("attention_bias", False))
-        sliding = None
-        if family == "MistralForCausalLM":
-            sliding = cfg.get("sliding_window")
-        elif cfg.get("use_sliding_window"):
-            sliding = cfg.get("sliding_window")
-        return cls(
-            architecture=architecture,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=True if family == "Qwen2ForCausalLM" else attention_bias,
-            o_bias=False if family == "Qwen2ForCausalLM" else attention_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=family == "Qwen3ForCausalLM",
-            sliding_window=sliding,
-        )
+        """config.json read with transformers' meaning, both its 4.x and 5.x formats
+        (model/hf_config.py); ValueError for settings the model cannot honour."""
+        from tokenloom.model.hf_config import model_args_fields
+
+        return cls(**model_args_fields(cfg, architecture))
 
 
 class Attention(nn.Module):
