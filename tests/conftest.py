@@ -9,6 +9,9 @@ import pytest
 
 # Keep tests from fighting over the two cores: torch's intra-op pool per test process.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Without a GPU, Triton kernels run on CPU tensors in Triton's interpreter (read at import).
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -49,6 +49,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # fcfs|priority
     compile: bool = False
+    attention_backend: str = "auto"  # auto|cpu|triton|sdpa (model/attention.py)
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
     num_threads: int | None = None
     chat_template: str | None = None
     revision: str | None = None
@@ -74,6 +76,11 @@ class EngineArgs:
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
         g.add_argument("--compile", action="store_true", help="torch.compile the model forward")
+        g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "triton", "sdpa"],
+                       help="how attention reads the paged KV cache: auto = triton on CUDA, our C++ kernel on CPU; "
+                            "sdpa = PyTorch's SDPA over gathered blocks (the reference)")
+        g.add_argument("--enforce-eager", action="store_true",
+                       help="run decode steps eagerly (no CUDA graphs)")
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
         g.add_argument("--chat-template", default=None, help="Jinja chat template file or string")
         g.add_argument("--revision", default=None)

@@ -9,16 +9,25 @@ per layer:
 A step's tokens arrive flattened across requests (varlen, no padding): decodes first
 (one token each), then prefill chunks.  For each layer:
 
-  1. the step's new K/V are scattered into the cache through `slot_mapping`
-     (slot = block_id * block_size + offset);
-  2. decodes: one batched attention of D single-token queries, each over the blocks in
-     its block table, masked to its context length — O(context) per decoded token (on
-     CPUs, our kernel reads the blocks in place: kernels/cpu_attention.cpp);
-  3. prefill chunks: one batched causal attention over their (padded) query chunks and
-     their block tables.
+  1. the step's new K/V are written into the cache through `slot_mapping`
+     (slot = block_id * block_size + offset; -1 = a padded row, written nowhere);
+  2. decodes: each single-token query over the blocks in its block table, up to its
+     context length — O(context) per decoded token;
+  3. prefill chunks: causal attention over their cached prefix and themselves.
 
-Two attention calls per layer at most, never a Python loop over requests.  Masks and
-gather indices are built once per step by the model runner (`AttentionMetadata`).
+How steps 1-3 run is the *attention backend*, chosen once when the runner starts
+(`--attention-backend`):
+
+  triton  our Triton kernels read the blocks in place (kernels/triton/): split-KV decode,
+          varlen paged prefill, a KV write that skips padded slots; the GPU default, and
+          the only backend CUDA graphs capture (no host sync, no data-dependent shapes);
+  cpu     our C++ decode kernel reads the blocks in place (kernels/cpu_attention.cpp);
+          prefill chunks through SDPA over gathered blocks; the CPU default;
+  sdpa    PyTorch's SDPA over a gathered copy of the blocks with a mask: the reference
+          every other backend is tested against.
+
+Two attention calls per layer at most, never a Python loop over requests.  Masks, gather
+indices and lengths are built once per step by the model runner (`AttentionMetadata`).
 """
 
 from __future__ import annotations
@@ -29,23 +38,29 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+BACKENDS = ("auto", "cpu", "triton", "sdpa")
+
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] long: where each new token's K/V goes (flat slot index)
+    slot_mapping: torch.Tensor  # [T] long: where each new token's K/V goes (flat slot index; -1: nowhere)
     num_decode: int  # the first num_decode tokens are single-token decodes
+    backend: "AttentionBackend"
     # decodes: one row per decode token
-    decode_block_tables: torch.Tensor | None  # [D, max_blocks] long
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks*block_size] bool (True = attend)
-    decode_context_lens: torch.Tensor | None  # [D] long: tokens each decode attends to (itself included)
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks]
+    decode_context_lens: torch.Tensor | None  # [D]: tokens each decode attends to (itself included); 0 = padding
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks*block_size] bool (True = attend); sdpa only
+    decode_num_splits: int = 1  # triton: context slices per decode (split-KV)
     # prefills: one row per request with a prefill chunk
-    prefill_block_tables: torch.Tensor | None  # [P, max_blocks] long
-    prefill_mask: torch.Tensor | None  # [P, 1, max_q, max_blocks*block_size] bool
-    prefill_gather: torch.Tensor | None  # [P, max_q] long: flat token index of each padded query row
-    prefill_scatter: torch.Tensor | None  # [Tp] long: padded row (p*max_q+i) of each prefill token
-    # our paged decode kernel (kernels/cpu.py `decode_attention_op`), or None: SDPA over a
-    # gathered copy, masked by decode_mask
-    decode_op: Callable | None = None
+    prefill_block_tables: torch.Tensor | None = None  # [P, max_blocks]
+    prefill_q_starts: torch.Tensor | None = None  # [P] first row of each chunk in the step
+    prefill_q_lens: torch.Tensor | None = None  # [P] rows of each chunk
+    prefill_ctx_lens: torch.Tensor | None = None  # [P] tokens cached before each chunk
+    prefill_max_q: int = 0
+    prefill_mask: torch.Tensor | None = None  # [P, 1, max_q, max_blocks*block_size] bool; sdpa/cpu only
+    prefill_gather: torch.Tensor | None = None  # [P, max_q] long: flat token index of each padded query row
+    prefill_scatter: torch.Tensor | None = None  # [Tp] long: padded row (p*max_q+i) of each prefill token
+    sliding_window: int | None = None
 
     @property
     def has_prefill(self) -> bool:
@@ -59,9 +74,94 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return kv.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
+def _sdpa_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Grouped-query attention with one query per request: the G query heads that share a
+    KV head become G query *rows* of that head ([D, Hk, G, Dh]), so each KV head is read
+    once for its whole group and nothing is expanded to Hq heads.  Query head h uses KV
+    head h // G (HF's repeat_interleave), which is exactly this view."""
+    nd = q.shape[0]
+    hk = k_cache.shape[2]
+    qd = q.view(nd, hk, q.shape[1] // hk, q.shape[2])
+    kd = _gather_kv(k_cache, meta.decode_block_tables)
+    vd = _gather_kv(v_cache, meta.decode_block_tables)
+    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+    return od.reshape(nd, q.shape[1], q.shape[2])
+
+
+def _sdpa_prefill(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The prefill rows' output [Tp, Hq, D], through SDPA over gathered blocks."""
+    qp = q[meta.prefill_gather].transpose(1, 2)  # [P, Hq, max_q, Dh]
+    kp = _gather_kv(k_cache, meta.prefill_block_tables)
+    vp = _gather_kv(v_cache, meta.prefill_block_tables)
+    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
+    return op.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])[meta.prefill_scatter]
+
+
+class AttentionBackend:
+    """How a layer writes its K/V and attends.  The reference: SDPA over gathered blocks."""
+
+    name = "sdpa"
+    decode_masks = True  # the runner builds `decode_mask`
+    prefill_masks = True  # the runner builds `prefill_mask`, `prefill_gather`, `prefill_scatter`
+    graphable = False  # decode steps can be captured in a CUDA graph
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return _sdpa_decode(q, k_cache, v_cache, meta, scale)
+
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        out[meta.num_decode:] = _sdpa_prefill(q, k_cache, v_cache, meta, scale)
+
+
+class CpuAttention(AttentionBackend):
+    """Decodes through our C++ kernel, which reads each block in place once; prefills (and,
+    with a sliding window, decodes) through SDPA's masks."""
+
+    name = "cpu"
+
+    def __init__(self, decode_op: Callable, sliding_window: int | None):
+        self._op = decode_op
+        self.decode_masks = sliding_window is not None  # the kernel has no window: SDPA then
+
+    def decode(self, q, k_cache, v_cache, meta, scale):
+        if meta.decode_mask is not None:
+            return _sdpa_decode(q, k_cache, v_cache, meta, scale)
+        return self._op(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+
+
+class TritonAttention(AttentionBackend):
+    """Our Triton kernels (kernels/triton/paged_attention.py): nothing gathered, no masks,
+    no host synchronisation."""
+
+    name = "triton"
+    decode_masks = False
+    prefill_masks = False
+    graphable = True
+
+    def __init__(self):
+        from tokenloom.kernels.triton import fused, paged_attention
+
+        self._fused, self._pa = fused, paged_attention
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        self._fused.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def decode(self, q, k_cache, v_cache, meta, scale):
+        return self._pa.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+                                     num_splits=meta.decode_num_splits, window=meta.sliding_window)
+
+    def prefill(self, q, k_cache, v_cache, meta, scale, out):
+        self._pa.paged_prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_q_starts,
+                               meta.prefill_q_lens, meta.prefill_ctx_lens, meta.prefill_max_q, scale, out,
+                               window=meta.sliding_window)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor | None,  # [T, Hk, D]; None: already written (tokenloom_cpu::rope_write_kv)
+    k: torch.Tensor | None,  # [T, Hk, D]; None: already written (a fused rotary + KV write op)
     v: torch.Tensor | None,  # [T, Hk, D]
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -69,37 +169,49 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Write this step's K/V into the paged cache, then attend. Returns [T, Hq, D]."""
+    backend = meta.backend
     if k is not None:
-        flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
-        flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
-
+        backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decode
-    od = None  # the decodes' output, [nd, Hq, Dh]
-    if nd and meta.decode_op is not None:
-        # CPU: our kernel reads each block in place, once (kernels/cpu_attention.cpp).
-        od = meta.decode_op(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
-    elif nd:
-        # Grouped-query attention with one query per request: the G query heads that share
-        # a KV head become G query *rows* of that head ([D, Hk, G, Dh]), so each KV head is
-        # read once for its whole group and nothing is expanded to Hq heads.  Query head h
-        # uses KV head h // G (HF's repeat_interleave), which is exactly this view.
-        hk = k_cache.shape[2]
-        qd = q[:nd].view(nd, hk, q.shape[1] // hk, q.shape[2])
-        kd = _gather_kv(k_cache, meta.decode_block_tables)
-        vd = _gather_kv(v_cache, meta.decode_block_tables)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        od = od.reshape(nd, q.shape[1], q.shape[2])
+    od = backend.decode(q[:nd], k_cache, v_cache, meta, scale) if nd else None
     if not meta.has_prefill:  # a decode-only step: the decodes' output is the whole answer, no copy
         return od if od is not None else torch.empty_like(q)
     out = torch.empty_like(q)
     if nd:
         out[:nd] = od
-    qp = q[meta.prefill_gather].transpose(1, 2)  # [P, Hq, max_q, Dh]
-    kp = _gather_kv(k_cache, meta.prefill_block_tables)
-    vp = _gather_kv(v_cache, meta.prefill_block_tables)
-    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
-    op = op.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [P*max_q, Hq, Dh]
-    out[nd:] = op[meta.prefill_scatter]
+    backend.prefill(q, k_cache, v_cache, meta, scale, out)
     return out
+
+
+def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                 sliding_window: int | None) -> AttentionBackend:
+    """The attention backend for `--attention-backend name` on this device, chosen once.
+
+    `auto`: Triton on CUDA where it imports, our C++ kernel on CPUs where it builds, SDPA
+    elsewhere.  An explicit choice that cannot run here is an error, not a silent fallback."""
+    from tokenloom.kernels import cpu as cpu_kernels
+    from tokenloom.kernels import triton as triton_kernels
+
+    if name not in BACKENDS:
+        raise ValueError(f"--attention-backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    cpu_op = cpu_kernels.decode_attention_op(device, dtype, head_dim) if device.type == "cpu" else None
+    if name == "auto":
+        if device.type == "cuda" and triton_kernels.available():
+            name = "triton"
+        else:
+            name = "cpu" if cpu_op is not None else "sdpa"
+    if name == "triton":
+        if not triton_kernels.available():
+            raise ValueError("--attention-backend triton: the triton package is not importable (pip install triton)")
+        if device.type == "cpu" and not triton_kernels.interpreting():
+            raise ValueError("--attention-backend triton runs on CUDA devices; on CPU tensors only under "
+                             "TRITON_INTERPRET=1 (Triton's interpreter, for tests)")
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"--attention-backend triton does not run on {device.type} devices")
+        return TritonAttention()
+    if name == "cpu":
+        if cpu_op is None:
+            raise ValueError("--attention-backend cpu needs --device cpu, float32 or bfloat16, a head size that is a "
+                             "multiple of 8 and our CPU kernels built (TOKENLOOM_CPU_ATTENTION not 0)")
+        return CpuAttention(cpu_op, sliding_window)
+    return AttentionBackend()

@@ -19,11 +19,12 @@ import numpy as np
 import torch
 
 from tokenloom.core.scheduler import ScheduledRequest, SchedulerOutput
-from tokenloom.kernels import cpu as cpu_kernels
 from tokenloom.kernels import hugepages
-from tokenloom.model.attention import AttentionMetadata
+from tokenloom.kernels.triton import decode_num_splits
+from tokenloom.model.attention import AttentionMetadata, make_backend
 from tokenloom.model.loader import LoadedModel
 from tokenloom.runner import glibc_heap
+from tokenloom.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from tokenloom.runner.sampler import SamplingRow, sample
 
 
@@ -45,7 +46,9 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, compile: bool = False):
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, compile: bool = False,
+                 attention_backend: str = "auto", enforce_eager: bool = False, max_num_seqs: int = 256,
+                 max_model_len: int | None = None):
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -63,8 +66,14 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         if self.device.type == "cpu":
             glibc_heap.keep_step_buffers()  # every step's temporaries reused, not faulted in anew
-        # Chosen once: our paged decode kernel where it runs, else SDPA (needs a mask).
-        self._decode_op = cpu_kernels.decode_attention_op(self.device, loaded.dtype, a.head_dim)
+        # Chosen once: how attention reads the paged cache (model/attention.py).
+        self.attn = make_backend(attention_backend, self.device, loaded.dtype, a.head_dim, a.sliding_window)
+        if self.attn.name == "triton":
+            self.model.use_fused_triton_ops()
+        self.sliding_window = a.sliding_window
+        self.max_blocks = -(-(max_model_len or a.max_position_embeddings) // block_size)
+        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                        if self.device.type == "cuda" else 4)
         self._forward = self.model.forward
         if compile:
             # One graph per step kind (decode-only, prefill-only, mixed: which metadata
@@ -73,6 +82,29 @@ class ModelRunner:
             # decodes) and recompiles whenever they stop coinciding.
             torch.fx.experimental._config.use_duck_shape = False
             self._forward = torch.compile(self.model.forward, dynamic=True)
+        # Decode-only steps through one CUDA graph per batch size (runner/cuda_graphs.py).
+        self.graphs: DecodeGraphs | None = None
+        self.graphs_off_reason = self._graphs_off_reason(enforce_eager, compile)
+        if self.graphs_off_reason is None:
+            self.graphs = self.make_decode_graphs(max_num_seqs)
+            self.graphs.capture()
+
+    def _graphs_off_reason(self, enforce_eager: bool, compile: bool) -> str | None:
+        if self.device.type != "cuda":
+            return "not on a CUDA device"
+        if enforce_eager:
+            return "--enforce-eager"
+        if compile:
+            return "--compile"
+        if not self.attn.graphable:
+            return f"the {self.attn.name} attention backend cannot be captured (use triton)"
+        return None
+
+    def make_decode_graphs(self, max_num_seqs: int) -> DecodeGraphs:
+        """The padded decode forward over persistent buffers (captured by `.capture()` on a GPU)."""
+        hk = self.loaded.args.num_kv_heads
+        return DecodeGraphs(self.model, self.kv_caches, self.attn, capture_sizes(max_num_seqs), self.max_blocks,
+                            self.device, lambda b: decode_num_splits(b, hk, self.num_sms), self.sliding_window)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -93,12 +125,9 @@ class ModelRunner:
         return g
 
     # ---- input preparation ------------------------------------------
-    def _prepare(self, out: SchedulerOutput):
-        bs = self.block_size
-        decodes = [s for s in out.scheduled if s.phase == "decode"]
-        prefills = [s for s in out.scheduled if s.phase != "decode"]
-        order = decodes + prefills
-        # Decodes are the hot path (one token each, every step): plain Python ints, no numpy.
+    @staticmethod
+    def _decode_inputs(decodes: list[ScheduledRequest], bs: int) -> tuple[list[int], list[int], list[int]]:
+        """ids, positions and KV slots of one-token decodes: plain Python ints (the hot path)."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -107,6 +136,14 @@ class ModelRunner:
             ids.append(s.request.token_at(c))
             pos.append(c)
             slots.append(s.block_ids[c // bs] * bs + c % bs)
+        return ids, pos, slots
+
+    def _prepare(self, out: SchedulerOutput):
+        bs = self.block_size
+        decodes = [s for s in out.scheduled if s.phase == "decode"]
+        prefills = [s for s in out.scheduled if s.phase != "decode"]
+        order = decodes + prefills
+        ids, pos, slots = self._decode_inputs(decodes, bs)
         offsets = list(range(len(decodes)))
         t = len(decodes)
         for s in prefills:
@@ -119,70 +156,90 @@ class ModelRunner:
             offsets.append(t)
             t += n
         dev = self.device
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        positions = torch.tensor(pos, dtype=torch.long)
-        slots_t = torch.tensor(slots, dtype=torch.long)
+        attn = self.attn
+        window = self.sliding_window
 
         def tables(group: list[ScheduledRequest]) -> tuple[torch.Tensor, int]:
             nb = max(len(s.block_ids) for s in group)
             rows = [s.block_ids + [0] * (nb - len(s.block_ids)) for s in group]
             return torch.tensor(rows, dtype=torch.long), nb * bs
 
-        dbt = dmask = ctx = pbt = pmask = pgather = pscatter = None
+        def to(x):
+            return None if x is None else x.to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(slot_mapping=to(torch.tensor(slots, dtype=torch.long)), num_decode=len(decodes),
+                                 backend=attn, decode_block_tables=None, decode_context_lens=None,
+                                 sliding_window=window)
         if decodes:
             dbt, L = tables(decodes)
             ctx = torch.tensor([s.num_computed_before + 1 for s in decodes])
-            if self._decode_op is None:
-                dmask = (torch.arange(L).unsqueeze(0) < ctx.unsqueeze(1)).view(len(decodes), 1, 1, L)
+            meta.decode_block_tables, meta.decode_context_lens = to(dbt), to(ctx)
+            meta.decode_num_splits = decode_num_splits(len(decodes), self.loaded.args.num_kv_heads, self.num_sms)
+            if attn.decode_masks:
+                j = torch.arange(L).unsqueeze(0)
+                mask = j < ctx.unsqueeze(1)
+                if window is not None:
+                    mask &= j >= (ctx - window).unsqueeze(1)
+                meta.decode_mask = to(mask.view(len(decodes), 1, 1, L))
         if prefills:
             pbt, L = tables(prefills)
             cs = torch.tensor([s.num_computed_before for s in prefills])
             ns = torch.tensor([s.num_new_tokens for s in prefills])
             offs = torch.tensor(offsets[len(decodes):])
             max_q = int(ns.max())
-            ar = torch.arange(max_q).unsqueeze(0)
-            row = torch.minimum(ar, (ns - 1).unsqueeze(1))  # padded rows repeat the last real query
-            qpos = cs.unsqueeze(1) + row
-            pmask = (torch.arange(L).view(1, 1, L) <= qpos.unsqueeze(2)).unsqueeze(1)
-            pgather = offs.unsqueeze(1) + row
-            valid = ar < ns.unsqueeze(1)
-            pscatter = torch.arange(len(prefills) * max_q).view(len(prefills), max_q)[valid]
-
-        def to(x):
-            return None if x is None else x.to(dev, non_blocking=True)
-
-        meta = AttentionMetadata(
-            slot_mapping=to(slots_t),
-            num_decode=len(decodes),
-            decode_block_tables=to(dbt),
-            decode_mask=to(dmask),
-            decode_context_lens=to(ctx),
-            prefill_block_tables=to(pbt),
-            prefill_mask=to(pmask),
-            prefill_gather=to(pgather),
-            prefill_scatter=to(pscatter),
-            decode_op=self._decode_op,
-        )
-        return order, offsets, to(input_ids), to(positions), meta
+            meta.prefill_block_tables, meta.prefill_max_q = to(pbt), max_q
+            meta.prefill_q_starts, meta.prefill_q_lens, meta.prefill_ctx_lens = to(offs), to(ns), to(cs)
+            if attn.prefill_masks:
+                ar = torch.arange(max_q).unsqueeze(0)
+                row = torch.minimum(ar, (ns - 1).unsqueeze(1))  # padded rows repeat the last real query
+                qpos = (cs.unsqueeze(1) + row).unsqueeze(2)
+                j = torch.arange(L).view(1, 1, L)
+                mask = j <= qpos
+                if window is not None:
+                    mask &= j > qpos - window
+                meta.prefill_mask = to(mask.unsqueeze(1))
+                meta.prefill_gather = to(offs.unsqueeze(1) + row)
+                valid = ar < ns.unsqueeze(1)
+                meta.prefill_scatter = to(torch.arange(len(prefills) * max_q).view(len(prefills), max_q)[valid])
+        return order, offsets, to(torch.tensor(ids, dtype=torch.long)), to(torch.tensor(pos, dtype=torch.long)), meta
 
     # ---- one step ---------------------------------------------------
+    def _graph_decodes(self, out: SchedulerOutput) -> list[ScheduledRequest] | None:
+        """The step's requests if it runs through the decode graphs: decodes only, each
+        sampling, no more than the largest captured batch."""
+        if self.graphs is None or len(out.scheduled) > self.graphs.max_size:
+            return None
+        for s in out.scheduled:
+            if s.phase != "decode" or not s.sample:
+                return None
+        return out.scheduled
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
         result = RunnerOutput()
         if out.is_empty:
             return result
-        order, offsets, input_ids, positions, meta = self._prepare(out)
-        t_model = time.perf_counter()
-        hidden = self._forward(input_ids, positions, self.kv_caches, meta)
-
-        sample_sched = [(s, off + s.num_new_tokens - 1) for s, off in zip(order, offsets) if s.sample]
+        decodes = self._graph_decodes(out)
+        hidden = None
+        if decodes is not None:
+            ids, pos, slots = self._decode_inputs(decodes, self.block_size)
+            t_model = time.perf_counter()
+            logits = self.graphs.run(ids, pos, slots, [s.block_ids for s in decodes])
+            sample_sched = [(s, i) for i, s in enumerate(decodes)]
+        else:
+            order, offsets, input_ids, positions, meta = self._prepare(out)
+            t_model = time.perf_counter()
+            hidden = self._forward(input_ids, positions, self.kv_caches, meta)
+            sample_sched = [(s, off + s.num_new_tokens - 1) for s, off in zip(order, offsets) if s.sample]
+            logits = None
+            if sample_sched:
+                rows_idx = torch.tensor([i for _, i in sample_sched], device=self.device)
+                logits = self.model.compute_logits(hidden[rows_idx])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the sampler syncs anyway; this makes model_time honest
+        result.model_time = time.perf_counter() - t_model
         if sample_sched:
-            rows_idx = torch.tensor([i for _, i in sample_sched], device=self.device)
-            logits = self.model.compute_logits(hidden[rows_idx])
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the sampler syncs anyway; this makes model_time honest
-            result.model_time = time.perf_counter() - t_model
             rows = [
                 SamplingRow(
                     request_id=s.request_id,
@@ -199,9 +256,8 @@ class ModelRunner:
                 result.sampled[s.request_id] = tok
                 if lp is not None:
                     result.logprobs[s.request_id] = lp
-        else:
-            result.model_time = time.perf_counter() - t_model
-        self._prompt_logprobs(order, offsets, hidden, result)
+        if hidden is not None:  # decode-only steps have no prompt left to score
+            self._prompt_logprobs(order, offsets, hidden, result)
         result.forward_time = time.perf_counter() - t0
         return result
 
