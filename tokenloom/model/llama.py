@@ -196,6 +196,21 @@ class CausalLM(nn.Module):
                 m.fused_kv = torch.ops.tokenloom_cpu.rope_write_kv
         return True
 
+    def use_fused_triton_ops(self) -> None:
+        """GPU fast path (the triton attention backend): every RMSNorm (with the residual add
+        before it), rotary embedding (with the KV cache write after it) and SwiGLU activation
+        through one Triton kernel each (kernels/triton/fused.py), in float32 and bfloat16.
+        Replaces the CPU ops where both could run (Triton's interpreter in tests)."""
+        from tokenloom.kernels.triton import fused
+
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.fused, m.fused_add = fused.rms_norm, fused.add_rms_norm
+            elif isinstance(m, GatedMLP):
+                m.fused_act = fused.silu_and_mul
+            elif isinstance(m, RotaryEmbedding):
+                m.fused, m.fused_kv = None, fused.rope_write_kv
+
     def _tie_through_panels(self) -> None:
         """Tied embeddings packed once, into the panels the lm_head streams; the embedding
         lookup reads its rows from there.  One copy of the vocab matrix."""
