@@ -3,34 +3,47 @@
 One call to `step()` is one iteration of continuous batching:
 
     schedule (who runs, how many tokens each)  ->  one forward pass + sampling
-    ->  append tokens, detokenize, stop checks  ->  StepEvent to observers
+    ->  append tokens (Scheduler)  ->  detokenize, stop strings, outputs (OutputProcessor)
+    ->  StepEvent to observers
 
 Requests join (`add_request`) and leave (finish, `abort_request`) between steps.
 The engine knows nothing about HTTP; the async server wraps it.
+
+Failures are contained (docs/reliability.md lists the guarantees):
+  - a failure in one request's output processing fails that request alone;
+  - a failure the runner attributes to one request (an exception with a `request_id`
+    attribute naming it, e.g. from its sampling parameters) fails that request alone, and
+    the step is dropped for the others: they are scheduled again and recompute exactly the
+    same tokens (their KV slots are rewritten with the same values);
+  - any other failure of the forward pass fails the requests of that step only -- their KV
+    blocks are freed, waiting requests are untouched -- and counts towards
+    `consecutive_failed_steps`; the device is probed, and `device_error` says if it is broken;
+  - an observer that raises is logged and detached; it never fails a step.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
 
 from tokenloom.config import EngineArgs, SchedulerConfig, default_max_num_batched_tokens, parse_size
 from tokenloom.core.kv_cache import KVCacheManager
-from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.scheduler import Scheduler, SchedulerOutput
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.engine.events import StepEvent
+from tokenloom.engine.faults import FaultInjector
+from tokenloom.engine.output_processor import Group, OutputProcessor, Sample, failure_message
 from tokenloom.model.loader import (load_config, load_eos_token_ids, load_model, resolve_device,
                                     resolve_model_path)
-from tokenloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tokenloom.request import Request, RequestStatus
-from tokenloom.runner.model_runner import ModelRunner, kv_bytes_per_block
+from tokenloom.outputs import RequestMetrics, RequestOutput
+from tokenloom.request import Request
+from tokenloom.runner.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
 from tokenloom.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenloom")
@@ -42,31 +55,6 @@ class PromptTooLongError(ValueError):
     """The prompt (plus requested output) does not fit in max_model_len."""
 
     param = "prompt"
-
-
-@dataclass
-class _Sample:
-    """One of the n samples of a request: a scheduler Request plus its text state."""
-
-    req: Request
-    detok: IncrementalDetokenizer
-    logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float = 0.0
-
-
-@dataclass
-class _Group:
-    """A user request: n samples sharing one prompt."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    samples: list[_Sample]
-    pending: list[Request]  # samples 1..n-1 held back until sample 0 has filled the prefix cache
-    metrics: RequestMetrics
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    finished: bool = False
 
 
 def _default_kv_bytes(device: torch.device) -> int:
@@ -148,11 +136,31 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(num_blocks, block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        self.runner = ModelRunner(self.loaded, num_blocks, block_size, compile=args.compile)
-        self.groups: dict[str, _Group] = {}
-        self._children: dict[str, tuple[_Group, _Sample]] = {}
+        self.runner = ModelRunner(self.loaded, num_blocks, block_size, compile=args.compile,
+                                  attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                                  max_num_seqs=args.max_num_seqs, max_model_len=max_model_len)
+        self.processor = OutputProcessor(self.tokenizer, self.scheduler, self.runner.remove_request)
         self.observers: list[Callable[[StepEvent], None]] = list(observers)
         self.step_count = 0
+        self.consecutive_failed_steps = 0  # forward passes that failed in a row (reset by a good one)
+        self.num_failed_steps = 0
+        self.device_error: str | None = None  # set when the device probe fails after a failed step
+        self.faults = FaultInjector.from_env()
+
+    @property
+    def faults(self) -> FaultInjector | None:
+        """The test-only fault injector (engine/faults.py); None in normal use."""
+        return self._faults
+
+    @faults.setter
+    def faults(self, injector: FaultInjector | None) -> None:
+        self._faults = injector
+        self.processor.faults = injector
+
+    @property
+    def groups(self) -> dict[str, Group]:
+        """Unfinished requests by id."""
+        return self.processor.groups
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, observers: Iterable[Callable[[StepEvent], None]] = ()) -> "LLMEngine":
@@ -220,20 +228,20 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> None:
         params = params or SamplingParams()
-        if request_id in self.groups or request_id in self._children:
+        if self.processor.owns(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.process_prompt(prompt)
         params.check_vocab(self.vocab_size)
         max_tokens = self.resolve_max_tokens(params, len(ids))
         arrival = time.perf_counter() if arrival_time is None else arrival_time
-        samples: list[_Sample] = []
+        samples: list[Sample] = []
         for i in range(params.n):
             child_params = params
             if params.n > 1:
                 seed = None if params.seed is None else params.seed + i
                 child_params = dataclasses.replace(params, n=1, seed=seed)
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
-            if params.n > 1 and rid in self._children:
+            if params.n > 1 and self.processor.owns(rid):
                 raise ValueError(f"request id {request_id!r} collides with the samples of another request")
             req = Request(
                 request_id=rid,
@@ -247,8 +255,8 @@ class LLMEngine:
             )
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                            params.stop, params.include_stop_str_in_output)
-            samples.append(_Sample(req, detok, [] if params.logprobs is not None else None))
-        group = _Group(
+            samples.append(Sample(req, detok, [] if params.logprobs is not None else None))
+        group = Group(
             request_id=request_id, prompt=text, prompt_token_ids=ids, params=params, samples=samples,
             pending=[], metrics=RequestMetrics(arrival_time=arrival),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
@@ -260,24 +268,16 @@ class LLMEngine:
             group.pending = [s.req for s in rest]
         else:
             first = samples
-        self.groups[request_id] = group
-        for s in samples:
-            self._children[s.req.request_id] = (group, s)
+        self.processor.add(group)
         for s in first:
             self.scheduler.add_request(s.req)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """End requests now (no output); their KV blocks go back to the pool."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
-            g = self.groups.pop(rid, None)
-            if g is None:
-                continue
-            for s in g.samples:
-                self.scheduler.finish_request(s.req.request_id, RequestStatus.FINISHED_ABORTED)
-                s.req.status = RequestStatus.FINISHED_ABORTED
-                self.runner.remove_request(s.req.request_id)
-                self._children.pop(s.req.request_id, None)
+            self.processor.abort(rid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -300,94 +300,86 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One engine iteration.  Returns cumulative outputs of the requests that progressed
         (only the finished ones with finished_only=True: offline callers skip building
-        per-step snapshots nobody reads)."""
+        per-step snapshots nobody reads).  A request that failed in this step comes back
+        finished, with `error` set and finish_reason "error"."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        res = self.runner.execute(out)
+        try:
+            res = self._execute(out)
+        except Exception as e:
+            return self._failed_step(out, e)
+        self.consecutive_failed_steps = 0
         now = time.perf_counter()
         self.scheduler.update_from_output(out, res.sampled, now)
-        touched: dict[str, _Group] = {}
-        for s in out.scheduled:
-            found = self._children.get(s.request_id)
-            if found is None:
-                continue
-            g, sample = found
-            touched[g.request_id] = g
-            if g.metrics.first_scheduled_time is None:
-                g.metrics.first_scheduled_time = start
-            if s.request_id in res.prompt_logprobs and g.prompt_logprobs is not None and s.request is g.samples[0].req:
-                for pos, lp, rank, top in res.prompt_logprobs[s.request_id]:
-                    if pos != len(g.prompt_logprobs):  # already have it (recompute after preemption)
-                        continue
-                    g.prompt_logprobs.append(self._logprob_dict(g.prompt_token_ids[len(g.prompt_logprobs)], lp, rank, top))
-            if s.request_id not in res.sampled:
-                continue
-            tok = res.sampled[s.request_id]
-            if g.metrics.first_token_time is None:
-                g.metrics.first_token_time = now
-            g.metrics.last_token_time = now
-            if sample.logprobs is not None and s.request_id in res.logprobs:
-                lp, rank, top = res.logprobs[s.request_id]
-                sample.logprobs.append(self._logprob_dict(tok, lp, rank, top))
-                sample.cumulative_logprob += lp
-            stop_str = sample.detok.add(tok) if g.params.detokenize else None
-            req = s.request
-            if stop_str is not None and not req.is_finished:
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_str)
-                req.finished_time = now
-            if req.is_finished:
-                sample.detok.flush()
-                self.runner.remove_request(req.request_id)
-            if g.pending and s.request is g.samples[0].req:
-                for p in g.pending:  # the prompt's blocks are cached now: let the siblings in
-                    self.scheduler.add_request(p)
-                g.pending = []
-        outputs = []
-        for g in touched.values():
-            g.finished = all(x.req.is_finished for x in g.samples)
-            if g.finished:
-                g.metrics.finished_time = now
-                g.metrics.num_preemptions = sum(x.req.num_preemptions for x in g.samples)
-                self.groups.pop(g.request_id, None)
-                for x in g.samples:
-                    self._children.pop(x.req.request_id, None)
-            if g.finished or not finished_only:
-                outputs.append(self._make_output(g))
+        outputs = self.processor.process(out, res, start, now, finished_only)
         self.step_count += 1
         if self.observers:
-            event = self.scheduler.make_event(out, res.sampled, start, time.perf_counter(), res.model_time)
-            for fn in self.observers:
-                fn(event)
+            self._notify(out, res, start)
         return outputs
 
-    def _logprob_dict(self, tok: int, lp: float, rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
-        d = {t: Logprob(v, i + 1, self.tokenizer.decode([t])) for i, (t, v) in enumerate(top)}
-        if tok not in d:
-            d = {tok: Logprob(lp, rank, self.tokenizer.decode([tok])), **d}
-        return d
+    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if self._faults is not None:  # tests only: fail this forward pass on purpose
+            for s in out.scheduled:
+                g = self.processor.group_of(s.request_id)
+                prompt = g.prompt if g is not None else None
+                self._faults.check("forward", s.request_id, prompt, attribute=False)
+                self._faults.check("sample", s.request_id, prompt)
+        return self.runner.execute(out)
 
-    def _make_output(self, g: _Group) -> RequestOutput:
-        comps = []
-        for i, s in enumerate(g.samples):
-            r = s.req
-            comps.append(CompletionOutput(
-                index=i,
-                text=s.detok.visible_text(r.is_finished),
-                token_ids=list(r.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=r.status.value if r.is_finished else None,
-                stop_reason=r.stop_reason,
-            ))
-        return RequestOutput(
-            request_id=g.request_id,
-            prompt=g.prompt,
-            prompt_token_ids=g.prompt_token_ids,
-            prompt_logprobs=list(g.prompt_logprobs) if g.prompt_logprobs is not None else None,
-            outputs=comps,
-            finished=g.finished,
-            metrics=copy.copy(g.metrics),
-            num_cached_tokens=max(g.samples[0].req.num_cached_tokens, 0),
-        )
+    def _failed_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """Contain a failed execute(): fail the request it names, else the step's requests."""
+        now = time.perf_counter()
+        culprit = getattr(exc, "request_id", None)
+        g = self.processor.group_of(culprit) if isinstance(culprit, str) else None
+        if g is not None and any(s.request_id == culprit for s in out.scheduled):
+            # The others' results are dropped with the step; they are scheduled again next
+            # step from the same num_computed_tokens and recompute the same tokens.
+            logger.error("request %s failed in the model runner; failing it alone", g.request_id, exc_info=exc)
+            return [self.processor.fail(g, failure_message("sampling its next token", exc), now)]
+        self.num_failed_steps += 1
+        self.consecutive_failed_steps += 1
+        groups: dict[str, Group] = {}
+        for s in out.scheduled:
+            sg = self.processor.group_of(s.request_id)
+            if sg is not None:
+                groups[sg.request_id] = sg
+        logger.error("engine step %d failed (%d in a row); failing its %d request(s): %s", out.step,
+                     self.consecutive_failed_steps, len(groups), ", ".join(groups), exc_info=exc)
+        msg = failure_message("running the model on this request's batch", exc)
+        outputs = [self.processor.fail(sg, msg, now) for sg in groups.values()]
+        self.device_error = self._probe_device()
+        if self.device_error is not None:
+            logger.error("the device is broken: %s", self.device_error)
+        return outputs
+
+    def _probe_device(self) -> str | None:
+        """None if a tiny computation on the device still works, else why not.  After a
+        device fault (a CUDA illegal address, say) every later kernel fails too."""
+        if self._faults is not None and self._faults.device_broken():
+            return "injected device fault"
+        try:
+            x = torch.ones(4, device=self.device)
+            if float((x * 2).sum()) != 8.0:
+                return "the device computed 2 * 4 ones wrongly"
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def _notify(self, out: SchedulerOutput, res: RunnerOutput, start: float) -> None:
+        """Hand the step's event to each observer; one that raises is logged and detached."""
+        try:
+            event = self.scheduler.make_event(out, res.sampled, start, time.perf_counter(), res.model_time)
+        except Exception:
+            logger.exception("building the StepEvent of step %d failed; observers skip it", out.step)
+            return
+        for fn in list(self.observers):
+            try:
+                fn(event)
+            except Exception:
+                logger.exception("step observer %r raised; it is detached and the engine carries on", fn)
+                with contextlib.suppress(ValueError):
+                    self.observers.remove(fn)
