@@ -259,4 +259,4 @@ def test_mistral_sliding_window_parity_beyond_the_window(tmp_path):
     path = _save_checkpoint(MistralConfig(**TINY, sliding_window=8, rope_parameters={"rope_type": "default",
                                                                                      "rope_theta": 1e4}), tmp_path)
     assert model_args_fields(json.loads((path / "config.json").read_text()), "MistralForCausalLM")["sliding_window"] == 8
-    _check_parity(path, [p[:24] for p in _prompts(4)], n=20, **CHUNKED)
+    _check_parity(path, [p[:24] for p in _prompts(4)[1:4]], n=20, **CHUNKED)

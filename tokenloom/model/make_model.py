@@ -3,7 +3,10 @@
 No hub here, so tests and benchmarks run on models the project makes: the config of a
 preset, weights drawn from a seeded normal distribution under the exact tensor names a
 real checkpoint uses, and a byte-level BPE tokenizer trained by the project.  The
-result is an ordinary HF directory: transformers loads it, and so does tokenloom.
+result is an ordinary HF directory: transformers loads it, and so does tokenloom.  Its
+config.json is written by transformers' own config class for the architecture, so our
+checkpoints carry exactly what transformers writes (in transformers 5: `rope_parameters`,
+`layer_types`, `dtype`), not a format only we produce.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from tokenloom.model.hf_config import model_args_fields
 from tokenloom.model.presets import TINY_PRESETS, get_preset
 from tokenloom.model.tokenizer_builder import default_tokenizer, save_hf_tokenizer
 
@@ -22,15 +26,12 @@ _SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 def hf_weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of a checkpoint of this config, as transformers names them."""
-    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    nh = cfg["num_attention_heads"]
-    nkv = cfg.get("num_key_value_heads") or nh
-    hd = cfg.get("head_dim") or h // nh
-    arch = cfg["architectures"][0]
-    qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias"))
-    o_bias = arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias"))
+    a = model_args_fields(cfg, cfg["architectures"][0])
+    h, inter, v = a["hidden_size"], a["intermediate_size"], a["vocab_size"]
+    nh, nkv, hd = a["num_heads"], a["num_kv_heads"], a["head_dim"]
+    qkv_bias, o_bias = a["qkv_bias"], a["o_bias"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    for i in range(cfg["num_hidden_layers"]):
+    for i in range(a["num_layers"]):
         p = f"model.layers.{i}."
         shapes[p + "self_attn.q_proj.weight"] = (nh * hd, h)
         shapes[p + "self_attn.k_proj.weight"] = (nkv * hd, h)
@@ -42,7 +43,7 @@ def hf_weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.v_proj.bias"] = (nkv * hd,)
         if o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
-        if arch == "Qwen3ForCausalLM":
+        if a["qk_norm"]:
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
         shapes[p + "mlp.gate_proj.weight"] = (inter, h)
@@ -51,7 +52,7 @@ def hf_weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
-    if not cfg.get("tie_word_embeddings", False):
+    if not a["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (v, h)
     return shapes
 
@@ -83,7 +84,7 @@ def make_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str = "flo
             t = std * torch.randn(shape, generator=gen)
         tensors[name] = t.to(_SAVE_DTYPES[dtype]).contiguous()
     _save_weights(tensors, out, max_shard_bytes)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_hf_config(cfg, out)
     gen_cfg = {"bos_token_id": cfg.get("bos_token_id", 1), "eos_token_id": cfg.get("eos_token_id", 2),
                "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
@@ -91,6 +92,14 @@ def make_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str = "flo
     tok = default_tokenizer(vocab)
     save_hf_tokenizer(tok, out, model_max_length=cfg.get("max_position_embeddings", 2048))
     return out
+
+
+def write_hf_config(cfg: dict, out: Path) -> None:
+    """config.json as transformers' config class for `cfg["model_type"]` writes it."""
+    from transformers import AutoConfig  # a heavy import, only where a model is made
+
+    cfg = dict(cfg)
+    AutoConfig.for_model(cfg.pop("model_type"), **cfg).save_pretrained(out)
 
 
 def _save_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int | None) -> None:
