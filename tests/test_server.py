@@ -5,7 +5,7 @@ Servers (uvicorn in a thread shares this process's torch import, which dominates
   - `srv`: same engine flags as the offline `LLM` used as the reference; generation,
     streaming, metrics, disconnects and error shapes;
   - `guarded`: a model copy without a chat template, with --api-key, --max-num-seqs 1 and
-    --max-queued-requests 1 (401, 503, missing template);
+    --max-queued-requests 1 (401, 429, missing template);
   - `subprocess_server`: `tokenloom serve` as its own process, stopped with SIGTERM while a
     stream is in flight (the stream finishes, the exit status is 0).
 """
@@ -528,7 +528,7 @@ def test_missing_chat_template_is_400(guarded):
     assert "chat template" in e["message"] and "--chat-template" in e["message"]
 
 
-def test_queue_full_is_503(guarded):
+def test_queue_full_is_429(guarded):
     server = guarded
     url, auth = server.base_url, {"Authorization": f"Bearer {API_KEY}"}
     # ~16k tokens: still running while the test queues and refuses others, however fast the machine
@@ -545,8 +545,9 @@ def test_queue_full_is_503(guarded):
         t = threading.Thread(target=second)
         t.start()
         assert wait_until(lambda: metric(url, "tokenloom:num_requests_waiting") >= 1, 10)
-        e = _error(httpx.post(url + "/v1/completions", headers=auth, json={"model": NAME, "prompt": "c"}), 503)
-        assert e["code"] == "queue_full"
+        r = httpx.post(url + "/v1/completions", headers=auth, json={"model": NAME, "prompt": "c"})
+        e = _error(r, 429)
+        assert e["code"] == "queue_full" and r.headers["retry-after"] == "1"
     # leaving the stream aborts the long request; the queued one then runs to completion
     t.join(60)
     assert waiting_result["resp"].status_code == 200

@@ -5,7 +5,8 @@
 
 Engine flags are the same as `tokenloom generate` (vLLM spellings); server flags are in
 `add_server_args` below.  Exit status: 0 after a clean
-stop (SIGINT / SIGTERM), 1 if the model cannot be loaded or the port cannot be bound.
+stop (SIGINT / SIGTERM), 1 if the model cannot be loaded, the port cannot be bound, or the
+engine died (--max-failed-steps failed steps in a row, or a broken device).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import signal
 import sys
 
 from tokenloom.config import EngineArgs
+from tokenloom.entrypoints.openai.limits import add_limit_args
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -48,6 +50,9 @@ def _serve(args: argparse.Namespace) -> int:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if server.engine_failed is not None:
+        print(f"error: {server.engine_failed}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -62,12 +67,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use for the model; the first is reported by /v1/models")
-    g.add_argument("--max-queued-requests", type=int, default=None,
-                   help="answer 503 when this many requests already wait to be scheduled")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM; then they are aborted")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-access-log", action="store_true", help="do not log one line per HTTP request")
+    g.add_argument("--max-failed-steps", type=int, default=3,
+                   help="failed engine steps in a row after which the engine is declared dead "
+                        "(/health 503, exit status 1); a broken device is fatal at once")
+    g.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=True,
+                   help="exit (status 1) when the engine dies, for a supervisor to restart; with "
+                        "--no-exit-on-engine-failure the server stays up answering 503")
+    add_limit_args(p)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,9 +1,13 @@
 """The OpenAI-compatible HTTP server: FastAPI routes around one AsyncLLMEngine.
 
     /v1/completions, /v1/chat/completions   generation (JSON or SSE)      [--api-key applies]
-    /v1/models                              what is served                [--api-key applies]
+    /v1/models, /v1/models/{id}             what is served                [--api-key applies]
+    /tokenize /detokenize /tokenizer_info   the model's tokenizer over HTTP [--api-key applies]
     /health /version /metrics               liveness, version, Prometheus
-    /tokenize /detokenize                   the model's tokenizer over HTTP
+
+Every error is OpenAI-shaped JSON, and the OpenAPI document (/openapi.json) says so: each
+route lists the error statuses it can answer, and SSE / Prometheus / plain-text bodies are
+declared with their real content types, so generated clients and schema fuzzers can trust it.
 
 Lifecycle: the engine (weights, KV cache) is built before uvicorn binds its port, so a
 successful /health means "ready to generate".  The engine thread starts with the app
@@ -24,34 +28,48 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenloom import __version__
 from tokenloom.config import EngineArgs
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.entrypoints.openai.errors import bad_request, error_body, install_error_handlers
-from tokenloom.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                   ModelCard, ModelList, TokenizeRequest)
+from tokenloom.entrypoints.openai.body_limit import BodySizeLimitMiddleware
+from tokenloom.entrypoints.openai.limits import ServerLimits
+from tokenloom.entrypoints.openai.openapi_doc import (GENERATION_ERRORS, TOKENIZER_ERRORS, describe_api_key,
+                                                      error_responses, generation_ok, install_openapi)
+from tokenloom.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                                   CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                                                   TokenizeResponse, TokenizerInfo)
 from tokenloom.entrypoints.openai.serving_chat import create_chat_completion, render_messages
-from tokenloom.entrypoints.openai.serving_common import ServingContext
+from tokenloom.entrypoints.openai.serving_common import ServingContext, off_loop
 from tokenloom.entrypoints.openai.serving_completion import create_completion
 
 logger = logging.getLogger("tokenloom.server")
 
 
-class APIKeyMiddleware:
-    """401 for any /v1 request without `Authorization: Bearer <key>`.
+GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
 
-    Plain ASGI (not a FastAPI dependency) so the key is checked before the body is parsed:
-    an unauthenticated client learns nothing, not even that its JSON was malformed."""
+
+def is_guarded(path: str) -> bool:
+    """Whether --api-key applies to `path`: the API and the tokenizer, not liveness or metrics."""
+    return path.startswith(GUARDED_PREFIXES)
+
+
+class APIKeyMiddleware:
+    """401 for any guarded request (`is_guarded`) without `Authorization: Bearer <key>`.
+
+    Plain ASGI (not a FastAPI dependency) so the key is checked before the body is read:
+    an unauthenticated client learns nothing, not even that its JSON was malformed, and
+    cannot make the server buffer a large body."""
 
     def __init__(self, app: Any, api_key: str):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and is_guarded(scope["path"]) and scope["method"] != "OPTIONS":
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):  # constant time: no guessing by timing
                 resp = JSONResponse(error_body("invalid or missing API key (send 'Authorization: Bearer <key>')",
@@ -77,61 +95,81 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None) -> FastAPI:
 
     app = FastAPI(title="tokenloom", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
+    # Starlette runs the middleware added last first: the key is checked before a body is read.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=ctx.limits.max_request_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    guarded = describe_api_key(bool(api_key))
 
-    @app.get("/health")
+    @app.get("/health", response_class=PlainTextResponse, responses=error_responses(503))
     async def health() -> Response:
         if not engine.is_running:
             return JSONResponse(error_body(engine.dead_reason or "the engine is not running",
                                            "service_unavailable_error", None, "engine_unavailable"), status_code=503)
-        return Response(status_code=200)
+        return PlainTextResponse("")  # empty, but typed as the document says
 
     @app.get("/version")
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         body = engine.metrics.render() if engine.metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        root = str(engine.engine.model_path)
-        cards = [ModelCard(id=name, created=ctx.created, root=root, max_model_len=engine.max_model_len)
-                 for name in ctx.served_model_names]
-        return ModelList(data=cards).model_dump(mode="json")
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=ctx.created, root=str(engine.engine.model_path),
+                         max_model_len=engine.max_model_len)
 
-    @app.post("/v1/completions")
+    @app.get("/v1/models", response_model=ModelList, responses=error_responses(*guarded))
+    async def models() -> ModelList:
+        return ModelList(data=[card(name) for name in ctx.served_model_names])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(*guarded, 404))
+    async def model(model_id: str) -> ModelCard:
+        """One served model (the openai client's `models.retrieve`); 404 for any other name."""
+        if model_id not in ctx.served_model_names:
+            ctx.check_model(model_id)  # raises the OpenAI-shaped 404
+        return card(model_id)
+
+    @app.post("/v1/completions", responses=generation_ok(CompletionResponse, *guarded, *GENERATION_ERRORS))
     async def completions(body: CompletionRequest, raw: Request):
         return await create_completion(ctx, body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              responses=generation_ok(ChatCompletionResponse, *guarded, *GENERATION_ERRORS))
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(ctx, body, raw)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=error_responses(*guarded, *TOKENIZER_ERRORS))
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
-            ids = render_messages(ctx, body.messages, chat_template=body.chat_template,
-                                  add_generation_prompt=body.add_generation_prompt)
+            ids = await off_loop(render_messages, ctx, body.messages, chat_template=body.chat_template,
+                                 add_generation_prompt=body.add_generation_prompt)
         else:
-            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
-                "token_strs": engine.tokenizer.convert_ids_to_tokens(ids)}
+            ids = await off_loop(engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+        strs = await off_loop(engine.tokenizer.convert_ids_to_tokens, ids)
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
+    @app.post("/detokenize", response_model=DetokenizeResponse,
+              responses=error_responses(*guarded, *TOKENIZER_ERRORS))
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(body.model)
         vocab = engine.engine.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is out of range for a vocabulary of {vocab}", param="tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        return DetokenizeResponse(prompt=await off_loop(engine.tokenizer.decode, body.tokens))
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfo, responses=error_responses(*guarded))
+    async def tokenizer_info() -> TokenizerInfo:
+        """The tokenizer's settings (vLLM's endpoint, read by lm-eval-harness's remote tokenizer)."""
+        return TokenizerInfo.of(engine.tokenizer, engine.max_model_len, engine.engine.vocab_size)
+
+    install_openapi(app)
 
     return app
 
@@ -148,10 +186,23 @@ class _Server(uvicorn.Server):
       stop, so the handlers are installed and simply restored.
     """
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: float):
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: float, *,
+                 exit_on_engine_failure: bool = True):
         super().__init__(config)
         self.engine = engine
         self.grace = grace
+        self.exit_on_engine_failure = exit_on_engine_failure
+        self.engine_failed: str | None = None  # why the engine died, if it did: exit status 1
+
+    def engine_died(self, reason: str) -> None:
+        """The engine gave up (failed steps in a row, broken device); every client has its
+        error already.  /health answers 503 from now on, and unless told otherwise the
+        server stops so the process exits non-zero and a supervisor restarts it.  Called on
+        the engine thread: uvicorn's main loop polls `should_exit`."""
+        self.engine_failed = reason
+        if self.exit_on_engine_failure:
+            logger.error("engine dead (%s); shutting the server down", reason)
+            self.should_exit = True
 
     async def shutdown(self, sockets=None) -> None:
         timer = asyncio.get_running_loop().call_later(
@@ -177,15 +228,20 @@ class _Server(uvicorn.Server):
 
 def build_server(args: argparse.Namespace) -> tuple[_Server, AsyncLLMEngine]:
     """Load the model and build (but do not start) the uvicorn server for parsed `serve` args."""
-    if args.max_queued_requests is not None and args.max_queued_requests < 0:
-        raise ValueError("--max-queued-requests must be >= 0")
+    limits = ServerLimits.from_cli_args(args)
     engine_args = EngineArgs.from_cli_args(args)
-    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    engine = AsyncLLMEngine.from_engine_args(engine_args, max_failed_steps=getattr(args, "max_failed_steps", 3))
+    # One encode now settles the fast tokenizer's truncation/padding state, so the worker
+    # threads that tokenize requests concurrently never need to change it (which would fail
+    # with "Already borrowed" while another thread is encoding).
+    engine.tokenizer.encode("warm-up")
     names = args.served_model_name or [engine.model_name]
-    ctx = ServingContext(engine, names, args.max_queued_requests)
+    ctx = ServingContext(engine, names, limits)
     app = build_app(ctx, api_key=args.api_key)
     grace = max(0.0, args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=not args.disable_access_log,
                             timeout_graceful_shutdown=grace + 5.0)  # backstop; see _Server
-    return _Server(config, engine, grace), engine
+    server = _Server(config, engine, grace, exit_on_engine_failure=getattr(args, "exit_on_engine_failure", True))
+    engine.on_dead = server.engine_died
+    return server, engine

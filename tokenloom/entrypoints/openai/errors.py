@@ -8,12 +8,15 @@ included) always get the same JSON and a status that says whose fault it was:
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Sequence
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("tokenloom.server")
 
 _TYPES = {
     400: "invalid_request_error",
@@ -33,9 +36,10 @@ class OpenAIError(Exception):
     """Raise anywhere in a handler; becomes a JSON error response with `status`."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
+        self.headers = headers
         self.message = message
         self.param = param
         self.code = code
@@ -54,12 +58,15 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def sse_error(err: OpenAIError) -> str:
     """An error met after a stream started: the status is already 200, so say it in a chunk."""
     return f"data: {json.dumps(err.body())}\n\n"
+
+
+INVALID_UNICODE = "invalid_unicode"  # the pydantic error type for a string that is not valid Unicode
 
 
 def _param_of(loc: Sequence[Any]) -> str | None:
@@ -76,6 +83,9 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     if not errors:
         return bad_request("invalid request body")
     first = errors[0]
+    if first.get("type") == INVALID_UNICODE:  # raised by protocol's check, which names the field in ctx
+        ctx = first.get("ctx") or {}
+        return bad_request(str(first.get("msg")), param=ctx.get("field"), code="invalid_unicode")
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx") or {}
         return bad_request(f"the request body is not valid JSON: {ctx.get('error', first.get('msg'))}",
@@ -116,7 +126,10 @@ async def _http_handler(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(OpenAIError(500, f"internal server error: {type(exc).__name__}: {exc}",
+    # The exception's text goes to the log, never to the client: it can carry paths, tensor
+    # shapes or fragments of other requests.
+    logger.error("internal error answering %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(OpenAIError(500, "internal server error (the details are in the server log)",
                                       code="internal_error"))
 
 

@@ -4,7 +4,9 @@ Requests validate *types* here (a string where a number belongs is a 400 naming 
 *values* (temperature < 0, top_p > 1, ...) are checked by `SamplingParams`, the one place
 that knows the engine's limits, so the offline API and the server refuse the same things.
 Unknown fields are ignored, as OpenAI-compatible servers commonly do, so newer clients that
-send fields we do not know still work.
+send fields we do not know still work.  Every string in a request must be valid Unicode: JSON
+can spell a lone UTF-16 surrogate ("\\ud800"), which no tokenizer accepts and no response can
+echo, so such a body is a 400 naming the field before any handler sees it.
 """
 
 from __future__ import annotations
@@ -12,11 +14,51 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic_core import PydanticCustomError
+
+from tokenloom.entrypoints.openai.errors import INVALID_UNICODE
+
+
+def _find_lone_surrogate(value: Any, path: str) -> str | None:
+    """The dotted path of the first string (or key) in `value` that is not valid Unicode."""
+    stack = [(value, path)]
+    while stack:
+        v, at = stack.pop()
+        if type(v) is str:
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return at or "body"
+        elif type(v) is dict:
+            for k, item in v.items():
+                sub = f"{at}.{k}" if at else str(k)
+                if type(k) is str and not k.isascii():
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return at or "body"
+                if type(item) not in (int, float, bool) and item is not None:
+                    stack.append((item, sub))
+        elif type(v) is list:
+            for i, item in enumerate(v):
+                if type(item) not in (int, float, bool) and item is not None:  # token-id lists: nothing to check
+                    stack.append((item, f"{at}.{i}"))
+    return None
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN/Infinity are not numbers a sampler can use
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        bad = _find_lone_surrogate(data, "")
+        if bad is not None:
+            raise PydanticCustomError(INVALID_UNICODE, "{field}: contains a lone UTF-16 surrogate (such as \\ud800), "
+                                      "which is not valid Unicode text", {"field": bad})
+        return data
 
 
 class StreamOptions(_Request):
@@ -102,6 +144,18 @@ class DetokenizeRequest(_Request):
 
 
 # ---- responses -------------------------------------------------------------
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error this server answers, whatever the status (OpenAI's shape)."""
+
+    error: ErrorInfo
 
 class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -222,3 +276,46 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class TokenizerInfo(_Response):
+    """GET /tokenizer_info: what a remote client needs to mirror the tokenizer (vLLM's endpoint;
+    lm-eval-harness reads the special tokens and the chat template from it)."""
+
+    tokenizer_class: str
+    model_max_length: int  # this server's max_model_len, which may be below the tokenizer's own
+    vocab_size: int  # the model's (it may pad the tokenizer's vocabulary)
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    add_bos_token: bool | None = None
+    add_eos_token: bool | None = None
+    chat_template: str | None = None
+
+    @classmethod
+    def of(cls, tokenizer: Any, max_model_len: int, vocab_size: int) -> "TokenizerInfo":
+        def special(name: str) -> str | None:
+            tok = getattr(tokenizer, name, None)
+            return None if tok is None else str(tok)
+
+        def flag(name: str) -> bool | None:
+            v = getattr(tokenizer, name, None)
+            return v if isinstance(v, bool) else None
+
+        template = getattr(tokenizer, "chat_template", None)
+        return cls(tokenizer_class=type(tokenizer).__name__, model_max_length=max_model_len, vocab_size=vocab_size,
+                   bos_token=special("bos_token"), eos_token=special("eos_token"), pad_token=special("pad_token"),
+                   unk_token=special("unk_token"), add_bos_token=flag("add_bos_token"),
+                   add_eos_token=flag("add_eos_token"), chat_template=template if isinstance(template, str) else None)

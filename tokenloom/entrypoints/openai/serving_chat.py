@@ -1,7 +1,9 @@
 """POST /v1/chat/completions: messages -> chat template -> token ids -> the engine.
 
-The template is the tokenizer's (or `--chat-template`, or the request's `chat_template`);
-rendering happens here, on the request, so a template error is a 400 for this request alone.
+The template is the tokenizer's (or `--chat-template`); a request's own `chat_template` is
+refused unless the server runs with `--trust-request-chat-template`, since a template is a
+program the server would run.  Rendering happens here, on the request, in a worker thread
+(a slow template stalls no stream), so a template error is a 400 for this request alone.
 Streaming follows OpenAI: each choice's first chunk carries `delta.role`, later ones
 `delta.content`, the last one `finish_reason`; with `stream_options.include_usage` a final
 chunk with empty `choices` carries the usage.
@@ -9,7 +11,9 @@ chunk with empty `choices` carries the usage.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, AsyncIterator, Sequence
 
 from fastapi import Request
@@ -22,9 +26,9 @@ from tokenloom.entrypoints.openai.protocol import (ChatChoice, ChatCompletionReq
                                                    ChatLogprobs, ChatMessage, ChatResponseMessage,
                                                    ChatTokenLogprob, TopLogprob)
 from tokenloom.entrypoints.openai.serving_common import (ChunkFrame, ServingContext, SSEResponse, abort_all,
-                                                         add_requests, collect_final, finite_logprob, make_usage,
-                                                         merge_streams, new_id, sampling_params, sse_body,
-                                                         validate_prompt)
+                                                         add_requests, check_request, collect_final, finite_logprob,
+                                                         make_usage, merge_streams, new_id, off_loop, sampling_params,
+                                                         sse_body, validate_prompt)
 from tokenloom.outputs import Logprob, PositionLogprobs, RequestOutput
 
 
@@ -44,9 +48,33 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
     return d
 
 
+@lru_cache(maxsize=8)
+def _reserved_kwargs(tokenizer_type: type) -> frozenset[str]:
+    """apply_chat_template's own parameters: a request may not set them through
+    chat_template_kwargs (tokenize=False, a template smuggled in, ...)."""
+    params = inspect.signature(tokenizer_type.apply_chat_template).parameters
+    return frozenset(name for name, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
+def check_chat_template_request(ctx: ServingContext, chat_template: str | None,
+                                template_kwargs: dict[str, Any] | None) -> None:
+    """400 for a request-supplied template (unless trusted) or a reserved template kwarg."""
+    if chat_template is not None and not ctx.limits.trust_request_chat_template:
+        raise bad_request("a request may not supply its own chat_template on this server (start it with "
+                          "--trust-request-chat-template to allow it)", param="chat_template", code="not_allowed")
+    if template_kwargs:
+        reserved = _reserved_kwargs(type(ctx.engine.tokenizer)) | {"messages", "chat_template"}
+        clash = sorted(k for k in template_kwargs if k in reserved)
+        if clash:
+            raise bad_request(f"chat_template_kwargs may only hold template variables; {', '.join(clash)} "
+                              f"cannot be set this way", param="chat_template_kwargs")
+
+
 def render_messages(ctx: ServingContext, messages: Sequence[ChatMessage], *, chat_template: str | None,
                     add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Messages -> prompt token ids; every failure is a 400."""
+    """Messages -> prompt token ids; every failure is a 400.  Blocking (a template render and
+    a tokenizer): call it through `off_loop`."""
+    check_chat_template_request(ctx, chat_template, template_kwargs)
     msgs = [_message_dict(m, i) for i, m in enumerate(messages)]
     tok = ctx.engine.tokenizer
     if chat_template is None and not getattr(tok, "chat_template", None):
@@ -96,8 +124,15 @@ class _Prepared:
     tokenizer: Any
 
 
-def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[_Prepared, list[RequestStream]]:
-    ctx.check_model(req.model)
+def _render_and_validate(ctx: ServingContext, req: ChatCompletionRequest, params: Any) -> list[int]:
+    ids = render_messages(ctx, req.messages, chat_template=req.chat_template,
+                          add_generation_prompt=req.add_generation_prompt, template_kwargs=req.chat_template_kwargs)
+    return validate_prompt(ctx, ids, params, param="messages")[1]
+
+
+async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[_Prepared, list[RequestStream]]:
+    check_request(ctx, req)
+    check_chat_template_request(ctx, req.chat_template, req.chat_template_kwargs)
     if req.tools:
         raise bad_request("tools / function calling is not supported by this server", param="tools",
                           code="unsupported")
@@ -111,16 +146,14 @@ def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[_Prepared
     if top_n is not None and not 0 <= top_n <= 20:
         raise bad_request(f"top_logprobs must be in [0, 20], got {top_n}", param="top_logprobs")
     params = sampling_params(req, max_tokens=max_tokens, logprobs=top_n, prompt_logprobs=req.prompt_logprobs)
-    ids = render_messages(ctx, req.messages, chat_template=req.chat_template,
-                          add_generation_prompt=req.add_generation_prompt, template_kwargs=req.chat_template_kwargs)
-    _, ids = validate_prompt(ctx, ids, params, param="messages")
+    ids = await off_loop(_render_and_validate, ctx, req, params)
     rid = new_id("chatcmpl")
     streams = add_requests(ctx, rid, [(None, ids)], params, priority=req.priority, cache_salt=req.cache_salt)
     return _Prepared(rid, req.model or ctx.model_name, req, top_n, ctx.engine.tokenizer), streams
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
-    p, streams = _prepare(ctx, req)
+    p, streams = await _prepare(ctx, req)
     if req.stream:
         return SSEResponse(sse_body(ctx, streams, _stream(ctx, p, streams)), on_close=lambda: abort_all(ctx, streams))
     finals = await collect_final(ctx, streams, raw)

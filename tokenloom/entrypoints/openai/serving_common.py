@@ -1,9 +1,12 @@
 """What /v1/completions and /v1/chat/completions share.
 
-- `ServingContext`: the async engine plus the server's settings (served names, queue cap).
+- `ServingContext`: the async engine plus the server's settings (served names, limits).
 - Request -> `SamplingParams` with errors mapped to 400s that name the field.
-- Admission: model name (404), queue cap (503), prompt validation (400) -- all checked
-  *before* anything reaches the engine, so a bad request never disturbs running ones.
+- Admission: model name (404), per-request limits (400), queue cap (429), prompt
+  validation (400) -- all checked *before* anything reaches the engine, so a bad request
+  never disturbs running ones.  Counting comes first; tokenizing, templating and checking
+  token ids run in a worker thread, so a huge prompt never holds up the event loop (and
+  with it every other stream) while it is being refused.
 - Fan-in of several request streams, and a watcher that turns a client's disconnect into
   an abort (non-streaming responses would otherwise run to the end for nobody).
 """
@@ -13,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -26,11 +30,13 @@ from tokenloom.engine.async_engine import (AsyncLLMEngine, EngineDeadError, Requ
                                            RequestStream)
 from tokenloom.engine.llm_engine import PromptTooLongError
 from tokenloom.entrypoints.openai.errors import OpenAIError, bad_request, sse_error
+from tokenloom.entrypoints.openai.limits import ServerLimits, check_sampling_limits
 from tokenloom.entrypoints.openai.protocol import PromptTokensDetails, Usage, _SamplingFields
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParamError, SamplingParams
 
-MAX_N = 128  # samples per request: beyond this one request could occupy the engine for everyone
+logger = logging.getLogger("tokenloom.server")
+_T = TypeVar("_T")
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator.manual_seed takes a 64-bit value
 
 
@@ -38,7 +44,7 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator.manual_seed takes 
 class ServingContext:
     engine: AsyncLLMEngine
     served_model_names: list[str]
-    max_queued_requests: int | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -52,15 +58,16 @@ class ServingContext:
                               param="model", code="model_not_found")
 
     def check_capacity(self, num_new: int) -> None:
-        """503 when admitting `num_new` more sequences would grow the waiting queue past the cap."""
-        cap = self.max_queued_requests
+        """429 (retry later, as OpenAI and vLLM answer overload) when admitting `num_new` more
+        sequences would grow the waiting queue past the cap."""
+        cap = self.limits.max_queued_requests
         if cap is None:
             return
         waiting = self.engine.num_waiting()
         if waiting + num_new > cap:
-            raise OpenAIError(503, f"the server is overloaded: {waiting} request(s) are already waiting "
+            raise OpenAIError(429, f"the server is overloaded: {waiting} request(s) are already waiting "
                                    f"(--max-queued-requests {cap}); retry later",
-                              code="queue_full")
+                              code="queue_full", headers={"Retry-After": "1"})
 
     def check_engine(self) -> None:
         if not self.engine.is_running:
@@ -76,17 +83,33 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+async def off_loop(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """Run `fn` in a worker thread: tokenizers and chat templates release the event loop
+    (the Rust tokenizer drops the GIL while it works), so streams keep flowing meanwhile."""
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def check_request(ctx: ServingContext, req: _SamplingFields) -> None:
+    """What every generation request must satisfy before any work is done for it."""
+    ctx.check_model(req.model)
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    check_sampling_limits(ctx.limits, n=req.n, stop=req.stop, logit_bias=req.logit_bias,
+                          token_lists={"stop_token_ids": req.stop_token_ids,
+                                       "allowed_token_ids": req.allowed_token_ids},
+                          vocab_size=ctx.engine.engine.vocab_size)
+
+
 def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None) -> SamplingParams:
-    """Build and validate SamplingParams; any bad value is a 400 naming its field."""
+    """Build and validate SamplingParams; any bad value is a 400 naming its field.
+    (Call `check_request` first: it bounds the sizes this loops over.)"""
     logit_bias = None
     if req.logit_bias:
         try:  # JSON object keys are strings; OpenAI's are token ids written as strings
             logit_bias = {int(k): v for k, v in req.logit_bias.items()}
         except ValueError:
             raise bad_request("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
-    if req.n > MAX_N:
-        raise bad_request(f"n must be <= {MAX_N}, got {req.n}", param="n")
     if req.seed is not None and not _SEED_MIN <= req.seed <= _SEED_MAX - req.n:
         raise bad_request(f"seed must fit in a signed 64-bit integer, got {req.seed}", param="seed")
     kw: dict = dict(
@@ -121,7 +144,13 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
 
 def validate_prompt(ctx: ServingContext, prompt: str | list[int], params: SamplingParams,
                     param: str = "prompt") -> tuple[str | None, list[int]]:
-    """Tokenize/check one prompt as the engine will; PromptTooLongError etc. become 400s."""
+    """Tokenize/check one prompt as the engine will; PromptTooLongError etc. become 400s.
+    Blocking (a tokenizer, a pass over the ids): call it through `off_loop`."""
+    max_len = ctx.engine.max_model_len
+    if not isinstance(prompt, str) and len(prompt) >= max_len:  # the length first, before any per-id check
+        raise bad_request(f"the prompt has {len(prompt)} tokens, but this model's max_model_len is {max_len} "
+                          f"(the prompt must be shorter, leaving room for at least one generated token)",
+                          param=param, code="context_length_exceeded")
     try:
         return ctx.engine.validate(prompt, params)
     except PromptTooLongError as e:
@@ -158,6 +187,11 @@ def engine_failure(e: BaseException) -> OpenAIError:
     if isinstance(e, EngineDeadError):
         return OpenAIError(503, str(e), code="engine_unavailable")
     status = getattr(e, "status", 500)
+    if status >= 500 and status != 503:
+        # The engine's message may carry an exception's text: the log gets it, the client a summary.
+        logger.error("request failed in the engine: %s", e)
+        return OpenAIError(status, "the engine failed while running this request (the details are in the server log)",
+                           code="engine_error")
     return OpenAIError(status, str(e), code="shutting_down" if status == 503 else "engine_error")
 
 
@@ -263,21 +297,24 @@ class ChunkFrame:
     `stream_options.continuous_usage_stats` each also carries the usage so far, and with
     `include_usage` a last chunk with empty `choices` carries the final usage."""
 
-    def __init__(self, request_id: str, object_type: str, model: str, stream_options: Any) -> None:
+    def __init__(self, request_id: str, object_type: str, model: str, stream_options: Any,
+                 *, score_only: bool = False) -> None:
         self.head = {"id": request_id, "object": object_type, "created": int(time.time()), "model": model}
         self.include_usage = bool(stream_options and stream_options.include_usage)
         self.continuous_usage = bool(stream_options and stream_options.continuous_usage_stats)
+        self.completion_tokens = 0 if score_only else None  # scoring reports no generated token
 
     def chunk(self, choice: dict[str, Any], outputs: Sequence[RequestOutput]) -> str:
         obj: dict[str, Any] = {**self.head, "choices": [choice]}
         if self.continuous_usage and outputs:
-            obj["usage"] = make_usage(outputs).model_dump()
+            obj["usage"] = make_usage(outputs, completion_tokens=self.completion_tokens).model_dump()
         return sse(dumps(obj))
 
     def usage_chunk(self, outputs: Sequence[RequestOutput]) -> str | None:
         if not (self.include_usage and outputs):
             return None
-        return sse(dumps({**self.head, "choices": [], "usage": make_usage(outputs).model_dump()}))
+        usage = make_usage(outputs, completion_tokens=self.completion_tokens)
+        return sse(dumps({**self.head, "choices": [], "usage": usage.model_dump()}))
 
 
 async def sse_body(ctx: ServingContext, streams: Sequence[RequestStream], chunks: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -1,0 +1,117 @@
+"""What one request may cost the server, and the checks that hold it to that.
+
+A request's cost is not only its tokens: every stop string is searched for after every
+generated token (on the engine thread, which all requests share), every prompt in a list
+becomes its own engine request, a `logit_bias` entry is a tensor write per step, and the
+body itself is read into memory before anything else happens.  Each such cost has a limit
+here, set by a `tokenloom serve` flag, with a default generous enough for real clients
+(lm-eval-harness, the openai SDK, chat UIs) and small enough that one request cannot
+occupy the engine for everyone.  Breaking a limit is a 400 naming the field (413 for the
+body, by `BodySizeLimitMiddleware` in body_limit.py), decided by counting -- before any
+per-token work is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+# No FastAPI at import time: the CLI builds its parser from this module (`tokenloom --help`
+# should not pay for the web stack); the checks import the error helpers when they run.
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Per-request limits of the HTTP server (see `add_limit_args` for the flags)."""
+
+    max_request_body_bytes: int = 10 * 2**20
+    max_prompts_per_request: int = 256
+    max_stop_strings: int = 32
+    max_stop_string_chars: int = 256
+    max_logit_bias: int = 1024
+    max_n: int = 128
+    max_queued_requests: int | None = 1024  # None: no cap
+    trust_request_chat_template: bool = False
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerLimits":
+        """The limits from parsed `serve` flags; ValueError names a flag whose value is impossible."""
+        limits = cls(
+            max_request_body_bytes=args.max_request_body_bytes,
+            max_prompts_per_request=args.max_prompts_per_request,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_string_chars=args.max_stop_string_chars,
+            max_logit_bias=args.max_logit_bias,
+            max_n=args.max_n,
+            max_queued_requests=None if args.max_queued_requests is None or args.max_queued_requests < 0
+            else args.max_queued_requests,
+            trust_request_chat_template=args.trust_request_chat_template,
+        )
+        for flag, value in (("--max-request-body-bytes", limits.max_request_body_bytes),
+                            ("--max-prompts-per-request", limits.max_prompts_per_request),
+                            ("--max-n", limits.max_n)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        for flag, value in (("--max-stop-strings", limits.max_stop_strings),
+                            ("--max-stop-string-chars", limits.max_stop_string_chars),
+                            ("--max-logit-bias", limits.max_logit_bias)):
+            if value < 0:
+                raise ValueError(f"{flag} must be >= 0, got {value}")
+        return limits
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    d = ServerLimits()
+    g = p.add_argument_group("per-request limits (each answered with a 400 naming the field; the body with 413)")
+    g.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help=f"largest request body accepted (default {d.max_request_body_bytes})")
+    g.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
+                   help=f"prompts in one /v1/completions request (default {d.max_prompts_per_request})")
+    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
+                   help=f"stop strings per request (default {d.max_stop_strings})")
+    g.add_argument("--max-stop-string-chars", type=int, default=d.max_stop_string_chars,
+                   help=f"characters in one stop string (default {d.max_stop_string_chars})")
+    g.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias,
+                   help=f"entries in logit_bias (default {d.max_logit_bias})")
+    g.add_argument("--max-n", type=int, default=d.max_n, help=f"samples per prompt, `n` (default {d.max_n})")
+    g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help=f"answer 429 when this many sequences already wait to be scheduled "
+                        f"(default {d.max_queued_requests}; a negative value: no cap)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="honour a `chat_template` sent in a request (refused by default: a template is code, "
+                        "and rendering it runs on this server)")
+
+
+def check_sampling_limits(limits: ServerLimits, *, n: int, stop: str | list[str] | None,
+                          logit_bias: dict[str, float] | None, token_lists: dict[str, list[int] | None],
+                          vocab_size: int) -> None:
+    """Counts and lengths first: none of these loops over more than the limit allows."""
+    from tokenloom.entrypoints.openai.errors import bad_request
+
+    if n > limits.max_n:
+        raise bad_request(f"n must be <= {limits.max_n}, got {n}", param="n", code="limit_exceeded")
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    if len(stops) > limits.max_stop_strings:
+        raise bad_request(f"at most {limits.max_stop_strings} stop strings are allowed, got {len(stops)} "
+                          f"(--max-stop-strings)", param="stop", code="limit_exceeded")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > limits.max_stop_string_chars:
+        raise bad_request(f"a stop string may have at most {limits.max_stop_string_chars} characters, got one of "
+                          f"{longest} (--max-stop-string-chars)", param="stop", code="limit_exceeded")
+    if logit_bias is not None and len(logit_bias) > limits.max_logit_bias:
+        raise bad_request(f"logit_bias may have at most {limits.max_logit_bias} entries, got {len(logit_bias)} "
+                          f"(--max-logit-bias)", param="logit_bias", code="limit_exceeded")
+    for param, ids in token_lists.items():
+        # More entries than the vocabulary has tokens can only be repeats: refused before any
+        # per-id work (a mask or a set) is built from them.
+        if ids is not None and len(ids) > vocab_size:
+            raise bad_request(f"{param} may have at most {vocab_size} entries (the vocabulary size), got {len(ids)}",
+                              param=param, code="limit_exceeded")
+
+
+def check_prompt_count(limits: ServerLimits, count: int) -> None:
+    from tokenloom.entrypoints.openai.errors import bad_request
+
+    if count > limits.max_prompts_per_request:
+        raise bad_request(f"at most {limits.max_prompts_per_request} prompts are allowed per request, got {count} "
+                          f"(--max-prompts-per-request)", param="prompt", code="limit_exceeded")
