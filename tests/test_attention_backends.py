@@ -23,7 +23,8 @@ def test_backend_greedy_matches_transformers(model_factory, preset, backend):
     path = model_factory(preset)
     prompts = _prompts()
     ref = _hf_greedy(_hf(path), prompts, NEW_TOKENS)
-    llm = LLM(str(path), device="cpu", attention_backend=backend, **STRESS)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(str(path), device=device, attention_backend=backend, **STRESS)
     assert llm.llm_engine.runner.attn.name == backend
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)

@@ -27,8 +27,13 @@ def test_capture_sizes():
     assert capture_sizes(1) == [1]
 
 
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
 def _triton_llm(path, **kw):
-    return LLM(str(path), device="cpu", attention_backend="triton", **kw)
+    """The triton backend, eager (the padded forward is called directly where graphs would be)."""
+    return LLM(str(path), device=DEVICE, attention_backend="triton", enforce_eager=True, **kw)
 
 
 def test_padded_decode_graph_path_gives_transformers_tokens(model_factory):
@@ -39,7 +44,7 @@ def test_padded_decode_graph_path_gives_transformers_tokens(model_factory):
     ref = _hf_greedy(_hf(path), prompts, 10)
     llm = _triton_llm(path, **STRESS)
     runner = llm.llm_engine.runner
-    assert runner.graphs is None and runner.graphs_off_reason == "not on a CUDA device"
+    assert runner.graphs is None and runner.graphs_off_reason in ("not on a CUDA device", "--enforce-eager")
     runner.graphs = runner.make_decode_graphs(max_num_seqs=3)
     used = []
     run = runner.graphs.run
@@ -118,3 +123,20 @@ def test_decode_forward_never_synchronises_with_the_host(model_factory):
         with pytest.raises(AssertionError):
             torch.ones(1).item()  # the guard is live
         graphs.forward(2)
+
+
+@pytest.mark.skipif(not CUDA, reason="captures real CUDA graphs")
+def test_captured_graphs_give_transformers_tokens(model_factory):
+    path = model_factory("tiny-qwen2")
+    prompts = _prompts()
+    ref = _hf_greedy(_hf(path), prompts, 16)
+    llm = LLM(str(path), device="cuda", max_num_seqs=8, max_model_len=128)
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
+    replays = []
+    run = graphs.run
+    graphs.run = lambda *a: replays.append(len(a[0])) or run(*a)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert replays
