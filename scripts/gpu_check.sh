@@ -9,8 +9,9 @@
 #    engine, sampler and server tests;
 # 2. eager vs CUDA graphs: capture time and memory, launches and kernels per decode step
 #    (scripts/gpu_decode_report.py);
-# 3. `bench roofline` bf16 at batch 1, 8, 32, 128, 256 (context 512) and fp32 at 1, 8, 32;
-# 4. `bench throughput --baseline hf` (bf16).
+# 3. `bench roofline` bf16 at batch 1, 8, 32, 128, 256 (context 512);
+# 4. `bench throughput --baseline hf` (bf16);
+# 5. `bench roofline` fp32 at batch 1, 8, 32.
 # Results (JSON, logs) go to $OUT (the device tool's folder) or /tmp/gpu_out.
 #
 # Wheels the GPU image lacks travel in .whl/ (git-ignored: name it in the device call's carry);
@@ -57,13 +58,13 @@ timeout "${ROOF_TIMEOUT:-150}" python3 -m tokenloom.entrypoints.cli bench roofli
   --dtype bfloat16 --batch-sizes 1,8,32,128,256 --context-lens 512 --max-model-len 1024 \
   --disable-tqdm --output-json "$O/roofline_bf16.json" 2>&1 | tail -n 22
 
+step throughput vs transformers, bf16
+timeout "${THR_TIMEOUT:-150}" python3 -m tokenloom.entrypoints.cli bench throughput --model "$M" --device cuda \
+  --dtype bfloat16 --workload random --num-prompts 32 --input-len 32:256 --output-len 16:128 --baseline hf \
+  --disable-tqdm --output-json "$O/throughput_vs_hf.json" 2>&1 | tail -n 30
 step roofline fp32
 timeout "${ROOF_TIMEOUT:-120}" python3 -m tokenloom.entrypoints.cli bench roofline --model "$M" --device cuda \
   --dtype float32 --batch-sizes 1,8,32 --context-lens 512 --max-model-len 1024 \
   --disable-tqdm --output-json "$O/roofline_fp32.json" 2>&1 | tail -n 12
 
-step throughput vs transformers, bf16
-timeout "${THR_TIMEOUT:-150}" python3 -m tokenloom.entrypoints.cli bench throughput --model "$M" --device cuda \
-  --dtype bfloat16 --workload random --num-prompts 32 --input-len 32:256 --output-len 16:128 --baseline hf \
-  --disable-tqdm --output-json "$O/throughput_vs_hf.json" 2>&1 | tail -n 30
 step done
