@@ -49,7 +49,7 @@ timeout "${REPORT_TIMEOUT:-150}" python3 scripts/gpu_decode_report.py --model "$
   --batch-sizes 1,32,256 --context 512 --output-json "$O/decode_report_bf16.json" 2>&1 | tail -n 60
 
 step tests on cuda
-timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts= -x \
+timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts= \
   tests/test_attention_backends.py tests/test_cuda_graphs.py tests/test_parity.py tests/test_engine.py \
   tests/test_sampler.py tests/test_server.py 2>&1 | tee "$O/pytest.log" | tail -n 25
 
