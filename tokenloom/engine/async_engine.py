@@ -19,6 +19,14 @@ by that one thread between steps (which is also what bounds abort latency to one
 
 Streams coalesce: `RequestOutput`s are cumulative, so a stream only keeps the newest one.
 A slow client therefore costs one object, never a growing backlog.
+
+Failures (see LLMEngine for what one step contains): a request the engine failed gets an
+error on its stream (status 500) and the others carry on.  After `max_failed_steps`
+failed steps in a row, or once the device is found broken, the engine is declared dead:
+every stream in flight and every request still in the inbox fails with EngineDeadError
+(503), new requests are refused, and `on_dead` is called so that the server can exit and
+be restarted.  No client is ever left waiting: whatever way the thread ends, it drains
+the inbox, and `add_request` after that raises instead of queueing.
 """
 
 from __future__ import annotations
@@ -117,6 +125,9 @@ class _Add:
     stream: RequestStream
 
 
+DEFAULT_MAX_FAILED_STEPS = 3
+
+
 class EngineSnapshot(NamedTuple):
     """What the engine thread publishes after each change; read whole by other threads."""
 
@@ -132,12 +143,22 @@ _STOP = object()
 class AsyncLLMEngine:
     """Owns an `LLMEngine` and the thread that steps it."""
 
-    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None):
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None, *,
+                 max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS,
+                 on_dead: Callable[[str], None] | None = None):
+        if max_failed_steps < 1:
+            raise ValueError("max_failed_steps must be >= 1")
         self.engine = engine
         self.metrics = metrics
         if metrics is not None:
             metrics.attach(engine)
+        self.max_failed_steps = max_failed_steps
+        self.on_dead = on_dead  # called (on the engine thread) when the engine dies of failures
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Held while putting into the inbox and while closing it: once `_closed` is set no
+        # request can slip in behind the final drain and wait forever.
+        self._inbox_lock = threading.Lock()
+        self._closed = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
@@ -147,9 +168,11 @@ class AsyncLLMEngine:
         self.dead_reason: str | None = None
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, *, with_metrics: bool = True) -> "AsyncLLMEngine":
+    def from_engine_args(cls, args: EngineArgs, *, with_metrics: bool = True,
+                         max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS) -> "AsyncLLMEngine":
         engine = LLMEngine(args)
-        return cls(engine, EngineMetrics(engine.model_name) if with_metrics else None)
+        return cls(engine, EngineMetrics(engine.model_name) if with_metrics else None,
+                   max_failed_steps=max_failed_steps)
 
     # ---- read-only facts (safe from any thread) -------------------------
     @property
@@ -166,7 +189,8 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping
+                and not self._closed)
 
     def num_waiting(self) -> int:
         """Requests not yet scheduled, including those still in the inbox (event-loop thread)."""
@@ -191,8 +215,10 @@ class AsyncLLMEngine:
         """Abort whatever is in flight, stop the thread and wait for it (at most `timeout` s)."""
         if self._thread is None:
             return
-        self._stopping = True
-        self._inbox.put(_STOP)
+        with self._inbox_lock:
+            self._stopping = True
+            if not self._closed:
+                self._inbox.put(_STOP)
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("engine thread still busy after %.0fs; leaving it to die with the process", timeout)
@@ -211,14 +237,16 @@ class AsyncLLMEngine:
                     *, arrival_time: float | None = None, priority: int = 0,
                     cache_salt: str | None = None) -> RequestStream:
         """Queue an already validated request; returns its stream."""
-        if not self.is_running:
-            raise EngineDeadError(self.dead_reason or "the engine is not running")
-        assert self._loop is not None
-        stream = RequestStream(request_id, self._loop)
         prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
-        self._adds_submitted += 1
-        self._inbox.put(_Add(request_id, prompt, params, time.perf_counter() if arrival_time is None else arrival_time,
-                             priority, cache_salt, stream))
+        with self._inbox_lock:
+            if not self.is_running:
+                raise EngineDeadError(self.dead_reason or "the engine is not running")
+            assert self._loop is not None
+            stream = RequestStream(request_id, self._loop)
+            self._adds_submitted += 1
+            self._inbox.put(_Add(request_id, prompt, params,
+                                 time.perf_counter() if arrival_time is None else arrival_time,
+                                 priority, cache_salt, stream))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -281,7 +309,7 @@ class AsyncLLMEngine:
                     else:  # ("abort_all", reason)
                         self._abort_all(cmd[1], status=503)
                 if stop:
-                    self._abort_all("the server is shutting down", status=503)
+                    self._close(lambda: RequestFailedError("the server is shutting down", 503))
                     self._publish(adds_applied)
                     return
                 if cmds and self.metrics is not None:
@@ -290,12 +318,52 @@ class AsyncLLMEngine:
                 if self.engine.has_unfinished_requests():
                     self._step()
                     self._publish(adds_applied)
+                    fatal = self._fatal_condition()
+                    if fatal is not None:
+                        self._die(fatal)
+                        return
         except BaseException as e:  # a bug here must not leave clients waiting forever
             logger.exception("engine thread crashed")
-            self.dead_reason = f"the engine thread crashed: {type(e).__name__}: {e}"
-            for s in list(self._streams.values()):
-                self._deliver(s._fail, EngineDeadError(self.dead_reason))
-            self._streams.clear()
+            self._die(f"the engine thread crashed ({type(e).__name__})")
+
+    def _fatal_condition(self) -> str | None:
+        e = self.engine
+        if e.device_error is not None:
+            return "the device is broken; the engine stopped"
+        if e.consecutive_failed_steps >= self.max_failed_steps:
+            return f"the engine stopped after {e.consecutive_failed_steps} failed steps in a row"
+        return None
+
+    def _die(self, reason: str) -> None:
+        """The engine cannot serve any more: answer everyone, refuse newcomers, tell the owner."""
+        logger.error("engine dead: %s", reason)
+        self.dead_reason = reason
+        self._close(lambda: EngineDeadError(reason))
+        with contextlib.suppress(Exception):  # best effort: the KV blocks back to the pool
+            self.engine.abort_request(list(self.engine.groups))
+        if self.on_dead is not None:
+            try:
+                self.on_dead(reason)
+            except Exception:
+                logger.exception("on_dead callback failed")
+
+    def _close(self, error: Callable[[], BaseException]) -> None:
+        """Fail every stream in flight and every request still in the inbox; after this,
+        `add_request` raises (the inbox is closed under the same lock it puts under)."""
+        with self._inbox_lock:
+            self._closed = True
+        for rid, stream in list(self._streams.items()):
+            with contextlib.suppress(Exception):
+                self._apply_abort(rid)
+            self._deliver(stream._fail, error())
+        self._streams.clear()
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                self._deliver(cmd.stream._fail, error())
 
     def _apply_add(self, cmd: _Add) -> None:
         try:
@@ -329,10 +397,12 @@ class AsyncLLMEngine:
         try:
             outs = self.engine.step()
         except Exception as e:
-            # One broken step must not take the server down: fail the requests that were in
-            # flight (their state is suspect), free their blocks, and keep serving new ones.
-            logger.exception("engine step failed; aborting %d in-flight request(s)", len(self._streams))
-            self._abort_all(f"the engine failed while running this request: {type(e).__name__}: {e}")
+            # The engine contains request and forward failures itself; an exception here is
+            # a bug in its own bookkeeping, so nothing in flight can be trusted: fail it all
+            # (blocks freed) and count the step as failed.
+            logger.exception("engine step raised; failing %d in-flight request(s)", len(self._streams))
+            self.engine.consecutive_failed_steps += 1
+            self._abort_all(f"the engine failed while running this request ({type(e).__name__})")
             return
         if not outs:
             # Unfinished requests but nothing schedulable (should not happen): don't spin hot.
@@ -340,10 +410,16 @@ class AsyncLLMEngine:
             return
         for out in outs:
             if self.metrics is not None:
-                self.metrics.observe_output(out)
+                try:
+                    self.metrics.observe_output(out)
+                except Exception:
+                    logger.exception("metrics failed on the output of %s; the request is unaffected", out.request_id)
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            self._deliver(stream._put, out)
+            if out.error is not None:
+                self._deliver(stream._fail, RequestFailedError(out.error, 500))
+            else:
+                self._deliver(stream._put, out)

@@ -84,7 +84,7 @@ class EngineMetrics:
                   self.prefix_cache_hits, self.time_to_first_token, self.inter_token_latency,
                   self.e2e_request_latency, self.iteration_tokens):
             self._l(m)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self._l(self.request_success, finished_reason=reason)
 
         # Per-sequence state for TTFT / ITL: (request_id, index) -> (num tokens seen, time of last token).

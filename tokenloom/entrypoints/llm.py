@@ -44,9 +44,17 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order.
 
-        A prompt the engine refuses (too long for max_model_len, bad token ids) does not
-        stop the others: its RequestOutput has finish_reason "error" and the message in
-        `RequestOutput.error`."""
+        A failed request does not stop the others, and nothing is raised for it: its
+        RequestOutput has finish_reason "error" and the reason in `RequestOutput.error`
+        (check `out.error is not None`).  That holds for a prompt the engine refuses (too
+        long for max_model_len, bad token ids) and for one that fails while it runs (its
+        detokenizer, its sampling, or a failed forward pass of a step it was in; the
+        tokens it produced until then are kept).  The other prompts produce exactly what
+        they would have produced alone.
+
+        Each call leaves the engine clean: if it is interrupted (an exception, Ctrl-C),
+        its unfinished requests are aborted before the exception propagates, so nothing
+        of this call runs or holds KV blocks in the next one."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -59,21 +67,24 @@ class LLM:
         engine = self.llm_engine
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            rid = str(next(self._counter))
-            ids.append(rid)
-            try:
-                engine.add_request(rid, p, sp, priority=priority[i] if priority else 0, cache_salt=salts[i])
-            except ValueError as e:
-                results[rid] = _error_output(rid, p, str(e))
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
-        bar.update(len(results))
-        while engine.has_unfinished_requests():
-            for out in engine.step(finished_only=True):
-                if out.finished:
-                    results[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                rid = str(next(self._counter))
+                ids.append(rid)
+                try:
+                    engine.add_request(rid, p, sp, priority=priority[i] if priority else 0, cache_salt=salts[i])
+                except ValueError as e:
+                    results[rid] = _error_output(rid, p, str(e))
+            bar.update(len(results))
+            while len(results) < len(ids) and engine.has_unfinished_requests():
+                for out in engine.step(finished_only=True):
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            engine.abort_request([r for r in ids if r not in results])  # no-op unless interrupted
         return [results[r] for r in ids]
 
     def chat(
