@@ -23,8 +23,9 @@ schemathesis = pytest.importorskip("schemathesis")  # a test extra; CI installs 
 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.checks import (content_type_conformance, not_a_server_error,  # noqa: E402
-                                 response_schema_conformance, status_code_conformance)
+from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,  # noqa: E402
+                                               status_code_conformance)
 
 from server_fixtures import ThreadedServer, make_tiny_model, metric, wait_until  # noqa: E402
 from tokenloom.bench.launcher import free_port  # noqa: E402
