@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tokenloom.config import SchedulerConfig
 from tokenloom.core.kv_cache import KVCacheManager
-from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.scheduler import PRIORITY_PREEMPTION_LIMIT, Scheduler
 from tokenloom.request import Request
 from tokenloom.sampling_params import SamplingParams
 
@@ -58,8 +58,12 @@ def run(workload, *, num_blocks, block_size, max_num_seqs, budget, max_model_len
     while pending or sched.has_unfinished():
         while pending and pending[0][0] <= step:
             sched.add_request(pending.pop(0)[1])
+        decoding = [r for r in sched.running if r.num_tokens - r.num_computed_tokens == 1]
         out = sched.schedule()
         steps.append(out)
+        # no running request starves: each decode gets its token unless it was preempted
+        served = {id(x.request) for x in out.scheduled} | {id(r) for r in out.preempted}
+        assert all(id(r) in served for r in decoding), "a running decode was skipped"
         # the budgets are never exceeded
         assert out.num_batched_tokens <= budget
         assert sum(s.num_new_tokens for s in out.scheduled) == out.num_batched_tokens
@@ -160,3 +164,38 @@ def test_cache_salt_isolates_and_lru_eviction_keeps_correctness():
     d = run_one("d", list(range(3, 20)))
     assert d.num_cached_tokens < 16
     assert kv.pool.num_free == 12
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(8, 64), st.sampled_from([2, 4, 8]), st.integers(1, 8), st.integers(1, 3), st.booleans())
+def test_a_running_request_is_never_starved_by_urgent_long_prompts(budget, block_size, max_num_seqs, every, scarce):
+    """One unimportant request (priority 10), once running, against a stream of urgent
+    long prompts (priority 0, several budgets long) arriving every `every` steps for
+    longer than it needs: it gets a token every step it runs, is preempted at most
+    PRIORITY_PREEMPTION_LIMIT times, and finishes while the urgent stream still flows.
+    (A request still *waiting* may wait behind more urgent ones: that is what priority
+    scheduling means.)"""
+    max_model_len = 160
+    need = -(-max_model_len // block_size)
+    kv = KVCacheManager(need + (0 if scarce else need * 8), block_size, True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, True, "priority"), kv)
+    exe = FakeExecutor(kv)
+    low = Request("low", [3, 4, 5, 6], SamplingParams(max_tokens=40, ignore_eos=True), 0.0, max_tokens=40, priority=10)
+    sched.add_request(low)
+    n_urgent = 0
+    for step in range(1000):
+        if step % every == 0 and step > 0:  # from the step after it started running
+            prompt = [7 + n_urgent % 5] * (2 * budget + 3 + n_urgent % 7)
+            sched.add_request(Request(f"u{n_urgent}", prompt[:max_model_len - 2], SamplingParams(max_tokens=2),
+                                      1.0 + step, max_tokens=2, priority=0))
+            n_urgent += 1
+        decoding = low.status.name == "RUNNING" and low.num_tokens - low.num_computed_tokens == 1
+        out = sched.schedule()
+        if decoding:
+            assert any(x.request is low for x in out.scheduled) or low in out.preempted
+        sched.update_from_output(out, exe(out))
+        if low.is_finished:
+            break
+    assert low.is_finished, f"the running request starved ({low.num_output_tokens} of 40 tokens)"
+    assert len(low.output_token_ids) == 40
+    assert low.num_preemptions <= PRIORITY_PREEMPTION_LIMIT

@@ -21,6 +21,15 @@ seed's P95 story).  When KV blocks run out, the most recently arrived running re
 is **preempted**: its blocks are freed and it goes back to the front of the queue to be
 recomputed later, losing nothing but time.
 
+No running request starves.  Each step serves every running decode (one token each)
+before any prefill chunk, and never admits more requests than one step can give a
+token to (`min(max_num_seqs, max_num_batched_tokens)` seats), so a request that is
+generating gets its next token every step, however many long or urgent prompts
+arrive.  Under `--scheduling-policy priority` the least urgent request is the one
+preempted, but only `PRIORITY_PREEMPTION_LIMIT` times: after that it is *aged* — it
+ranks ahead of every request not yet preempted that often, in the queue and when a
+victim is chosen — so a stream of urgent arrivals cannot keep pushing it out.
+
 Driving it (the engine and the simulator do exactly this, nothing else):
 
     sched = Scheduler(SchedulerConfig(...), KVCacheManager(num_blocks, block_size))
@@ -42,6 +51,10 @@ from tokenloom.config import SchedulerConfig
 from tokenloom.core.kv_cache import KVCacheManager
 from tokenloom.engine.events import Phase, StepEntry, StepEvent
 from tokenloom.request import Request, RequestStatus
+
+
+PRIORITY_PREEMPTION_LIMIT = 1
+"""Preemptions a request yields to more urgent ones before it keeps its place (priority policy)."""
 
 
 @dataclass
@@ -129,8 +142,15 @@ class Scheduler:
         return req
 
     # ---- one step ---------------------------------------------------
-    def _preempt_victim(self) -> Request:
-        return self.running.pop()  # running is kept in (priority, arrival) order: the tail loses
+    def _preempt_victim(self, scheduled: set[int]) -> Request:
+        """The least entitled running request not yet scheduled in this step.
+
+        `running` is kept in rank order (admission order under fcfs, `_rank` under
+        priority), so that is the last one not already handed tokens."""
+        for k in range(len(self.running) - 1, -1, -1):
+            if id(self.running[k]) not in scheduled:
+                return self.running.pop(k)
+        raise RuntimeError("no running request left to preempt")
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -148,11 +168,21 @@ class Scheduler:
             req.chunked = True
         return "prefill_chunk" if req.chunked else "prefill"
 
+    @staticmethod
+    def _rank(r: Request) -> tuple[bool, int, float]:
+        """Priority-policy order: aged requests first (by arrival), then (priority, arrival)."""
+        aged = r.num_preemptions >= PRIORITY_PREEMPTION_LIMIT
+        return (not aged, 0 if aged else r.priority, r.arrival_time)
+
     def _order(self) -> None:
         if self.config.scheduling_policy == "priority":
-            key = lambda r: (r.priority, r.arrival_time)  # noqa: E731
-            self.running.sort(key=key)
-            self.waiting = deque(sorted(self.waiting, key=key))
+            self.running.sort(key=self._rank)
+            self.waiting = deque(sorted(self.waiting, key=self._rank))
+
+    @property
+    def num_seats(self) -> int:
+        """How many requests may run at once: each must get a token in every step."""
+        return min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
 
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
@@ -160,32 +190,38 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        served: set[int] = set()  # id() of the requests scheduled so far in this step
 
-        # 1) running requests first: decodes (1 token) and unfinished prefill chunks.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        # 1) running requests first: every decode (1 token), then unfinished prefill chunks
+        #    in rank order.  Decodes fit: at most num_seats <= budget requests run.
+        work = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        if len(work) < len(self.running):
+            work += [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
+        for req in work:
+            if budget <= 0:
+                break
+            if req.status == RequestStatus.PREEMPTED:
+                continue  # a victim of an earlier request in this step
             computed = req.num_computed_tokens
             num_new = min(req.num_tokens - computed, budget)
             if num_new <= 0:
-                i += 1
                 continue
             while not self.kv.allocate(req, num_new):
-                victim = self._preempt_victim()
+                victim = self._preempt_victim(served)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
             if req.status == RequestStatus.PREEMPTED:
-                break  # it preempted itself: everything after it is gone too
+                continue  # it was the least entitled itself
+            served.add(id(req))
             scheduled.append(self._make(req, computed, num_new))
             budget -= num_new
-            i += 1
 
         # 2) waiting requests, in queue order, while budget and seats remain.
         #    Not in a step that had to preempt: memory is short, admitting more would thrash.
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            while self.waiting and budget > 0 and len(self.running) < self.num_seats:
                 req = self.waiting[0]
                 hit = self.kv.find_cached_prefix(req)
                 cached_tokens = hit.num_tokens(self.kv.block_size)
