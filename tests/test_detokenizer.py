@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -32,6 +33,7 @@ from tokenloom.engine.detokenizer import (_MAX_HELD_TOKENS, IncrementalDetokeniz
                                           tokenizer_facts)
 
 FFFD = "\ufffd"
+_BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
 CORPUS = [
     "Once upon a time, there was a little girl named Lily.",
     "She liked to play outside in the sun with her dog, and they laughed together.",
@@ -52,10 +54,9 @@ def sentencepiece_bpe() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")  # training only
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
-    # 你, 好 and 😀 never seen, and a small alphabet: those are left to byte fallback.
+    # 你, 好 and 😀 never seen in training: those are left to byte fallback.
     corpus = [s.replace("你", "").replace("好", "").replace("😀", "") for s in CORPUS]
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=260, limit_alphabet=48,
-                                                        special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=260, special_tokens=["<unk>", "<s>", "</s>"]))
     spec = json.loads(tok.to_str())
     spec["pre_tokenizer"] = None  # as in Llama-2's tokenizer.json
     vocab = spec["model"]["vocab"]
@@ -99,7 +100,7 @@ def decode(tok, ids, skip: bool = True) -> str:
 def _ends_in_byte_run(tok, prompt: list[int], skip: bool) -> bool:
     specials = set(tok.all_special_ids) if skip else set()
     visible = [i for i in prompt if i < len(tok) and i not in specials]
-    return bool(visible) and re.fullmatch(r"<0x[0-9A-F]{2}>", tok.convert_ids_to_tokens(visible[-1])) is not None
+    return bool(visible) and _BYTE_PIECE.fullmatch(tok.convert_ids_to_tokens(visible[-1])) is not None
 
 
 def accepted(tok, prompt: list[int], gen: list[int], skip: bool = True) -> set[str]:
@@ -291,12 +292,26 @@ def test_token_texts_concatenate_to_the_text(family):
 def test_sentencepiece_token_texts_keep_leading_spaces():
     tok = FAMILIES["sentencepiece"]
     full = tok.encode("Once upon a time, there was")
-    assert tok.convert_ids_to_tokens(full[3:]) == ["▁time,", "▁there", "▁was"]
-    walker = TokenTexts(tok, full[:3])
-    first, alternatives = walker.next(full[3], [full[4]])
-    assert first == " time," and alternatives[full[4]] == " there"
-    assert [walker.next(t)[0] for t in full[4:]] == [" there", " was"]
-    assert walker.finish() == ""
+    strings = _spacing_checked(tok, full)
+    assert "".join(strings) == "Once upon a time, there was"
+    walker = TokenTexts(tok, full[:1])  # alternatives: each word in place of the second token
+    words = [i for i in full if tok.convert_ids_to_tokens(i).startswith("▁") and len(tok.convert_ids_to_tokens(i)) > 1]
+    _, alternatives = walker.next(full[1], words)
+    for w in words:
+        if w != full[1]:
+            assert alternatives[w] == " " + tok.convert_ids_to_tokens(w)[1:]
+
+
+def _spacing_checked(tok, ids: list[int]) -> list[str]:
+    """The token strings of `ids` (no context); asserts each "▁word" past the first prints " word"."""
+    walker = TokenTexts(tok, [])
+    strings = [walker.next(t)[0] for t in ids]
+    strings[-1] += walker.finish()
+    pieces = tok.convert_ids_to_tokens(ids)
+    for k, (piece, s) in enumerate(zip(pieces, strings)):
+        if k > 0 and piece.startswith("▁") and not _BYTE_PIECE.fullmatch(pieces[k - 1]):
+            assert s == piece.replace("▁", " "), (pieces, strings)
+    return strings
 
 
 def _bytes_to_unicode() -> list[str]:
@@ -310,3 +325,83 @@ def _bytes_to_unicode() -> list[str]:
             table[b] = chr(256 + extra)
             extra += 1
     return [table[b] for b in range(256)]
+
+
+# ---- end to end: a model whose vocabulary is padded beyond its byte-fallback tokenizer ----
+
+_PADDING = 64  # model rows no token owns, as Qwen2.5 pads 151,665 tokens to 151,936
+E2E_PROMPTS = ["Lily said 你好", "Once upon a time, there was", "我很感谢", "emoji 😀 and", "café"]
+
+
+@pytest.fixture(scope="module")
+def padded_model(tmp_path_factory) -> Path:
+    from tokenloom.model.make_model import make_model
+
+    tok = FAMILIES["sentencepiece"]
+    out = make_model("tiny-llama", tmp_path_factory.mktemp("sp-padded"), tokenizer_vocab=1024,
+                     overrides={"vocab_size": len(tok) + _PADDING, "bos_token_id": 1, "eos_token_id": 2})
+    for stale in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (out / stale).unlink(missing_ok=True)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_sampling_hot_on_padded_byte_fallback_model(padded_model):
+    """Issue #1: temperature 1.5 on a byte-fallback tokenizer with padding ids in reach.
+    Nothing raises, and every answer is what the tokenizer decodes its ids to."""
+    from tokenloom import LLM, SamplingParams
+
+    llm = LLM(str(padded_model), max_model_len=256, num_kv_blocks=96, max_num_seqs=8, seed=0)
+    tok = llm.llm_engine.tokenizer if hasattr(llm, "llm_engine") else FAMILIES["sentencepiece"]
+    assert len(tok) == len(FAMILIES["sentencepiece"])
+    params = SamplingParams(temperature=1.5, max_tokens=64, seed=7, ignore_eos=True)
+    outs = llm.generate(E2E_PROMPTS * 2, params, use_tqdm=False)
+    picked = [t for o in outs for t in o.outputs[0].token_ids]
+    assert len(picked) == 64 * len(E2E_PROMPTS) * 2
+    assert any(t >= len(tok) for t in picked), "the test needs padding ids sampled"
+    assert any(t in tokenizer_facts(tok).byte_values for t in picked)
+    for o in outs:
+        c = o.outputs[0]
+        assert c.text in accepted(tok, list(o.prompt_token_ids), list(c.token_ids))
+
+
+@pytest.fixture(scope="module")
+def padded_server(padded_model):
+    from server_fixtures import ThreadedServer
+
+    from tokenloom.bench.launcher import free_port
+
+    server = ThreadedServer([str(padded_model), "--port", str(free_port()), "--max-model-len", "256",
+                             "--num-kv-blocks", "96", "--seed", "0", "--served-model-name", "sp",
+                             "--log-level", "warning", "--disable-access-log"]).start()
+    yield server
+    server.stop()
+
+
+def test_completion_logprobs_with_echo_index_the_text(padded_server):
+    """Issue #3: logprob tokens keep SentencePiece's spaces, concatenate to the text, and
+    `text_offset` indexes it -- echoed prompt and sampled answer, whole and streamed."""
+    import openai
+
+    client = openai.OpenAI(base_url=padded_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    for prompt in ["Once upon a time, there was a little girl", "Lily said 你好 to her friend"]:
+        r = client.completions.create(model="sp", prompt=prompt, max_tokens=24, temperature=1.5, seed=3,
+                                      logprobs=3, echo=True, extra_body={"ignore_eos": True})
+        ch = r.choices[0]
+        lp = ch.logprobs
+        assert ch.text.startswith(prompt)
+        assert "".join(lp.tokens) == ch.text
+        assert all(ch.text[o:o + len(t)] == t for o, t in zip(lp.text_offset, lp.tokens))
+        n_prompt = r.usage.prompt_tokens
+        assert lp.text_offset[n_prompt] == len(prompt)
+        assert lp.tokens[:n_prompt] == _spacing_checked(FAMILIES["sentencepiece"], FAMILIES["sentencepiece"].encode(prompt))
+        for top, tok, x in zip(lp.top_logprobs[n_prompt:], lp.tokens[n_prompt:], lp.token_logprobs[n_prompt:]):
+            assert top[tok] == pytest.approx(x)  # the chosen token's key is its own string
+
+        chunks = list(client.completions.create(model="sp", prompt=prompt, max_tokens=24, temperature=1.5, seed=3,
+                                                logprobs=3, stream=True, extra_body={"ignore_eos": True}))
+        text = "".join(c.choices[0].text for c in chunks)
+        toks = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        offs = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+        assert text == ch.text[len(prompt):] and "".join(toks) == text
+        assert all(text[o:o + len(t)] == t for o, t in zip(offs, toks))
