@@ -10,6 +10,7 @@ those of the same batch run without any fault.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 from server_fixtures import ThreadedServer, metric, sse_events, wait_until
 from tokenloom import LLM, SamplingParams
 from tokenloom.bench.launcher import free_port, start_server
+from tokenloom.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from tokenloom.engine.faults import FaultInjector
 
 ENGINE_KW = dict(max_model_len=256, num_kv_blocks=128, block_size=8, max_num_seqs=2, seed=0)
@@ -164,6 +166,48 @@ def test_raising_observer_is_detached_not_fatal(llm, engine, reference, caplog):
     assert broken not in engine.observers  # detached after its first failure ...
     assert events and events[0].step < events[-1].step  # ... while the others kept observing
     assert "observer" in caplog.text and "detached" in caplog.text
+    assert_clean(engine)
+
+
+def test_engine_thread_death_answers_everyone(llm, engine):
+    """Whatever kills the engine thread, no client waits forever: the request in flight and
+    those still in the inbox all fail with EngineDeadError, and later adds are refused.
+    (The thread is killed deterministically: an observer holds step 1 open until three
+    requests sit in the inbox, then raises a BaseException no containment catches.)"""
+    class Crash(BaseException):
+        pass
+
+    entered, release = threading.Event(), threading.Event()
+
+    def blocker(event) -> None:
+        entered.set()
+        release.wait(CLIENT_TIMEOUT)
+        raise Crash
+
+    engine.add_observer(blocker)
+    ids = engine.process_prompt(PROMPTS[1])[1]
+
+    async def drain(stream) -> None:
+        async for _ in stream:
+            pass
+
+    async def main() -> AsyncLLMEngine:
+        a = AsyncLLMEngine(engine)
+        a.start()
+        first = a.add_request("first", None, ids, GREEDY)
+        assert await asyncio.to_thread(entered.wait, CLIENT_TIMEOUT)
+        queued = [a.add_request(f"queued-{i}", None, ids, GREEDY) for i in range(3)]
+        release.set()
+        for stream in (first, *queued):
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(drain(stream), CLIENT_TIMEOUT)
+        with pytest.raises(EngineDeadError):
+            a.add_request("late", None, ids, GREEDY)
+        a.shutdown()
+        return a
+
+    a = asyncio.run(main())
+    assert not a.is_running and "crashed (Crash)" in (a.dead_reason or "")
     assert_clean(engine)
 
 
