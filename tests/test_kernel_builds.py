@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import ctypes
 
 import pytest
 
@@ -23,3 +24,56 @@ def test_kernels_build_where_the_cpu_has_the_instructions():
     assert cpu_kernels.load() == ({"avx2", "fma"} <= flags)
     assert cpu_kernels.avx512_enabled() == ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"} <= flags)
     assert cpu_kernels.bf16_enabled() == ({"avx512f", "avx512bw", "avx512_bf16"} <= flags)
+
+
+def _copy_sources(dst):
+    dst.mkdir()
+    src = cpu_kernels.Path(cpu_kernels.__file__).parent
+    for f in ("cpu_gemm.cpp", "panel_linear.h"):
+        shutil.copyfile(src / f, dst / f)
+    return cpu_kernels._with_local_headers([dst / "cpu_gemm.cpp"])
+
+
+def test_build_key_follows_sources_headers_flags_and_torch(tmp_path, monkeypatch):
+    a = _copy_sources(tmp_path / "checkout_a")
+    b = _copy_sources(tmp_path / "checkout_b")
+    assert [f.name for f in a] == ["cpu_gemm.cpp", "panel_linear.h"]
+    key = cpu_kernels.build_key(a, ["-O3", "-mavx2"])
+    assert cpu_kernels.build_key(b, ["-O3", "-mavx2"]) == key  # identical sources elsewhere share one build
+    assert cpu_kernels.build_key(a, ["-O3", "-mavx512f"]) != key
+    (tmp_path / "checkout_b" / "panel_linear.h").write_bytes(b"// edited\n" + (tmp_path / "checkout_b" / "panel_linear.h").read_bytes())
+    assert cpu_kernels.build_key(b, ["-O3", "-mavx2"]) != key  # a header edit is a new build
+    monkeypatch.setattr(cpu_kernels.torch, "__version__", "0.0.0+other")
+    assert cpu_kernels.build_key(a, ["-O3", "-mavx2"]) != key
+
+
+_TINY = r'''
+#include "tiny.h"
+extern "C" int tokenloom_tiny_kernel() { return TINY_VALUE; }
+'''
+
+@pytest.mark.skipif(not has_toolchain, reason="needs a C++ toolchain with ninja")
+def test_a_build_is_announced_keyed_in_its_own_directory_and_reused(tmp_path, monkeypatch, capsys):
+    """Build a tiny extension through the same path as our kernels, in a private cache."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tiny.cpp").write_text(_TINY)
+    (src / "tiny.h").write_text("#define TINY_VALUE 1\n")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TOKENLOOM_KERNEL_CACHE", str(cache))
+
+    def build() -> str:
+        assert cpu_kernels._build("tokenloom_tiny", [src / "tiny.cpp"], [])
+        return capsys.readouterr().err
+
+    first = build()
+    assert "tokenloom: building CPU kernels tokenloom_tiny (tiny.cpp, tiny.h)" in first
+    assert "tokenloom: built CPU kernels tokenloom_tiny" in first
+    dirs = sorted(p.name for p in cache.iterdir())
+    assert len(dirs) == 1 and dirs[0].startswith("tokenloom_tiny_")
+    library = cache / dirs[0] / f"{dirs[0]}.so"
+    assert ctypes.CDLL(str(library)).tokenloom_tiny_kernel() == 1
+    assert "building" not in build()  # a finished build is loaded, not rebuilt, and says nothing
+    (src / "tiny.h").write_text("#define TINY_VALUE 2\n")  # a header change is a new build beside the old
+    assert "tokenloom: building CPU kernels tokenloom_tiny" in build()
+    assert len(list(cache.iterdir())) == 2
