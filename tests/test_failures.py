@@ -87,6 +87,17 @@ def test_one_request_fails_alone(llm, engine, reference, site, stage):
     assert_clean(engine)
 
 
+def test_failure_of_one_sample_fails_its_whole_request(llm, engine, reference):
+    """n=3 with prefix caching: samples 1..2 wait for sample 0 to fill the cache.  When
+    sample 0 fails, the whole request fails (siblings never admitted are not left behind)."""
+    engine.faults = FaultInjector.parse(f"detokenize:{MARK}")
+    params = [SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8), GREEDY, GREEDY, GREEDY]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert outs[0].error is not None and [c.finish_reason for c in outs[0].outputs] == ["error"] * 3
+    assert [o.outputs[0].token_ids for o in outs[1:]] == reference[1:]
+    assert_clean(engine)
+
+
 def test_forward_failure_fails_only_its_step(llm, engine, reference):
     """A failed forward pass fails the requests of that step (the victim and its batch mate),
     frees their blocks, and leaves the waiting requests untouched."""
@@ -328,7 +339,8 @@ def test_server_health_503_after_repeated_failures(tiny_llama: Path):
     waiting or still in the inbox gets an answer, /health turns 503, new requests get 503.
     (--no-exit-on-engine-failure keeps the process up so the 503 can be observed.)"""
     s = ThreadedServer([str(tiny_llama), "--port", str(free_port()), *ENGINE_FLAGS, "--max-failed-steps", "2",
-                        "--max-num-seqs", "2", "--no-exit-on-engine-failure", "--log-level", "critical", "--disable-access-log"]).start()
+                        "--max-num-seqs", "2", "--no-exit-on-engine-failure", "--log-level", "critical",
+                        "--disable-access-log"]).start()
     try:
         assert httpx.get(s.base_url + "/health", timeout=CLIENT_TIMEOUT).status_code == 200
         s.engine.engine.faults = FaultInjector.parse("forward:*")
@@ -359,9 +371,9 @@ def device_fault_server(tiny_llama: Path, tmp_path_factory):
 
     def launch() -> None:
         try:
-            holder["server"] = start_server(str(tiny_llama), [*ENGINE_FLAGS, "--log-level", "warning"],
-                                            port=free_port(), log_path=log,
-                                            env={"TOKENLOOM_FAULTS": f"forward:{MARK};device"}, timeout=240)
+            holder["server"] = start_server(
+                str(tiny_llama), [*ENGINE_FLAGS, "--log-level", "warning"], port=free_port(), log_path=log,
+                env={"TOKENLOOM_FAULTS": f"forward:{MARK};device"}, timeout=240)
         except BaseException as e:  # surfaced when the test asks for the server
             holder["error"] = e
 

@@ -13,8 +13,9 @@ Failures are contained (docs/reliability.md lists the guarantees):
   - a failure in one request's output processing fails that request alone;
   - a failure the runner attributes to one request (an exception with a `request_id`
     attribute naming it, e.g. from its sampling parameters) fails that request alone, and
-    the step is dropped for the others: they are scheduled again and recompute exactly the
-    same tokens (their KV slots are rewritten with the same values);
+    the step is dropped for the others: they are scheduled again from the same
+    num_computed_tokens and recompute the same tokens (their KV slots are rewritten with the
+    same values; only a seeded sampler whose generator had already advanced would differ);
   - any other failure of the forward pass fails the requests of that step only -- their KV
     blocks are freed, waiting requests are untouched -- and counts towards
     `consecutive_failed_steps`; the device is probed, and `device_error` says if it is broken;

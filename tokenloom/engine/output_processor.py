@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from tokenloom.core.scheduler import Scheduler, SchedulerOutput
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
@@ -100,12 +100,13 @@ class OutputProcessor:
         return g
 
     # ---- failures -------------------------------------------------------
-    def fail(self, g: Group, message: str, now: float) -> RequestOutput:
+    def fail(self, g: Group, message: str, now: float, culprits: Iterable[Sample] = ()) -> RequestOutput:
         """Fail one request (all its samples): blocks freed, books cleared; returns its
-        final output (finish_reason "error", `error` set)."""
+        final output (`error` set; finish_reason "error" for every sample that had not
+        finished yet and for the `culprits`, whose text state may be what broke)."""
         if g.error is None:
             g.error = message
-        for s in self._end_unfinished(g, RequestStatus.FINISHED_ABORTED):
+        for s in [*self._end_unfinished(g, RequestStatus.FINISHED_ABORTED), *culprits]:
             s.failed = True
         self._retire(g, now)
         return self._make_output(g)
@@ -141,7 +142,7 @@ class OutputProcessor:
             except Exception as e:
                 logger.exception("request %s failed while its output was processed; failing it alone", g.request_id)
                 del touched[g.request_id]
-                failed.append(self.fail(g, failure_message("processing its output", e), now))
+                failed.append(self.fail(g, failure_message("processing its output", e), now, [sample]))
         outputs = failed
         for g in touched.values():
             try:
@@ -151,7 +152,7 @@ class OutputProcessor:
                     outputs.append(self._make_output(g))
             except Exception as e:
                 logger.exception("request %s failed while its output was built; failing it alone", g.request_id)
-                outputs.append(self.fail(g, failure_message("building its output", e), now))
+                outputs.append(self.fail(g, failure_message("building its output", e), now, g.samples))
         return outputs
 
     def _apply(self, g: Group, sample: Sample, req: Request, res: RunnerOutput, start: float, now: float) -> None:
