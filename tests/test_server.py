@@ -172,7 +172,8 @@ def test_greedy_completions_match_offline(client, expected):
         assert r.choices[0].finish_reason in ("stop", "length")
         assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= MAX_TOKENS
         assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-        assert r.usage.prompt_tokens_details.cached_tokens >= 0
+        # at most one KV block (16 tokens): its last token is always recomputed, so nothing is reused
+        assert r.usage.prompt_tokens <= 16 and r.usage.prompt_tokens_details.cached_tokens == 0
     # several prompts in one request: one choice per prompt, in order
     r = client.completions.create(model="tiny-alias", prompt=prompts, max_tokens=MAX_TOKENS, temperature=0)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
@@ -210,7 +211,30 @@ def test_streaming_completion_with_usage(client, expected):
     assert body[-1].choices[0].finish_reason in ("stop", "length")
     assert all(c.choices[0].finish_reason is None for c in body[:-1])
     assert last.choices == [] and last.usage.completion_tokens > 0
-    assert last.usage.prompt_tokens_details.cached_tokens >= 0
+    assert last.usage.prompt_tokens <= 16 and last.usage.prompt_tokens_details.cached_tokens == 0  # one block at most
+
+
+def _probe_prompt(tag: str) -> str:
+    """A prompt of several KV blocks that no other request sends."""
+    return f"cache probe {tag}: " + "".join(PROMPTS[:4])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_reports_the_prefix_cache_hit(client, stream):
+    """cached_tokens is the prompt's full KV blocks found in the prefix cache: none the first
+    time, all but the last (always recomputed) token's partial block the second time."""
+    probe = _probe_prompt(f"stream={stream}")
+    first = client.completions.create(model=NAME, prompt=probe, max_tokens=2, temperature=0)
+    n = first.usage.prompt_tokens
+    assert n > 2 * 16 and first.usage.prompt_tokens_details.cached_tokens == 0
+    if stream:
+        chunks = list(client.completions.create(model=NAME, prompt=probe, max_tokens=2, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+    else:
+        usage = client.completions.create(model=NAME, prompt=probe, max_tokens=2, temperature=0).usage
+    assert usage.prompt_tokens == n
+    assert usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16  # --block-size 16 (the default)
 
 
 def test_streaming_raw_sse_format(srv, expected):
