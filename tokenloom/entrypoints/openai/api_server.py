@@ -142,27 +142,35 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None) -> FastAPI:
         return await create_chat_completion(ctx, body, raw)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=error_responses(*guarded, *TOKENIZER_ERRORS))
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(body: TokenizeRequest) -> Response:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
-        if body.messages is not None:
-            ids = await off_loop(render_messages, ctx, body.messages, chat_template=body.chat_template,
-                                 add_generation_prompt=body.add_generation_prompt)
-        else:
-            ids = await off_loop(engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
-        strs = await off_loop(engine.tokenizer.convert_ids_to_tokens, ids)
-        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
+
+        def work() -> bytes:  # templating, tokenizing and the (possibly long) JSON: all off the loop
+            if body.messages is not None:
+                ids = render_messages(ctx, body.messages, chat_template=body.chat_template,
+                                      add_generation_prompt=body.add_generation_prompt)
+            else:
+                ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
+                                    token_strs=engine.tokenizer.convert_ids_to_tokens(ids)).model_dump_json().encode()
+
+        return Response(await off_loop(work), media_type="application/json")
 
     @app.post("/detokenize", response_model=DetokenizeResponse,
               responses=error_responses(*guarded, *TOKENIZER_ERRORS))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(body.model)
-        vocab = engine.engine.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is out of range for a vocabulary of {vocab}", param="tokens")
-        return DetokenizeResponse(prompt=await off_loop(engine.tokenizer.decode, body.tokens))
+
+        def work() -> DetokenizeResponse:
+            vocab = engine.engine.vocab_size
+            bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(f"token id {bad} is out of range for a vocabulary of {vocab}", param="tokens")
+            return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+
+        return await off_loop(work)
 
     @app.get("/tokenizer_info", response_model=TokenizerInfo, responses=error_responses(*guarded))
     async def tokenizer_info() -> TokenizerInfo:

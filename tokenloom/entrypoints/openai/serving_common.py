@@ -63,6 +63,9 @@ class ServingContext:
         cap = self.limits.max_queued_requests
         if cap is None:
             return
+        if num_new > cap:  # never admissible, however long the client waits: not a 429
+            raise bad_request(f"this request needs {num_new} sequences (prompts x n), more than may wait at once "
+                              f"(--max-queued-requests {cap})", param="n", code="limit_exceeded")
         waiting = self.engine.num_waiting()
         if waiting + num_new > cap:
             raise OpenAIError(429, f"the server is overloaded: {waiting} request(s) are already waiting "
