@@ -173,3 +173,30 @@ def test_rotary_generic_path_matches_transformers_bit_for_bit(dtype):
     assert torch.equal(out_q, ref_q[0].transpose(0, 1)) and torch.equal(out_k, ref_k[0].transpose(0, 1))
     qk = torch.cat([q, k], dim=1)  # one pass over q and k together, as the attention layer does
     assert torch.equal(rotate(qk, *rope.at(pos, dtype)), torch.cat([out_q, out_k], dim=1))
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+def test_generic_sdpa_decode_path_matches_transformers_on_cpu(model_factory, monkeypatch, preset):
+    """TOKENLOOM_CPU_ATTENTION=0 turns our CPU attention kernel off, so the CPU runs the generic
+    path (paged KV gathered for torch's SDPA, grouped-query heads included) that devices
+    without a faster backend run: greedy tokens still equal transformers' under chunking and
+    preemption."""
+    from tokenloom.kernels import cpu as cpu_kernels
+
+    path = model_factory(preset)
+    prompts = _prompts()
+    ref = _hf_greedy(_hf(path), prompts, NEW_TOKENS)
+    with monkeypatch.context() as m:
+        m.setenv("TOKENLOOM_CPU_ATTENTION", "0")
+        cpu_kernels.attention_enabled.cache_clear()  # read once per process; read it again
+        try:
+            llm = LLM(str(path), **STRESS)
+        finally:
+            cpu_kernels.attention_enabled.cache_clear()
+    cpu_kernels.attention_enabled.cache_clear()  # the environment is restored: let the next reader see it
+    assert llm.llm_engine.runner.attn.name == "sdpa"
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.kv.pool.num_free == STRESS["num_kv_blocks"]
