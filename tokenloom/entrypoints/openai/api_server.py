@@ -40,8 +40,9 @@ from tokenloom.entrypoints.openai.limits import ServerLimits
 from tokenloom.entrypoints.openai.openapi_doc import (GENERATION_ERRORS, TOKENIZER_ERRORS, describe_api_key,
                                                       error_responses, generation_ok, install_openapi)
 from tokenloom.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                                   CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                                                   TokenizeResponse, TokenizerInfo)
+                                                   CompletionResponse, DetokenizeRequest, DetokenizeResponse,
+                                                   ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                                                   TokenizerInfo)
 from tokenloom.entrypoints.openai.serving_chat import create_chat_completion, render_messages
 from tokenloom.entrypoints.openai.serving_common import ServingContext, off_loop
 from tokenloom.entrypoints.openai.serving_completion import create_completion

@@ -4,8 +4,8 @@ FastAPI's defaults describe a different server: every body route "answers 422" (
 400 in OpenAI's error shape -- see errors.py), no error status is listed, and every 200 is
 `application/json`, even an SSE stream or Prometheus text.  Routes declare their error
 statuses with `error_responses`, generation routes their two 200 bodies with `generation_ok`,
-and `install_openapi` removes the 422s and gives every error status the JSON error schema, so a client generated from /openapi.json, or a schema
-fuzzer, works from the truth.
+and `install_openapi` removes the 422s and gives every error status the JSON error schema, so
+a client generated from /openapi.json, or a schema fuzzer, works from the truth.
 """
 
 from __future__ import annotations
