@@ -20,6 +20,7 @@ tokenizer's own decode drops them.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -147,7 +148,9 @@ def text_prompt_strategy() -> st.SearchStrategy[str]:
     return st.text(alphabet=st.sampled_from(list("Lily said 你好谢热😀🎉é,. ")), max_size=12)
 
 
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# TOKENLOOM_HYPOTHESIS_EXAMPLES raises the example count for a deeper search than CI's.
+FAST = settings(max_examples=int(os.environ.get("TOKENLOOM_HYPOTHESIS_EXAMPLES", "150")), deadline=None,
+                suppress_health_check=[HealthCheck.too_slow])
 
 
 # ---- properties -------------------------------------------------------------------

@@ -165,18 +165,22 @@ class IncrementalDetokenizer:
     def _context(self, prompt: Sequence[int]) -> list[int]:
         """The prompt's last tokens, ending on a complete character outside a byte run."""
         f = self.facts
-        tail = prompt[-(_CONTEXT_TOKENS + 2 * _MAX_TRIM):]
-        ctx = [i for i in tail if i in f.known]
-        dropped_text = False
-        while ctx and (self._transparent(ctx[-1]) or ctx[-1] in f.byte_values):
-            # a byte run continued by the answer would decode differently as a whole
-            dropped_text |= not self._transparent(ctx.pop())
-        for _ in range(_MAX_TRIM):
-            if not ctx or not self._decode(ctx[-_CONTEXT_TOKENS:]).endswith(_REPLACEMENT):
+        ctx = [i for i in prompt[-(_CONTEXT_TOKENS + 2 * _MAX_TRIM):] if i in f.known]
+        dropped_text, trimmed = False, 0
+        while ctx:
+            if self._transparent(ctx[-1]):
+                ctx.pop()
+            elif ctx[-1] in f.byte_values:
+                ctx.pop()  # a byte run the answer continued would decode differently as a whole
+                dropped_text = True
+            elif trimmed < _MAX_TRIM and self._decode(ctx[-_CONTEXT_TOKENS:]).endswith(_REPLACEMENT):
+                ctx.pop()  # the prompt ends inside a character: keep that partial character out
+                dropped_text, trimmed = True, trimmed + 1
+            else:
                 break
-            ctx.pop()  # the prompt ends inside a character: keep that partial character out
-            dropped_text = True
         ctx = ctx[-_CONTEXT_TOKENS:]
+        if self._decode(ctx).endswith(_REPLACEMENT):  # undecodable to the end: no context at all
+            ctx, dropped_text = [], True
         if dropped_text and f.spacer is not None and all(self._transparent(i) for i in ctx):
             # Nothing of the prompt's text is left to stand before the answer, yet the answer
             # does not begin the text: a stand-in keeps its first token from being decoded
