@@ -13,8 +13,8 @@ The reference for a generated sequence `gen` after a prompt is what the tokenize
 decodes: the text `gen` adds to the decoded prompt -- unless the prompt's own tail and the
 answer's bytes would merge (a prompt ending mid-character, or in a byte-fallback run), where
 the partial character stays the prompt's and the answer's own decode is the reference
-(SentencePiece's Strip takes one leading space off that, so " " + it is accepted too).  Ids beyond the vocabulary decode to "", as the
-tokenizer's own decode drops them.
+(SentencePiece's Strip takes one leading space off that, so " " + it is accepted too).
+Ids beyond the vocabulary decode to "", as the tokenizer's own decode drops them.
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ def test_sentencepiece_token_texts_keep_leading_spaces():
     strings = _spacing_checked(tok, full)
     assert "".join(strings) == "Once upon a time, there was"
     walker = TokenTexts(tok, full[:1])  # alternatives: each word in place of the second token
-    words = [i for i in full if tok.convert_ids_to_tokens(i).startswith("▁") and len(tok.convert_ids_to_tokens(i)) > 1]
+    words = [i for i, piece in zip(full, tok.convert_ids_to_tokens(full)) if piece.startswith("▁") and piece != "▁"]
     _, alternatives = walker.next(full[1], words)
     for w in words:
         if w != full[1]:
@@ -319,7 +319,7 @@ def _spacing_checked(tok, ids: list[int]) -> list[str]:
 
 def _bytes_to_unicode() -> list[str]:
     """GPT-2's byte -> printable character table (the byte-level BPE alphabet), by byte."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -355,7 +355,7 @@ def test_sampling_hot_on_padded_byte_fallback_model(padded_model):
     from tokenloom import LLM, SamplingParams
 
     llm = LLM(str(padded_model), max_model_len=256, num_kv_blocks=96, max_num_seqs=8, seed=0)
-    tok = llm.llm_engine.tokenizer if hasattr(llm, "llm_engine") else FAMILIES["sentencepiece"]
+    tok = llm.get_tokenizer()  # loaded from the model directory, as a user's would be
     assert len(tok) == len(FAMILIES["sentencepiece"])
     params = SamplingParams(temperature=1.5, max_tokens=64, seed=7, ignore_eos=True)
     outs = llm.generate(E2E_PROMPTS * 2, params, use_tqdm=False)
@@ -397,7 +397,8 @@ def test_completion_logprobs_with_echo_index_the_text(padded_server):
         assert all(ch.text[o:o + len(t)] == t for o, t in zip(lp.text_offset, lp.tokens))
         n_prompt = r.usage.prompt_tokens
         assert lp.text_offset[n_prompt] == len(prompt)
-        assert lp.tokens[:n_prompt] == _spacing_checked(FAMILIES["sentencepiece"], FAMILIES["sentencepiece"].encode(prompt))
+        sp = FAMILIES["sentencepiece"]
+        assert lp.tokens[:n_prompt] == _spacing_checked(sp, sp.encode(prompt))
         for top, tok, x in zip(lp.top_logprobs[n_prompt:], lp.tokens[n_prompt:], lp.token_logprobs[n_prompt:]):
             assert top[tok] == pytest.approx(x)  # the chosen token's key is its own string
 

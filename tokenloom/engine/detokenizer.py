@@ -26,13 +26,21 @@ that harder than decoding one token at a time:
   handed to the tokenizer.
 
 The prompt context is chosen to begin a window cleanly: the prompt's last tokens, cut so
-that the context ends on a complete character outside any byte run; its first token may
-start mid-character, which is harmless because the context's own text is subtracted.
-Should a window ever decode to text that does not extend what it showed before (a decoder
-that is not prefix-stable), the new tokens are decoded on their own instead: the
-detokenizer never raises for any id sequence.  With an empty prompt the released text is
-exactly `tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`
-(runs longer than `_MAX_HELD_TOKENS` byte tokens aside).
+that the context ends on a complete character outside any byte run (a prompt given as ids
+can stop mid-character; that partial character stays the prompt's, and the answer's bytes
+are decoded without it); its first token may start mid-character, which is harmless
+because the context's own text is subtracted.  Windows slide forward to their last visible
+token every few tokens, never to a skipped special token (the token after it would be
+decoded as if it began the text).  Should a window ever decode to text that does not extend
+what it showed before (a decoder that is not prefix-stable), the new tokens are decoded on
+their own instead: the detokenizer never raises for any id sequence.  With an empty prompt
+the released text is exactly `tokenizer.decode(ids, skip_special_tokens=...,
+clean_up_tokenization_spaces=False)` (runs longer than `_MAX_HELD_TOKENS` byte tokens aside).
+
+Fast path: for a plain byte-level decoder (GPT-2, Llama-3, Qwen), where none of the above
+but split characters applies, tokenizers' own `DecodeStream` does the same work in one call
+per token, primed with the clean context.  If it ever raises (tokenizers' "Invalid prefix")
+or holds too many tokens, the request moves to the window path from its last shown token.
 
 Stop strings are searched only in the region new text can touch, and while stop strings
 are active the last `len(longest stop) - 1` characters are not shown yet, so a stream
