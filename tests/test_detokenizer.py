@@ -365,6 +365,7 @@ def test_sampling_hot_on_padded_byte_fallback_model(padded_model):
     assert any(t in tokenizer_facts(tok).byte_values for t in picked)
     for o in outs:
         c = o.outputs[0]
+        assert c.finish_reason == "length"  # not "error": detokenizing failed no request
         assert c.text in accepted(tok, list(o.prompt_token_ids), list(c.token_ids))
 
 
