@@ -21,7 +21,7 @@
 set -uo pipefail
 if [ "${1:-}" = --fetch-wheels ]; then
   pkgs=$(python3 -m pip list --format=freeze 2>/dev/null | grep -iE \
-    '^(fastapi|starlette|pydantic|pydantic_core|annotated-types|typing-inspection|uvicorn|openai|jiter|distro|sniffio|httpx2)==')
+    '^(fastapi|starlette|pydantic|pydantic_core|annotated-types|annotated-doc|typing-inspection|uvicorn|openai|jiter|distro|sniffio|httpx2|opentelemetry-api|importlib_metadata|importlib-metadata)==')
   # shellcheck disable=SC2086
   exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $pkgs

@@ -72,6 +72,8 @@ class DecodeGraphs:
         self.ids, self.positions, self.slots, self.lens = d[:m], d[m:2 * m], d[2 * m:3 * m], d[3 * m:4 * m]
         self.tables = d[4 * m:].view(m, w)
         self._copied = torch.cuda.Event() if cuda else None
+        self._logits = (torch.empty((m, model.args.vocab_size), dtype=torch.float32, device=device)
+                        if cuda else None)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -92,7 +94,14 @@ class DecodeGraphs:
             decode_num_splits=self.num_splits(b), sliding_window=self.sliding_window,
         )
         hidden = self.model(self.ids[:b], self.positions[:b], self.kv_caches, meta)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        if self._logits is None:
+            return logits
+        # Every graph's output in one buffer: each size's logits would otherwise stay
+        # allocated in the pool, one [b, vocab] float32 tensor per captured size.
+        out = self._logits[:b]
+        out.copy_(logits)
+        return out
 
     def load(self, b: int, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
              block_ids: Sequence[Sequence[int]]) -> None:

@@ -86,7 +86,7 @@ def _decode_kernel(
         kv_mask = tmask[:, None] & dmask[None, :]
         k = tl.load(k_cache + (blk * stride_kb + row * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
                     mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, TILE]
+        s = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale).to(tl.float32)  # [GROUP_PAD, TILE]
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -227,7 +227,7 @@ def _prefill_kernel(
         kv_mask = tmask[:, None] & dmask[None, :]
         k = tl.load(k_cache + (blk * stride_kb + row * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
                     mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, TILE]
+        s = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale).to(tl.float32)  # [BLOCK_M, TILE]
         seen = (offs[None, :] <= qpos[:, None]) & (offs[None, :] > qpos[:, None] - window) & tmask[None, :]
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
