@@ -214,11 +214,7 @@ CHECKPOINTS = {
     "qwen3-qk-norm-tied": lambda: Qwen3Config(**{**TINY, "head_dim": 32}, tie_word_embeddings=True, rope_theta=1e6),
     "mistral-no-window": lambda: MistralConfig(**TINY, sliding_window=None, rope_theta=1e6),
 }
-# Rope types our parser resolves but whose tables need RotaryEmbedding to call
-# `model/rope_scaling.rope_inv_freq`; until it does, loading them raises ValueError.
-PENDING_ROTARY = pytest.mark.xfail(raises=ValueError, strict=False,
-                                   reason="RotaryEmbedding does not build this rope type's tables yet")
-PENDING_CHECKPOINTS = {
+CHECKPOINTS |= {  # the context-extension rope types
     "llama-linear-rope": lambda: LlamaConfig(**TINY, rope_theta=1e4, rope_scaling={"rope_type": "linear",
                                                                                   "factor": 4.0}),
     "llama-dynamic-rope": lambda: LlamaConfig(**TINY, rope_theta=1e4, rope_scaling={"rope_type": "dynamic",
@@ -257,10 +253,9 @@ def _check_parity(path: Path, prompts: list[list[int]], n: int = NEW_TOKENS, **e
         assert any(e.phase == "prefill_chunk" for ev in events for e in ev.entries)  # really chunked
 
 
-@pytest.mark.parametrize("name", sorted(CHECKPOINTS) + [pytest.param(n, marks=PENDING_ROTARY)
-                                                          for n in sorted(PENDING_CHECKPOINTS)])
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
 def test_checkpoint_saved_by_transformers_generates_what_transformers_generates(tmp_path, name):
-    path = _save_checkpoint({**CHECKPOINTS, **PENDING_CHECKPOINTS}[name](), tmp_path)
+    path = _save_checkpoint(CHECKPOINTS[name](), tmp_path)
     _assert_written_in_the_installed_format(path)
     _check_parity(path, _prompts()[:4], **CHUNKED)
 

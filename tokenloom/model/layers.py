@@ -8,11 +8,12 @@ needs nothing recomputed (the seed: "Decode 不是把全部 token 再算一遍")
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenloom.model.rope_scaling import rope_inv_freq
 
 # The dtypes our fused CPU ops take (kernels/cpu_fused.cpp); the rotary-only op takes float32.
 # In bfloat16 they round wherever the reference's separate ops do.
@@ -51,40 +52,18 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1's frequency-dependent RoPE rescaling (long-context extension)."""
-    factor = float(scaling["factor"])
-    low = float(scaling.get("low_freq_factor", 1.0))
-    high = float(scaling.get("high_freq_factor", 4.0))
-    old_len = float(scaling["original_max_position_embeddings"])
-    low_wavelen = old_len / low
-    high_wavelen = old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables indexed by absolute position (HF's rotate_half layout)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        rope_type = None
-        if scaling:
-            rope_type = scaling.get("rope_type", scaling.get("type"))
-        if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
-        elif rope_type not in (None, "default"):
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: llama3, default)")
+        # every rope type's frequencies (and YaRN's attention factor), as transformers computes them
+        inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling, max_positions)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
         self.fused = None  # our one-pass float32 op on CPU (CausalLM.use_fused_cpu_ops)
         self.fused_kv = None  # the same, reading the qkv output and writing the KV cache
 
