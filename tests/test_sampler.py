@@ -137,3 +137,19 @@ def test_seed_reproducible_whatever_else_is_in_the_batch(tiny_llama):
     unseeded = llm.generate(["hello world"] * 2, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True),
                             use_tqdm=False)
     assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids  # real randomness otherwise
+
+
+def test_a_row_that_breaks_the_sampler_is_named():
+    """The runner samples each row alone when the batch fails, so the engine can fail that
+    request and nobody else (ids past the vocabulary get past no validation of ours, but a
+    logits processor or a checkpoint with a smaller head could produce the same)."""
+    from tokenloom.runner.model_runner import RequestError, _sample_or_blame
+
+    good = SamplingRow("good", SamplingParams(temperature=0), [], [], frozenset(), None)
+    bad = SamplingRow("bad", SamplingParams(temperature=0), [], [], frozenset(), None)
+    bad.params.allowed_token_ids = [500]  # past this 100-token vocabulary
+    logits = torch.randn(2, 100)
+    assert _sample_or_blame(logits.clone(), [good, good]).token_ids == logits.argmax(-1).tolist()
+    with pytest.raises(RequestError) as err:
+        _sample_or_blame(logits.clone(), [good, bad])
+    assert err.value.request_id == "bad"

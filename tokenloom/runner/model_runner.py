@@ -45,6 +45,28 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
     return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * elem
 
 
+class RequestError(RuntimeError):
+    """A failure that belongs to one request (`request_id`): the engine fails it alone."""
+
+    def __init__(self, request_id: str, cause: BaseException):
+        super().__init__(f"request {request_id}: {type(cause).__name__}")
+        self.request_id = request_id
+
+
+def _sample_or_blame(logits: torch.Tensor, rows: list[SamplingRow]):
+    """`sample`, and if it raises, the row that makes it raise found by sampling each row
+    alone (only on failure), so one request's bad settings fail that request, not the step."""
+    try:
+        return sample(logits, rows)
+    except Exception as exc:
+        for i, row in enumerate(rows):
+            try:
+                sample(logits[i:i + 1].clone(), [row])
+            except Exception:
+                raise RequestError(row.request_id, exc) from exc
+        raise
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, compile: bool = False,
                  attention_backend: str = "auto", enforce_eager: bool = False, max_num_seqs: int = 256,
@@ -251,7 +273,7 @@ class ModelRunner:
                 )
                 for s, _ in sample_sched
             ]
-            so = sample(logits, rows)
+            so = _sample_or_blame(logits, rows)
             for (s, _), tok, lp in zip(sample_sched, so.token_ids, so.logprobs):
                 result.sampled[s.request_id] = tok
                 if lp is not None:
