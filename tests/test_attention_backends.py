@@ -26,6 +26,7 @@ def test_backend_greedy_matches_transformers(model_factory, preset, backend):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = LLM(str(path), device=device, attention_backend=backend, **STRESS)
     assert llm.llm_engine.runner.attn.name == backend
+    assert f"attention backend {backend}" in llm.llm_engine.summary()  # named at start-up
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref

@@ -143,6 +143,7 @@ class LLMEngine:
         self.processor = OutputProcessor(self.tokenizer, self.scheduler, self.runner.remove_request)
         self.observers: list[Callable[[StepEvent], None]] = list(observers)
         self.step_count = 0
+        logger.info("%s", self.summary())
         self.consecutive_failed_steps = 0  # forward passes that failed in a row (reset by a good one)
         self.num_failed_steps = 0
         self.device_error: str | None = None  # set when the device probe fails after a failed step
@@ -162,6 +163,16 @@ class LLMEngine:
     def groups(self) -> dict[str, Group]:
         """Unfinished requests by id."""
         return self.processor.groups
+
+    def summary(self) -> str:
+        """What is being served, in one line (printed at start-up)."""
+        a, kv = self.loaded, self.kv
+        dtype = str(a.dtype).removeprefix("torch.")
+        gib = self.runner.kv_cache_bytes / 2**30
+        return (f"serving {a.path} ({a.args.architecture}, {a.args.num_layers} layers) in {dtype} on {self.device}; "
+                f"KV cache {kv.num_blocks} blocks x {self.runner.block_size} tokens ({gib:.2f} GiB), "
+                f"max_model_len {self.max_model_len}, max_num_seqs {self.scheduler_config.max_num_seqs}, "
+                f"max_num_batched_tokens {self.scheduler_config.max_num_batched_tokens}; {self.runner.describe()}")
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, observers: Iterable[Callable[[StepEvent], None]] = ()) -> "LLMEngine":

@@ -39,13 +39,14 @@ def _serve(args: argparse.Namespace) -> int:
     # (Once uvicorn runs it installs its own handlers, and restores this one when done.)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        server, _ = build_server(args)
+        server, engine = build_server(args)
     except KeyboardInterrupt:
         print("interrupted while loading the model; exiting", file=sys.stderr)
         return 0
     except (ValueError, OSError) as e:  # bad path, bad flag combination, no bundled model yet, ...
         print(f"error: {e}", file=sys.stderr)
         return 1
+    print(engine.engine.summary(), file=sys.stderr, flush=True)
     try:
         server.run()
     finally:

@@ -128,6 +128,14 @@ class ModelRunner:
         return DecodeGraphs(self.model, self.kv_caches, self.attn, capture_sizes(max_num_seqs), self.max_blocks,
                             self.device, lambda b: decode_num_splits(b, hk, self.num_sms), self.sliding_window)
 
+    def describe(self) -> str:
+        """One line for the start-up summary: attention backend and CUDA graphs."""
+        g = self.graphs
+        graphs = (f"CUDA graphs for decode batches {g.sizes[0]}..{g.sizes[-1]} ({len(g.graphs)} captured in "
+                  f"{g.capture_seconds:.1f} s, {g.graph_memory_bytes / 2**20:.0f} MiB)"
+                  if g is not None else f"no CUDA graphs ({self.graphs_off_reason})")
+        return f"attention backend {self.attn.name}, {graphs}"
+
     @property
     def kv_cache_bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
