@@ -28,8 +28,8 @@ import time
 import torch
 
 from tokenloom.kernels import cpu
-from tokenloom.runner import glibc_heap
-from tokenloom.sim.microbench import measure_bandwidth
+from tokenloom.kernels import glibc_heap
+from tokenloom.specs.microbench import measure_bandwidth
 from tokenloom.model.packed_linear import _pack
 
 LAYER_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # (N, K) per layer

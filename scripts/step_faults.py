@@ -1,4 +1,4 @@
-"""Page faults and kernel time per decode step: what runner/glibc_heap.py is for.
+"""Page faults and kernel time per decode step: what kernels/glibc_heap.py is for.
 
     TOKENLOOM_GLIBC_HEAP=0|1 python scripts/step_faults.py [--model DIR] [--batch-size 32]
         [--temperature 1.0] [--steps 10]

@@ -20,10 +20,10 @@ import json
 import pytest
 
 from tokenloom.entrypoints.cli import main
-from tokenloom.sim import microbench
+from tokenloom.specs import microbench
 from tokenloom.sim.estimate import CostModel, estimate
-from tokenloom.sim.hardware import CATALOG, DTYPES, Hardware, get_hardware
-from tokenloom.sim.model_spec import ModelSpec, load_model_spec
+from tokenloom.specs.hardware import CATALOG, DTYPES, Hardware, get_hardware
+from tokenloom.specs.model_spec import ModelSpec, load_model_spec
 
 TOY_CONFIG = {
     "model_type": "llama",

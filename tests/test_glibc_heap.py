@@ -1,5 +1,5 @@
 """The decode loop's large temporaries come from glibc's heap, not from fresh mappings
-(runner/glibc_heap.py), so they are not faulted in anew every step."""
+(kernels/glibc_heap.py), so they are not faulted in anew every step."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from tokenloom.runner import glibc_heap
+from tokenloom.kernels import glibc_heap
 
 PROBE = """
 import sys, torch
-from tokenloom.runner import glibc_heap
+from tokenloom.kernels import glibc_heap
 if sys.argv[1] == "1":
     assert glibc_heap.keep_step_buffers()
 t = torch.empty(30 << 18)  # 30 MiB of float32, a batch-48 logits tensor for a 151,936-token vocabulary

@@ -20,8 +20,8 @@ import pytest
 from tokenloom.bench.workloads import BenchRequest, WorkloadSpec, generate_workload, workload_stats
 from tokenloom.sim.calibrate import (Calibration, EngineCostModel, StepFeatures, _predict, calibration_key, fit)
 from tokenloom.sim.estimate import CostModel
-from tokenloom.sim.hardware import get_hardware
-from tokenloom.sim.model_spec import load_model_spec
+from tokenloom.specs.hardware import get_hardware
+from tokenloom.specs.model_spec import load_model_spec
 from tokenloom.sim.simulator import SimConfig, Simulator
 from tokenloom.sim.validate import (MetricComparison, all_targets_ok, compare, markdown_table, metric_value,
                                     rebuild_requests, relative_error)
@@ -261,7 +261,7 @@ def test_simulator_max_concurrency_holds_requests_back() -> None:
 # ---------------------------------------------------------------- `simulate --compare-with`, end to end
 def _fake_local_caches(tmp_path, monkeypatch, model_dir: str) -> Calibration:
     """Pre-seed the microbench and calibration caches so no measurement runs."""
-    from tokenloom.sim import microbench
+    from tokenloom.specs import microbench
 
     monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path / "cache"))
     key = microbench.cache_key()

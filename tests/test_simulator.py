@@ -14,8 +14,8 @@ from tokenloom.bench.metrics import summarize
 from tokenloom.bench.workloads import BenchRequest, WorkloadSpec, generate_workload
 from tokenloom.entrypoints.cli import main
 from tokenloom.sim.estimate import CostModel
-from tokenloom.sim.hardware import Hardware, get_hardware
-from tokenloom.sim.model_spec import ModelSpec, load_model_spec
+from tokenloom.specs.hardware import Hardware, get_hardware
+from tokenloom.specs.model_spec import ModelSpec, load_model_spec
 from tokenloom.sim.simulator import SimConfig, Simulator, num_kv_blocks_for, simulate
 
 TOY = ModelSpec.from_config({

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from tokenloom.version import __version__
 
 _EXPORTS = {
     "LLM": "tokenloom.entrypoints.llm",
@@ -22,8 +22,8 @@ _EXPORTS = {
     "CompletionOutput": "tokenloom.outputs",
     "RequestMetrics": "tokenloom.outputs",
     "Logprob": "tokenloom.outputs",
-    "StepEvent": "tokenloom.engine.events",
-    "StepEntry": "tokenloom.engine.events",
+    "StepEvent": "tokenloom.core.events",
+    "StepEntry": "tokenloom.core.events",
     "LLMEngine": "tokenloom.engine.llm_engine",
 }
 
@@ -38,7 +38,7 @@ def __getattr__(name: str):
 
 if TYPE_CHECKING:  # for type checkers and IDEs
     from tokenloom.config import EngineArgs
-    from tokenloom.engine.events import StepEntry, StepEvent
+    from tokenloom.core.events import StepEntry, StepEvent
     from tokenloom.engine.llm_engine import LLMEngine
     from tokenloom.entrypoints.llm import LLM
     from tokenloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput

@@ -24,7 +24,7 @@ import numpy as np
 
 from tokenloom.bench.metrics import RequestRecord
 from tokenloom.bench.workloads import BenchRequest
-from tokenloom.engine.events import StepEvent
+from tokenloom.core.events import StepEvent
 
 
 @dataclass

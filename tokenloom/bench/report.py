@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenloom.bench.metrics import BenchSummary, Distribution
-from tokenloom.sim.hardware import cpu_model_name
+from tokenloom.specs.host import cpu_model_name
 
 SCHEMA_VERSION = 1
 
@@ -225,6 +225,15 @@ def rows_table(rows: list[Mapping[str, Any]], title: str = "", digits: int = 2) 
     for r in rows:
         t.add_row(*(fmt(r.get(c), digits) for c in cols))
     return t
+
+
+def wide_console() -> Console:
+    """A console for wide tables: the terminal's width, or 180 columns when output is piped or
+    captured (rich would otherwise squeeze the table into 80)."""
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=180)
+    return console
 
 
 def print_summary(s: BenchSummary, *, title: str = "Benchmark result",

@@ -5,7 +5,7 @@ tokens/s -- has a back-of-envelope answer: a decode step must stream every weigh
 plus each request's KV history (memory bound), and do ~2 FLOPs per weight per token plus
 attention (compute bound); whichever takes longer is the floor.  Here that floor is
 computed from this machine's *measured* bandwidth and matmul FLOP/s
-(`tokenloom.sim.microbench`) and the model's arithmetic (`tokenloom.sim.model_spec`),
+(`tokenloom.specs.microbench`) and the model's arithmetic (`tokenloom.specs.model_spec`),
 and set against decode steps the engine really runs, at several batch sizes and context
 lengths, read off its step events:
 
@@ -126,8 +126,8 @@ def _display(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tokenloom.sim.microbench import measure_bandwidth, measure_matmul_flops
-    from tokenloom.sim.model_spec import ModelSpec, normalize_dtype
+    from tokenloom.specs.microbench import measure_bandwidth, measure_matmul_flops
+    from tokenloom.specs.model_spec import ModelSpec, normalize_dtype
 
     console = Console(width=max(Console().width, 132))  # fourteen columns; wrapped they are unreadable
     batches = _ints(args.batch_sizes)

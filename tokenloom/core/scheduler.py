@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 from tokenloom.config import SchedulerConfig
 from tokenloom.core.kv_cache import KVCacheManager
-from tokenloom.engine.events import Phase, StepEntry, StepEvent
+from tokenloom.core.events import Phase, StepEntry, StepEvent
 from tokenloom.request import Request, RequestStatus
 
 

@@ -37,7 +37,7 @@ from tokenloom.config import EngineArgs, SchedulerConfig, default_max_num_batche
 from tokenloom.core.kv_cache import KVCacheManager
 from tokenloom.core.scheduler import Scheduler, SchedulerOutput
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
-from tokenloom.engine.events import StepEvent
+from tokenloom.core.events import StepEvent
 from tokenloom.engine.faults import FaultInjector
 from tokenloom.engine.output_processor import Group, OutputProcessor, Sample, failure_message
 from tokenloom.model.loader import (load_config, load_eos_token_ids, load_model, resolve_device,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tokenloom.engine.events import StepEvent
+from tokenloom.core.events import StepEvent
 from tokenloom.outputs import RequestOutput
 
 if TYPE_CHECKING:

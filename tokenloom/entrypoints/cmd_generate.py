@@ -35,7 +35,7 @@ def sampling_params_from_args(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tokenloom import LLM
+    from tokenloom.entrypoints.llm import LLM
 
     prompts = args.prompts or ["def quicksort(arr):"]
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))

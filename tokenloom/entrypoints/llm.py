@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Sequence
 from tqdm.auto import tqdm
 
 from tokenloom.config import EngineArgs
-from tokenloom.engine.events import StepEvent
+from tokenloom.core.events import StepEvent
 from tokenloom.engine.llm_engine import LLMEngine, PromptType
 from tokenloom.outputs import CompletionOutput, RequestOutput
 from tokenloom.sampling_params import SamplingParams

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from tokenloom.model.llama import CausalLM, ModelArgs
 from tokenloom.model.registry import resolve_architecture
-from tokenloom.runner import glibc_heap
+from tokenloom.kernels import glibc_heap
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,

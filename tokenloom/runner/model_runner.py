@@ -23,7 +23,7 @@ from tokenloom.kernels import hugepages
 from tokenloom.kernels.triton import decode_num_splits
 from tokenloom.model.attention import AttentionMetadata, make_backend
 from tokenloom.model.loader import LoadedModel
-from tokenloom.runner import glibc_heap
+from tokenloom.kernels import glibc_heap
 from tokenloom.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from tokenloom.runner.sampler import SamplingRow, sample
 

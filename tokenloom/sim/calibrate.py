@@ -72,7 +72,7 @@ between them by guesswork:
 * `o`, `o_seq`: least squares on the engine's own time per step (duration - forward
   time + the median gap between steps) against N.
 * bw, F, F_attn, G and `combine`: the forward times, by a log grid over bw and F
-  around the microbenchmark figures (`tokenloom.sim.microbench`) with 1/F_attn and 1/G
+  around the microbenchmark figures (`tokenloom.specs.microbench`) with 1/F_attn and 1/G
   solved at each point (non-negative least squares), minimising the squared
   *relative* error (a 250 ms decode step matters as much as a 4 s prefill); both
   `combine`s, best wins.  On a shared
@@ -102,8 +102,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from tokenloom.sim.estimate import CostModel, StepCost
-from tokenloom.sim.hardware import Hardware
-from tokenloom.sim.model_spec import ModelSpec, load_model_spec, normalize_dtype
+from tokenloom.specs.hardware import Hardware
+from tokenloom.specs.model_spec import ModelSpec, load_model_spec, normalize_dtype
 
 CALIBRATION_VERSION = 2
 _CACHE_FILE = "calibration.json"
@@ -748,7 +748,7 @@ def _serve_with_step_log(argv: Sequence[str]) -> int:
 
 
 def load_config_dict(model: str) -> dict:
-    from tokenloom.sim.model_spec import load_config
+    from tokenloom.specs.model_spec import load_config
 
     return load_config(model)[0]
 
@@ -787,14 +787,14 @@ def model_fingerprint(spec: ModelSpec) -> str:
 
 
 def calibration_key(spec: ModelSpec, dtype: str, block_size: int, mode: str = "serve") -> str:
-    from tokenloom.sim import microbench
+    from tokenloom.specs import microbench
 
     return (f"{microbench.cache_key()}|model={model_fingerprint(spec)}|dtype={dtype}|block={block_size}"
             f"|mode={mode}|engine={engine_fingerprint()}|v{CALIBRATION_VERSION}")
 
 
 def _cache_path() -> Path:
-    from tokenloom.sim import microbench
+    from tokenloom.specs import microbench
 
     return microbench.cache_dir() / _CACHE_FILE
 
@@ -827,7 +827,7 @@ def calibrate(model: str, dtype: str | None = "auto", *, block_size: int = 16, m
 
     `mode`: "serve" to predict `tokenloom serve` / `bench serve`, "offline" for in-process
     `LLM` runs (`bench throughput`, `bench sweep --mode offline`); see `run_calibration`."""
-    from tokenloom.sim.hardware import local_hardware
+    from tokenloom.specs.hardware import local_hardware
 
     log = log or (lambda s: None)
     spec = load_model_spec(model)
@@ -861,7 +861,7 @@ def calibrate(model: str, dtype: str | None = "auto", *, block_size: int = 16, m
 def calibrated_cost_model(model: str, dtype: str | None = "auto", *, block_size: int = 16, mode: str = "serve",
                           refresh: bool = False, log: Callable[[str], None] | None = None) -> EngineCostModel:
     """`EngineCostModel` for `model` on `--hardware local` (calibrating once, then cached)."""
-    from tokenloom.sim.hardware import local_hardware
+    from tokenloom.specs.hardware import local_hardware
 
     cal = calibrate(model, dtype, block_size=block_size, mode=mode, refresh=refresh, log=log)
     spec = load_model_spec(model)

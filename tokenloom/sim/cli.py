@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tokenloom.sim.hardware import CATALOG, LOCAL, Hardware, hardware_names
+from tokenloom.specs.hardware import CATALOG, LOCAL, Hardware, hardware_names
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64,128,256"
 
@@ -169,25 +169,17 @@ def _catalog_table() -> "object":
         t.add_row(hw.name, f"{hw.memory_bytes / 2**30:.0f} GiB", fmt_rate(hw.mem_bandwidth, "B/s"),
                   fmt_rate(hw.peak_flops["float16"], "FLOP/s"), fmt_rate(hw.peak_flops["float32"], "FLOP/s"),
                   f"{hw.ridge_point('float16'):.0f}", hw.source)
-    t.add_row(LOCAL, "-", "measured", "measured", "measured", "-", "tokenloom.sim.microbench (cached)")
+    t.add_row(LOCAL, "-", "measured", "measured", "measured", "-", "tokenloom.specs.microbench (cached)")
     return t
 
 
-def _console() -> "object":
-    from rich.console import Console
-
-    console = Console(highlight=False)
-    if not console.is_terminal:  # piped or captured: rich would squeeze the table into 80 columns
-        console = Console(highlight=False, width=180)
-    return console
-
-
 def run_estimate(args: argparse.Namespace) -> int:
+    from tokenloom.bench.report import wide_console
     from tokenloom.sim.estimate import estimate
-    from tokenloom.sim.hardware import get_hardware
-    from tokenloom.sim.model_spec import load_model_spec
+    from tokenloom.specs.hardware import get_hardware
+    from tokenloom.specs.model_spec import load_model_spec
 
-    console = _console()
+    console = wide_console()
     if args.list_hardware:
         console.print(_catalog_table())
         return 0
@@ -335,15 +327,17 @@ def run_simulate(args: argparse.Namespace) -> int:
     from tokenloom.bench.workloads import MIN_TOKEN_ID, workload_from_args, workload_stats
     from tokenloom.model.presets import PRESETS
     from tokenloom.sim.estimate import CostModel
-    from tokenloom.sim.hardware import get_hardware
-    from tokenloom.sim.model_spec import load_config, load_model_spec
+    from tokenloom.specs.hardware import get_hardware
+    from tokenloom.specs.model_spec import load_config, load_model_spec
     from tokenloom.sim.simulator import SimConfig, Simulator
 
     if args.compare_with:
         from tokenloom.sim.validate import main as validate_main
 
         return validate_main(args)
-    console = _console()
+    from tokenloom.bench.report import wide_console
+
+    console = wide_console()
     try:
         hw = get_hardware(args.hardware, refresh_local=args.refresh_local)
         spec = load_model_spec(args.model)

@@ -37,8 +37,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import NamedTuple, Sequence
 
-from tokenloom.sim.hardware import Hardware
-from tokenloom.sim.model_spec import ModelSpec, normalize_dtype
+from tokenloom.specs.hardware import Hardware
+from tokenloom.specs.model_spec import ModelSpec, normalize_dtype
 
 # Default efficiencies for datasheet hardware (fractions of the printed peak a real step
 # achieves).  Rules of thumb, not measurements -- override them with the CLI flags:

@@ -42,7 +42,7 @@ from tokenloom.bench.workloads import BenchRequest
 from tokenloom.config import SchedulerConfig, default_max_num_batched_tokens, parse_size
 from tokenloom.core.kv_cache import KVCacheManager
 from tokenloom.core.scheduler import Scheduler, SchedulerOutput
-from tokenloom.engine.events import StepEvent
+from tokenloom.core.events import StepEvent
 from tokenloom.request import Request
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.sim.estimate import CostModel

@@ -166,7 +166,7 @@ def rebuild_requests(doc: Mapping[str, Any]) -> list:
 def _engine_default_kv_blocks(model: str, dtype: str, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
     """The engine's own default (LLMEngine): min(25% of free RAM, 4 GiB), capped at what
     max_num_seqs full-length requests can use.  Free RAM is read now, not when the server ran."""
-    from tokenloom.sim.model_spec import load_model_spec
+    from tokenloom.specs.model_spec import load_model_spec
 
     spec = load_model_spec(model)
     per_block = block_size * spec.kv_bytes_per_token(dtype)
@@ -201,7 +201,7 @@ def inputs_from_bench(doc: Mapping[str, Any], overrides: Mapping[str, Any] | Non
     of a `bench sweep` JSON: the point's values given as `overrides`)."""
     from tokenloom.config import default_max_num_batched_tokens, parse_size
     from tokenloom.sim.calibrate import resolve_dtype
-    from tokenloom.sim.model_spec import load_config, load_model_spec
+    from tokenloom.specs.model_spec import load_config, load_model_spec
     from tokenloom.sim.simulator import SimConfig
 
     if doc.get("benchmark") not in ("serve", "sweep"):
@@ -288,7 +288,7 @@ def validate(measured_path: str | Path, *, tolerance: float = DEFAULT_TOLERANCE,
              log=None) -> Validation:
     from tokenloom.bench import metrics
     from tokenloom.sim.calibrate import calibrated_cost_model
-    from tokenloom.sim.model_spec import load_config
+    from tokenloom.specs.model_spec import load_config
     from tokenloom.sim.simulator import Simulator
 
     doc = json.loads(Path(measured_path).read_text(encoding="utf-8"))
@@ -352,7 +352,7 @@ def validate_sweep(measured_path: str | Path, doc: Mapping[str, Any], *, toleran
     """Every point of a `bench sweep` JSON, simulated with the same limits and workload."""
     from tokenloom.bench import metrics
     from tokenloom.sim.calibrate import calibrated_cost_model
-    from tokenloom.sim.model_spec import load_config
+    from tokenloom.specs.model_spec import load_config
     from tokenloom.sim.simulator import Simulator
 
     points = []
@@ -444,10 +444,9 @@ def print_validation(v: Validation, console: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """`tokenloom simulate --compare-with FILE`."""
-    from tokenloom.bench.report import write_json
-    from tokenloom.sim.cli import _console
+    from tokenloom.bench.report import wide_console, write_json
 
-    console = _console()
+    console = wide_console()
     log = lambda s: console.print(s, markup=False)  # noqa: E731
     try:
         doc = json.loads(Path(args.compare_with).read_text(encoding="utf-8"))

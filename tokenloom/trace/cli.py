@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def record(args: argparse.Namespace):
-    from tokenloom import LLM
+    from tokenloom.entrypoints.llm import LLM
     from tokenloom.trace.recorder import run_trace
 
     prompts = args.prompts or [SEED_PROMPT]

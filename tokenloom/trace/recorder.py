@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from tokenloom.engine.events import StepEntry, StepEvent
+from tokenloom.core.events import StepEntry, StepEvent
 from tokenloom.trace.tokens import TokenPiece, build_token_table
 
 TRACE_FORMAT_VERSION = 1

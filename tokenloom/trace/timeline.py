@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tokenloom.engine.events import StepEntry, StepEvent
+from tokenloom.core.events import StepEntry, StepEvent
 from tokenloom.trace.recorder import Trace
 
 CellState = Literal["waiting", "prefill", "prefill_chunk", "decode", "preempted", "stalled", "done"]

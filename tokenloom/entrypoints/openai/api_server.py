@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from tokenloom import __version__
+from tokenloom.version import __version__
 from tokenloom.config import EngineArgs
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.entrypoints.openai.errors import bad_request, error_body, install_error_handlers

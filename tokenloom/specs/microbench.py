@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import time
 from datetime import datetime, timezone
@@ -38,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from tokenloom.sim.hardware import cpu_model_name
+from tokenloom.specs.host import cpu_model_name
 
 MiB = 2**20
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

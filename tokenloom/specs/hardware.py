@@ -6,7 +6,7 @@ request's KV history) through the chip and does only ~2 FLOPs per weight per req
 so the answer is governed by two datasheet figures: memory bandwidth (bytes/s) and
 dense tensor-core throughput (FLOP/s).  This module holds those figures, each with the
 vendor document it was taken from, plus `local`: the same figures *measured* on the
-machine we are running on (see `tokenloom.sim.microbench`).
+machine we are running on (see `tokenloom.specs.microbench`).
 
 Conventions (so numbers from different datasheets are comparable):
 
@@ -21,7 +21,6 @@ Conventions (so numbers from different datasheets are comparable):
 
 from __future__ import annotations
 
-import platform
 from dataclasses import dataclass, field
 
 GiB = 2**30
@@ -141,7 +140,7 @@ def hardware_names() -> list[str]:
 
 def local_hardware(refresh: bool = False, device: str = "cpu") -> Hardware:
     """This machine, from (cached) microbenchmarks; measuring takes a few seconds once."""
-    from tokenloom.sim import microbench  # torch is only needed here, not by the catalog
+    from tokenloom.specs import microbench  # torch is only needed here, not by the catalog
 
     m = microbench.measure_local(refresh=refresh, device=device)
     return Hardware(
@@ -149,7 +148,7 @@ def local_hardware(refresh: bool = False, device: str = "cpu") -> Hardware:
         memory_bytes=int(m["memory_bytes"]),
         mem_bandwidth=float(m["mem_bandwidth"]),
         peak_flops={k: float(v) for k, v in m["matmul_flops"].items()},
-        source=f"measured on this machine by tokenloom.sim.microbench ({m['key']})",
+        source=f"measured on this machine by tokenloom.specs.microbench ({m['key']})",
         description=str(m.get("device_name", "local")),
         measured=True,
         op_overhead_s=float(m["op_overhead_s"]),
@@ -167,14 +166,3 @@ def get_hardware(name: str, *, refresh_local: bool = False) -> Hardware:
     except KeyError:
         raise UnknownHardwareError(f"unknown hardware {name!r}; known: {', '.join(hardware_names())}") from None
 
-
-def cpu_model_name() -> str:
-    """This machine's CPU model name (from /proc/cpuinfo where there is one)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown-cpu"
