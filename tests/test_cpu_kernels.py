@@ -300,8 +300,9 @@ def test_argmax_rows_matches_torch(rows, n, ties, special, seed):
 
 
 def test_the_cpu_fast_path_uses_the_fused_ops(model_factory, monkeypatch):
-    """Loaded on CPU in float32, every RMSNorm (and residual add before one), rotary embedding and SwiGLU goes through them (and through
-    PyTorch with TOKENLOOM_CPU_FUSED=0); greedy tokens equal transformers' either way."""
+    """Loaded on CPU in float32, every RMSNorm (and residual add before one), rotary embedding
+    and SwiGLU goes through them, chosen once as the ops backend (PyTorch's with
+    TOKENLOOM_CPU_FUSED=0); greedy tokens equal transformers' either way."""
     from tests.test_parity import _hf, _hf_greedy, _prompts
     from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
@@ -311,11 +312,11 @@ def test_the_cpu_fast_path_uses_the_fused_ops(model_factory, monkeypatch):
         monkeypatch.setenv("TOKENLOOM_CPU_FUSED", fused)
         cpu_kernels.fused_enabled.cache_clear()
         llm = LLM(str(path), dtype="float32", max_model_len=128, num_kv_blocks=64)
-        mods = list(llm.llm_engine.runner.model.modules())
-        assert all((m.fused is not None) == (m.fused_add is not None) == (fused == "1") for m in mods if isinstance(m, RMSNorm))
-        assert all((m.fused_act is not None) == (fused == "1") for m in mods if isinstance(m, GatedMLP))
-        assert all((m.fused is not None) == (m.fused_kv is not None) == (fused == "1")
-                   for m in mods if isinstance(m, RotaryEmbedding))
+        ops = llm.llm_engine.runner.ops
+        assert ops.name == ("cpu" if fused == "1" else "torch")
+        assert all(m.ops is ops for m in llm.llm_engine.runner.model.modules()
+                   if isinstance(m, (RMSNorm, GatedMLP, RotaryEmbedding)))
+        assert f"ops backend {ops.name}" in llm.llm_engine.summary()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(_hf(path), prompts, 12)

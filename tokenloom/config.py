@@ -50,6 +50,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"  # fcfs|priority
     compile: bool = False
     attention_backend: str = "auto"  # auto|cpu|triton|sdpa (model/attention.py)
+    ops_backend: str = "auto"  # auto|torch|cpu|triton: norms, rotary, SwiGLU (model/ops.py)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     num_threads: int | None = None
     chat_template: str | None = None
@@ -79,6 +80,9 @@ class EngineArgs:
         g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "triton", "sdpa"],
                        help="how attention reads the paged KV cache: auto = triton on CUDA, our C++ kernel on CPU; "
                             "sdpa = PyTorch's SDPA over gathered blocks (the reference)")
+        g.add_argument("--ops-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
+                       help="norms, rotary and SwiGLU: auto = follow the attention backend (triton), our C++ ops on "
+                            "CPU; torch = PyTorch's ops (the reference)")
         g.add_argument("--enforce-eager", action="store_true",
                        help="run decode steps eagerly (no CUDA graphs)")
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")

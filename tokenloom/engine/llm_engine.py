@@ -139,7 +139,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = ModelRunner(self.loaded, num_blocks, block_size, compile=args.compile,
                                   attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                                  max_num_seqs=args.max_num_seqs, max_model_len=max_model_len)
+                                  max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
+                                  ops_backend=args.ops_backend)
         self.processor = OutputProcessor(self.tokenizer, self.scheduler, self.runner.remove_request)
         self.observers: list[Callable[[StepEvent], None]] = list(observers)
         self.step_count = 0

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from tokenloom.model.attention import AttentionMetadata, paged_attention
-from tokenloom.model.layers import FUSED_DTYPES, GatedMLP, RMSNorm, RotaryEmbedding, rotate
+from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from tokenloom.model.ops import TORCH, Ops, rotate
 
 
 @dataclass(frozen=True)
@@ -63,17 +64,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.scale = a.head_dim ** -0.5
+        self.ops: Ops = TORCH  # the model's ops backend (CausalLM.set_ops)
 
     def forward(self, x, positions, rope, cs, k_cache, v_cache, meta: AttentionMetadata):
         """`cs`: this step's rotation tables (`RotaryEmbedding.at`), shared by every layer."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if rope.fused_kv is not None and self.q_norm is None and qkv.dtype == k_cache.dtype \
-                and qkv.dtype in FUSED_DTYPES and not torch.compiler.is_compiling():
-            # CPU: rotation and the KV cache write in one op (kernels/cpu_fused.cpp).
-            # Not under torch.compile, which would functionalize the cache writes.
-            q = rope.fused_kv(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
-                              self.num_heads, self.num_kv_heads)
+        if self.ops.rope_write_kv is not None and self.q_norm is None:
+            # rotation and the KV cache write in one op (kernels/cpu_fused.cpp, kernels/triton/fused.py)
+            q = self.ops.rope_write_kv(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
+                                       self.num_heads, self.num_kv_heads)
             o = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale)
             return self.o_proj(o.reshape(t, self.q_size))
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
@@ -175,41 +175,13 @@ class CausalLM(nn.Module):
             n += 1
         return n
 
-    def use_fused_cpu_ops(self) -> bool:
-        """CPU fast path: every RMSNorm (with the residual add before it), rotary embedding
-        (with the KV cache write after it) and SwiGLU activation through our one-pass ops
-        (kernels/cpu_fused.cpp) where they build, in float32 and bfloat16 (layers.FUSED_DTYPES;
-        the rotary op alone, used with per-head q/k norms, is float32 only); other dtypes keep
-        the PyTorch code."""
-        from tokenloom.kernels import cpu as cpu_kernels
-
-        if not cpu_kernels.load():
-            return False
+    def set_ops(self, ops: Ops) -> None:
+        """Every norm, rotary embedding, SwiGLU activation and attention layer through one ops
+        backend (model/ops.py), chosen once for this device and dtype."""
+        self.ops = ops
         for m in self.modules():
-            if isinstance(m, RMSNorm):
-                m.fused = torch.ops.tokenloom_cpu.rms_norm
-                m.fused_add = torch.ops.tokenloom_cpu.add_rms_norm
-            elif isinstance(m, GatedMLP):
-                m.fused_act = torch.ops.tokenloom_cpu.silu_and_mul
-            elif isinstance(m, RotaryEmbedding):
-                m.fused = torch.ops.tokenloom_cpu.rope
-                m.fused_kv = torch.ops.tokenloom_cpu.rope_write_kv
-        return True
-
-    def use_fused_triton_ops(self) -> None:
-        """GPU fast path (the triton attention backend): every RMSNorm (with the residual add
-        before it), rotary embedding (with the KV cache write after it) and SwiGLU activation
-        through one Triton kernel each (kernels/triton/fused.py), in float32 and bfloat16.
-        Replaces the CPU ops where both could run (Triton's interpreter in tests)."""
-        from tokenloom.kernels.triton import fused
-
-        for m in self.modules():
-            if isinstance(m, RMSNorm):
-                m.fused, m.fused_add = fused.rms_norm, fused.add_rms_norm
-            elif isinstance(m, GatedMLP):
-                m.fused_act = fused.silu_and_mul
-            elif isinstance(m, RotaryEmbedding):
-                m.fused, m.fused_kv = None, fused.rope_write_kv
+            if hasattr(m, "ops"):
+                m.ops = ops
 
     def _tie_through_panels(self) -> None:
         """Tied embeddings packed once, into the panels the lm_head streams; the embedding

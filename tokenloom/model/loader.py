@@ -219,8 +219,6 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
         model.prepack_panels()
     elif pack_weights and packing_supported(device, tdtype):
         model.prepack()
-    if pack_weights and device.type == "cpu" and cpu_kernels.fused_enabled():
-        model.use_fused_cpu_ops()
     if device.type == "cpu":
         glibc_heap.release_free_memory()
     return LoadedModel(model=model, args=a, hf_config=cfg, path=path, dtype=tdtype, device=device)

@@ -22,6 +22,7 @@ from tokenloom.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenloom.kernels import hugepages
 from tokenloom.kernels.triton import decode_num_splits
 from tokenloom.model.attention import AttentionMetadata, make_backend
+from tokenloom.model.ops import choose_ops
 from tokenloom.model.loader import LoadedModel
 from tokenloom.kernels import glibc_heap
 from tokenloom.runner.cuda_graphs import DecodeGraphs, capture_sizes
@@ -70,7 +71,7 @@ def _sample_or_blame(logits: torch.Tensor, rows: list[SamplingRow]):
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, compile: bool = False,
                  attention_backend: str = "auto", enforce_eager: bool = False, max_num_seqs: int = 256,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, ops_backend: str = "auto"):
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -90,8 +91,8 @@ class ModelRunner:
             glibc_heap.keep_step_buffers()  # every step's temporaries reused, not faulted in anew
         # Chosen once: how attention reads the paged cache (model/attention.py).
         self.attn = make_backend(attention_backend, self.device, loaded.dtype, a.head_dim, a.sliding_window)
-        if self.attn.name == "triton":
-            self.model.use_fused_triton_ops()
+        self.ops = choose_ops(ops_backend, self.device, loaded.dtype, self.attn.name, compile)
+        self.model.set_ops(self.ops)
         self.sliding_window = a.sliding_window
         self.max_blocks = -(-(max_model_len or a.max_position_embeddings) // block_size)
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -134,7 +135,7 @@ class ModelRunner:
         graphs = (f"CUDA graphs for decode batches {g.sizes[0]}..{g.sizes[-1]} ({len(g.graphs)} captured in "
                   f"{g.capture_seconds:.1f} s, {g.graph_memory_bytes / 2**20:.0f} MiB)"
                   if g is not None else f"no CUDA graphs ({self.graphs_off_reason})")
-        return f"attention backend {self.attn.name}, {graphs}"
+        return f"attention backend {self.attn.name}, ops backend {self.ops.name}, {graphs}"
 
     @property
     def kv_cache_bytes(self) -> int:
