@@ -18,7 +18,11 @@ import math
 import pytest
 
 from tokenloom.bench.workloads import BenchRequest, WorkloadSpec, generate_workload, workload_stats
-from tokenloom.sim.calibrate import (Calibration, EngineCostModel, StepFeatures, _predict, calibration_key, fit)
+from tokenloom.sim.calibrate import calibration_key
+from tokenloom.sim.engine_cost import Calibration, EngineCostModel
+from tokenloom.sim.engine_cost import predict as _predict
+from tokenloom.sim.fit import fit
+from tokenloom.sim.step_features import StepFeatures
 from tokenloom.sim.estimate import CostModel
 from tokenloom.specs.hardware import get_hardware
 from tokenloom.specs.model_spec import load_model_spec
@@ -366,7 +370,7 @@ def test_compare_with_a_sweep_simulates_every_point(model_factory, tmp_path, mon
 
 
 def test_calibration_plan_covers_the_shapes_serving_needs() -> None:
-    from tokenloom.sim.calibrate import _decode_step_s, _samples_from, calibration_plan
+    from tokenloom.sim.calibration_run import _decode_step_s, _samples_from, calibration_plan
 
     plan = calibration_plan((5, 1000), max_model_len=1024)
     names = [n for n, _ in plan]

@@ -121,7 +121,7 @@ class CostModelExecutor:
                 decode.append(s.num_computed_before)
             else:
                 prefill.append((s.num_new_tokens, s.num_computed_before))
-        # A calibrated model (`sim.calibrate.EngineCostModel`) also needs to know which entries
+        # A calibrated model (`sim.engine_cost.EngineCostModel`) also needs to know which entries
         # sample a token (a chunk short of the prompt's end computes no logits row).
         scheduled_time = getattr(self.cost_model, "scheduled_step_time", None)
         dt = scheduled_time(out) if scheduled_time is not None else self.cost_model.step_time(prefill, decode)
