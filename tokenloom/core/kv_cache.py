@@ -13,10 +13,10 @@ prefix up to the end of its block, so a lookup by key alone is exact: serving an
 prompt's KV would need a SHA-256 collision, not merely equal Python `hash()` values
 (which collide on demand: `hash(-1) == hash(-2)`, and are per-process under hash
 randomisation of strings).  A new request whose prompt starts with the same tokens
-finds those blocks by key and skips computing them.  Freed
-blocks keep their hash and stay findable until the pool needs them; the least
-recently freed block is evicted first.  Blocks are reference counted, so many
-requests can read one block; nobody writes into a full block, so sharing is safe.
+finds those blocks by key and skips computing them.  Freed blocks keep their key and
+stay findable until the pool needs them; the least recently freed block is evicted
+first.  Blocks are reference counted, so many requests can read one block; nobody
+writes into a full block, so sharing is safe.
 
 Pure Python: no torch here.  The model runner owns the tensors; this module only
 decides which block ids hold which tokens (the simulator runs it unchanged).
@@ -72,7 +72,7 @@ def hash_block(parent_key: BlockKey, token_ids: list[int] | tuple[int, ...]) -> 
 
 
 class BlockPool:
-    """Fixed set of KV blocks with ref counts, an LRU free queue and a hash index."""
+    """Fixed set of KV blocks with ref counts, an LRU free queue and a prefix-key index."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         if num_blocks < 1:
