@@ -356,6 +356,7 @@ def test_chat_logprobs(client):
     for t in content:
         assert t.logprob <= 0 and len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
         assert t.bytes == list(t.token.encode())
+    assert "".join(t.token for t in content) == r.choices[0].message.content  # each token's text in context
     r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=4, temperature=0, logprobs=True)
     assert all(t.top_logprobs == [] for t in r.choices[0].logprobs.content)
     chunks = list(client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,

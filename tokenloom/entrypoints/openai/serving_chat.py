@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenloom.engine.async_engine import RequestStream
+from tokenloom.engine.detokenizer import TokenTexts
 from tokenloom.entrypoints.llm import render_chat
 from tokenloom.entrypoints.openai.errors import bad_request
 from tokenloom.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
@@ -29,7 +30,7 @@ from tokenloom.entrypoints.openai.serving_common import (ChunkFrame, ServingCont
                                                          add_requests, check_request, collect_final, finite_logprob,
                                                          make_usage, merge_streams, new_id, off_loop, sampling_params,
                                                          sse_body, validate_prompt)
-from tokenloom.outputs import Logprob, PositionLogprobs, RequestOutput
+from tokenloom.outputs import PositionLogprobs, RequestOutput
 
 
 def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
@@ -93,26 +94,34 @@ def render_messages(ctx: ServingContext, messages: Sequence[ChatMessage], *, cha
                           param="messages", code="chat_template_error") from None
 
 
-def _decoded(tokenizer, tok: int, lp: Logprob | None) -> str:
-    return lp.decoded_token if lp is not None and lp.decoded_token is not None else tokenizer.decode([tok])
-
-
 def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs], top_n: int,
-                  tokenizer) -> ChatLogprobs:
-    """Chat-format logprobs: per token its text, bytes, logprob and the `top_n` likeliest."""
+                  texts: TokenTexts, last: bool = False) -> ChatLogprobs:
+    """Chat-format logprobs: per token its text, bytes, logprob and the `top_n` likeliest.
+
+    Each token's text is what it adds in context (`TokenTexts`: SentencePiece tokens keep
+    their leading space; the tokens' texts join up to the message), the alternatives' what
+    they would have added there.  `texts` walks one choice's tokens across stream chunks;
+    `last`: this is the choice's final piece (text still held goes to its last token)."""
     content = []
-    for tok, pos in zip(token_ids, positions):
+    for i, (tok, pos) in enumerate(zip(token_ids, positions)):
         chosen = pos.get(tok)
-        text = _decoded(tokenizer, tok, chosen)
         tops = sorted(((t, v) for t, v in pos.items() if v.rank is not None and v.rank <= top_n),
                       key=lambda tv: tv[1].rank)[:top_n]
+        text, alts = texts.next(tok, [t for t, _ in tops])
+        if last and i == len(token_ids) - 1:
+            text += texts.finish()
         top_list = []
         for t, v in tops:
-            s = _decoded(tokenizer, t, v)
+            s = text if t == tok else alts[t]
             top_list.append(TopLogprob(token=s, logprob=finite_logprob(v.logprob), bytes=list(s.encode("utf-8"))))
         content.append(ChatTokenLogprob(token=text, logprob=finite_logprob(chosen.logprob) if chosen else -9999.0,
                                         bytes=list(text.encode("utf-8")), top_logprobs=top_list))
     return ChatLogprobs(content=content)
+
+
+def _texts(p: "_Prepared", out: RequestOutput) -> TokenTexts:
+    """A walker over one choice's tokens, in the context of the rendered prompt."""
+    return TokenTexts(p.tokenizer, out.prompt_token_ids, p.req.skip_special_tokens)
 
 
 @dataclass
@@ -164,7 +173,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     for c in out.outputs:
         logprobs = None
         if p.top_n is not None:
-            logprobs = chat_logprobs(c.token_ids, c.logprobs or [], p.top_n, p.tokenizer)
+            logprobs = chat_logprobs(c.token_ids, c.logprobs or [], p.top_n, _texts(p, out), last=True)
         choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     resp = ChatCompletionResponse(id=p.request_id, model=p.model, choices=choices, usage=make_usage(finals))
@@ -178,6 +187,7 @@ async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream
     tokens_sent: dict[int, int] = {}
     done: set[int] = set()
     latest: list[RequestOutput] = []
+    walkers: dict[int, TokenTexts] = {}
     # The role comes first, before any token exists: clients show "assistant is typing".
     for j in range(req.n):
         text_sent[j] = tokens_sent[j] = 0
@@ -197,7 +207,8 @@ async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream
             logprobs = None
             if p.top_n is not None:
                 new_lp = (c.logprobs or [])[tokens_sent[j]:tokens_sent[j] + len(new_ids)]
-                logprobs = chat_logprobs(new_ids, new_lp, p.top_n, p.tokenizer).model_dump(mode="json")
+                texts = walkers.setdefault(j, _texts(p, out))
+                logprobs = chat_logprobs(new_ids, new_lp, p.top_n, texts, last=finished).model_dump(mode="json")
             text_sent[j], tokens_sent[j] = max(text_sent[j], len(c.text)), len(c.token_ids)
             if finished:
                 done.add(j)
