@@ -4,6 +4,12 @@ The seed's continuous batching is bounded by two numbers: `max_num_seqs` (how ma
 requests may share a step) and `max_num_batched_tokens` (how many tokens one step may
 feed the model).  Every CLI flag here is also an `LLM(...)` keyword of the same name
 in snake case, as in vLLM.
+
+`EngineConfig.resolve` decides every default exactly once -- max_model_len from the
+model's max_position_embeddings, the token budget, how many KV blocks -- from the
+arguments, the model's shape (`ModelShape`) and the device.  The engine runs with the
+result; the simulator and the benchmarks resolve the same way, so none of them keeps a
+copy of a default.  Pure Python: no torch (whoever measures device memory passes it in).
 """
 
 from __future__ import annotations
@@ -11,8 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -131,3 +137,151 @@ def default_max_num_batched_tokens(max_model_len: int, enable_chunked_prefill: b
     if enable_chunked_prefill:
         return 2048
     return max(max_model_len, 2048)
+
+
+# ---------------------------------------------------------------- resolving the settings
+DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+# Default KV cache budget.  CUDA: most of the device memory left free once the weights are
+# loaded.  CPU: a quarter of the available RAM, at most 4 GiB -- enough for long contexts on
+# the small models a CPU serves, while leaving room for activations and the rest of the machine.
+CUDA_KV_SHARE_OF_FREE = 0.85
+CPU_KV_SHARE_OF_AVAILABLE = 0.25
+CPU_KV_MAX_BYTES = 4 * 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What sizing the engine needs of a model, from its parsed config
+    (`model.hf_config.model_args_fields`)."""
+
+    max_position_embeddings: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any]) -> "ModelShape":
+        return cls(**{f.name: int(fields[f.name]) for f in dataclasses.fields(cls)})
+
+    def kv_bytes_per_block(self, block_size: int, dtype: str) -> int:
+        """K and V of `block_size` tokens, every layer."""
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+
+
+def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -> int:
+    """`--max-model-len`, defaulting to (and never above) the model's max_position_embeddings."""
+    max_model_len = requested or max_position_embeddings
+    if max_model_len > max_position_embeddings:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+                         f"({max_position_embeddings}); lower it")
+    if max_model_len < 1:
+        raise ValueError("--max-model-len must be >= 1")
+    return max_model_len
+
+
+def default_kv_cache_bytes(device: str, free_bytes: int | None = None) -> int:
+    """The KV cache budget when neither --num-kv-blocks nor --kv-cache-memory is given.
+
+    `free_bytes`: on CUDA the device memory free after the weights were loaded (required);
+    on CPU the available RAM (read with psutil when not given)."""
+    if device.startswith("cuda"):
+        if free_bytes is None:
+            raise ValueError("sizing a CUDA KV cache needs the free device memory")
+        return int(free_bytes * CUDA_KV_SHARE_OF_FREE)
+    if free_bytes is None:
+        import psutil
+
+        free_bytes = int(psutil.virtual_memory().available)
+    return min(int(free_bytes * CPU_KV_SHARE_OF_AVAILABLE), CPU_KV_MAX_BYTES)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings with every default decided and every limit checked.
+
+    Built by `resolve` from `EngineArgs`, the model's shape and the device; read by the
+    engine (scheduler, KV cache, runner), the simulator and the benchmarks."""
+
+    model: str  # the model directory
+    model_name: str  # as the user named it (hub id, directory, or the bundled model's name)
+    tokenizer: str
+    revision: str | None
+    dtype: str  # float32 | bfloat16 | float16
+    device: str  # cpu | cuda | cuda:N
+    seed: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    kv_bytes_per_block: int
+    kv_blocks_from: str  # how num_kv_blocks was chosen: --num-kv-blocks, --kv-cache-memory or default
+    scheduler: SchedulerConfig
+    enable_prefix_caching: bool
+    attention_backend: str
+    ops_backend: str
+    compile: bool
+    enforce_eager: bool
+    num_threads: int | None
+    chat_template: str | None
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.scheduler.max_num_batched_tokens
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_kv_blocks * self.kv_bytes_per_block
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def resolve(cls, args: EngineArgs, shape: ModelShape, *, model: str, model_name: str, device: str,
+                dtype: str, free_memory_bytes: Callable[[], int | None] = lambda: None) -> "EngineConfig":
+        """Decide every default of `args` for a model of `shape` on `device` in `dtype`.
+
+        `free_memory_bytes` is called only when the KV cache size is left to the default
+        (see `default_kv_cache_bytes`); the engine passes the device's free memory after
+        loading the weights."""
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+        max_model_len = resolve_max_model_len(args.max_model_len, shape.max_position_embeddings)
+        block_size = args.block_size
+        if block_size < 1:
+            raise ValueError("--block-size must be >= 1")
+        per_block = shape.kv_bytes_per_block(block_size, dtype)
+        if args.num_kv_blocks is not None:
+            num_blocks, source = args.num_kv_blocks, "--num-kv-blocks"
+        elif args.kv_cache_memory is not None:
+            num_blocks, source = parse_size(args.kv_cache_memory) // per_block, "--kv-cache-memory"
+        else:
+            # Never more than max_num_seqs full-length requests can use: small models stay small.
+            useful = args.max_num_seqs * -(-max_model_len // block_size)
+            budget = default_kv_cache_bytes(device, free_memory_bytes())
+            num_blocks, source = min(budget // per_block, useful), "default"
+        if num_blocks * block_size < max_model_len:
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks of {block_size} tokens) cannot hold one request of "
+                f"--max-model-len {max_model_len} tokens; raise --kv-cache-memory / --num-kv-blocks or lower "
+                f"--max-model-len"
+            )
+        scheduler = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens
+            or default_max_num_batched_tokens(max_model_len, args.enable_chunked_prefill),
+            max_model_len=max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            scheduling_policy=args.scheduling_policy,
+        )
+        return cls(
+            model=str(model), model_name=str(model_name), tokenizer=str(args.tokenizer or model),
+            revision=args.revision, dtype=dtype, device=device, seed=args.seed, max_model_len=max_model_len,
+            block_size=block_size, num_kv_blocks=int(num_blocks), kv_bytes_per_block=per_block,
+            kv_blocks_from=source, scheduler=scheduler, enable_prefix_caching=args.enable_prefix_caching,
+            attention_backend=args.attention_backend, ops_backend=args.ops_backend, compile=args.compile,
+            enforce_eager=args.enforce_eager, num_threads=args.num_threads, chat_template=args.chat_template,
+        )

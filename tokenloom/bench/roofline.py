@@ -47,12 +47,12 @@ def decode_point(llm: Any, spec: Any, dtype: str, batch: int, context: int, step
     """Time full-batch decode steps of `batch` requests whose prompts are `context` tokens;
     `against_roofs` adds the roofline columns."""
     eng = llm.llm_engine
-    budget = eng.scheduler_config.max_num_batched_tokens
+    budget = eng.config.max_num_batched_tokens
     # Requests are prefilled a budget's worth at a time, so the first ones start decoding
     # early; enough output tokens keeps them all running until the last has caught up.
     max_tokens = math.ceil(batch * context / budget) + steps + 2
-    if context + max_tokens > eng.max_model_len:
-        raise ValueError(f"context {context} + {max_tokens} output tokens exceeds max_model_len {eng.max_model_len}")
+    if context + max_tokens > eng.config.max_model_len:
+        raise ValueError(f"context {context} + {max_tokens} output tokens exceeds max_model_len {eng.config.max_model_len}")
     wl = WorkloadSpec(name="random", num_prompts=batch, input_len=(context, context),
                       output_len=(max_tokens, max_tokens), vocab_range=vocab, seed=seed)
     run = run_generate(llm, generate_workload(wl), ignore_eos=True, keep_events=True)
@@ -134,8 +134,8 @@ def main(args: argparse.Namespace) -> int:
     contexts = _ints(args.context_lens)
     llm = build_llm(args, max_num_seqs=max(args.max_num_seqs, max(batches)))
     eng = llm.llm_engine
-    device = str(eng.loaded.device)
-    dtype = normalize_dtype(str(eng.loaded.dtype).replace("torch.", ""))
+    device = eng.config.device
+    dtype = normalize_dtype(eng.config.dtype)
     spec = ModelSpec.from_config(eng.hf_config, name=str(eng.model_name))
     vocab = engine_vocab_range(llm)
 

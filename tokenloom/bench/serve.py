@@ -232,8 +232,9 @@ def _model_max_len(args: Any, info: dict[str, Any] | None) -> int | None:
     if (m := max_model_len_of(info)) is not None:
         return m
     if args.launch and (Path(args.launch) / "config.json").exists():
-        cfg = json.loads((Path(args.launch) / "config.json").read_text())
-        return cfg.get("max_position_embeddings")
+        from tokenloom.specs.model_spec import load_config, max_position_embeddings
+
+        return max_position_embeddings(load_config(args.launch)[0])
     return None
 
 

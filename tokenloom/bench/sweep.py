@@ -100,8 +100,6 @@ def run_point_serve(args: argparse.Namespace, point: dict[str, Any], reqs: Seque
 
 def _workload(args: argparse.Namespace) -> tuple[WorkloadSpec, list[BenchRequest]]:
     """The workload every point replays: vocab and max length from the model directory."""
-    import json
-
     from tokenloom.bench.workloads import vocab_range_for_model
 
     model_dir = args.model
@@ -114,8 +112,9 @@ def _workload(args: argparse.Namespace) -> tuple[WorkloadSpec, list[BenchRequest
 
         model_dir = str(resolve_model_path(model_dir, args.revision))
     vocab = vocab_range_for_model(args.tokenizer or model_dir)
-    max_len = args.max_model_len or json.loads((Path(model_dir) / "config.json").read_text()).get(
-        "max_position_embeddings")
+    from tokenloom.specs.model_spec import load_config, max_position_embeddings
+
+    max_len = args.max_model_len or max_position_embeddings(load_config(model_dir)[0])
     return workload_from_args(args, vocab, max_model_len=max_len)
 
 

@@ -55,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
     eng = llm.llm_engine
     rss_loaded = current_rss_bytes()
     vocab = engine_vocab_range(llm)
-    spec, reqs = workload_from_args(args, vocab, max_model_len=eng.max_model_len)
+    spec, reqs = workload_from_args(args, vocab, max_model_len=eng.config.max_model_len)
     if any(r.arrival_time > 0 for r in reqs):
         console.print("[yellow]note:[/yellow] bench throughput sends every request at once; "
                       "arrival times are ignored (use bench serve or bench sweep for rates)")
@@ -106,10 +106,10 @@ def main(args: argparse.Namespace) -> int:
     _print(console, results)
     if args.output_json:
         config = report.args_to_config(args)
-        config["resolved"] = {"model_path": str(eng.model_path), "dtype": str(eng.loaded.dtype),
-                              "device": str(eng.loaded.device), "max_model_len": eng.max_model_len,
-                              "max_num_batched_tokens": eng.scheduler_config.max_num_batched_tokens,
-                              "num_kv_blocks": eng.kv.num_blocks if hasattr(eng.kv, "num_blocks") else None}
+        ec = eng.config
+        config["resolved"] = {"model_path": ec.model, "dtype": str(eng.loaded.dtype), "device": ec.device,
+                              "max_model_len": ec.max_model_len, "max_num_batched_tokens": ec.max_num_batched_tokens,
+                              "num_kv_blocks": ec.num_kv_blocks}
         doc = report.build_report("throughput", config=config,
                                   workload={"spec": spec.to_dict(), "stats": workload_stats(reqs)},
                                   results=results)

@@ -33,18 +33,20 @@ from typing import Callable, Iterable
 
 import torch
 
-from tokenloom.config import EngineArgs, SchedulerConfig, default_max_num_batched_tokens, parse_size
+from tokenloom.config import EngineArgs, EngineConfig, ModelShape, resolve_max_model_len
+from tokenloom.core.events import StepEvent
 from tokenloom.core.kv_cache import KVCacheManager
 from tokenloom.core.scheduler import Scheduler, SchedulerOutput
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
-from tokenloom.core.events import StepEvent
 from tokenloom.engine.faults import FaultInjector
 from tokenloom.engine.output_processor import Group, OutputProcessor, Sample, failure_message
+from tokenloom.model.hf_config import model_args_fields
 from tokenloom.model.loader import (load_config, load_eos_token_ids, load_model, resolve_device,
                                     resolve_model_path)
+from tokenloom.model.registry import resolve_architecture
 from tokenloom.outputs import RequestMetrics, RequestOutput
 from tokenloom.request import Request
-from tokenloom.runner.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
+from tokenloom.runner.model_runner import ModelRunner, RunnerOutput
 from tokenloom.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenloom")
@@ -56,17 +58,6 @@ class PromptTooLongError(ValueError):
     """The prompt (plus requested output) does not fit in max_model_len."""
 
     param = "prompt"
-
-
-def _default_kv_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.85)
-    import psutil
-
-    # A quarter of what is free, at most 4 GiB: enough for long contexts on the small
-    # models a CPU serves, while leaving room for activations and the rest of the machine.
-    return min(int(psutil.virtual_memory().available * 0.25), 4 * 2**30)
 
 
 class LLMEngine:
@@ -88,20 +79,24 @@ class LLMEngine:
 
         cfg = load_config(path)
         self.hf_config = cfg
-        max_pos = int(cfg.get("max_position_embeddings") or 2048)
-        max_model_len = args.max_model_len or max_pos
-        if max_model_len > max_pos:
-            raise ValueError(
-                f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings ({max_pos}); lower it"
-            )
-        self.max_model_len = max_model_len
+        shape = ModelShape.from_fields(model_args_fields(cfg, resolve_architecture(cfg)))
+        max_positions = resolve_max_model_len(args.max_model_len, shape.max_position_embeddings)
+        self.loaded = load_model(path, args.dtype, self.device, max_positions=max_positions)
+        device = self.device
+        # Every default decided once (config.py); on CUDA the KV cache takes what the weights left free.
+        self.config = EngineConfig.resolve(
+            args, shape, model=str(path), model_name=str(self.model_name), device=str(device),
+            dtype=str(self.loaded.dtype).removeprefix("torch."),
+            free_memory_bytes=lambda: torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
+        c = self.config
+        self.max_model_len = c.max_model_len
+        self.scheduler_config = c.scheduler
 
-        self.loaded = load_model(path, args.dtype, self.device, max_positions=max_model_len)
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer or path), revision=args.revision)
-        if args.chat_template:
-            tpl = args.chat_template
+        self.tokenizer = AutoTokenizer.from_pretrained(c.tokenizer, revision=c.revision)
+        if c.chat_template:
+            tpl = c.chat_template
             if os.path.exists(tpl):
                 with open(tpl) as f:
                     tpl = f.read()
@@ -109,38 +104,12 @@ class LLMEngine:
         self.eos_token_ids = load_eos_token_ids(path, cfg, self.tokenizer)
         self.vocab_size = self.loaded.args.vocab_size
 
-        block_size = args.block_size
-        if block_size < 1:
-            raise ValueError("--block-size must be >= 1")
-        per_block = kv_bytes_per_block(self.loaded, block_size)
-        if args.num_kv_blocks is not None:
-            num_blocks = args.num_kv_blocks
-        else:
-            if args.kv_cache_memory is not None:
-                num_blocks = parse_size(args.kv_cache_memory) // per_block
-            else:
-                # Never more than max_num_seqs full-length requests can use: small models stay small.
-                useful = args.max_num_seqs * -(-max_model_len // block_size)
-                num_blocks = min(_default_kv_bytes(self.device) // per_block, useful)
-        if num_blocks * block_size < max_model_len:
-            raise ValueError(
-                f"the KV cache ({num_blocks} blocks of {block_size} tokens) cannot hold one request of "
-                f"--max-model-len {max_model_len} tokens; raise --kv-cache-memory / --num-kv-blocks or lower --max-model-len"
-            )
-        mnbt = args.max_num_batched_tokens or default_max_num_batched_tokens(max_model_len, args.enable_chunked_prefill)
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=mnbt,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            scheduling_policy=args.scheduling_policy,
-        )
-        self.kv = KVCacheManager(num_blocks, block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        self.runner = ModelRunner(self.loaded, num_blocks, block_size, compile=args.compile,
-                                  attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                                  max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
-                                  ops_backend=args.ops_backend)
+        self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
+        self.scheduler = Scheduler(c.scheduler, self.kv)
+        self.runner = ModelRunner(self.loaded, c.num_kv_blocks, c.block_size, compile=c.compile,
+                                  attention_backend=c.attention_backend, enforce_eager=c.enforce_eager,
+                                  max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len,
+                                  ops_backend=c.ops_backend)
         self.processor = OutputProcessor(self.tokenizer, self.scheduler, self.runner.remove_request)
         self.observers: list[Callable[[StepEvent], None]] = list(observers)
         self.step_count = 0

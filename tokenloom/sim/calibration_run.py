@@ -88,8 +88,9 @@ CALIBRATION_MODES = ("serve", "offline")
 
 def _engine_limits(model: str, block_size: int) -> dict:
     """The calibration engine: 16 seats, a 512-token budget, prefix caching, KV for 16 full requests."""
-    max_len_cfg = int(load_config_dict(model).get("max_position_embeddings") or 2048)
-    max_model_len = min(2048, max_len_cfg)
+    from tokenloom.specs.model_spec import load_model_shape
+
+    max_model_len = min(2048, load_model_shape(model).max_position_embeddings)
     return dict(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=max_model_len, block_size=block_size,
                 num_kv_blocks=16 * round_up(max_model_len, block_size) // block_size, enable_prefix_caching=True)
 
@@ -255,12 +256,6 @@ def _serve_with_step_log(argv: Sequence[str]) -> int:
         server.run()
         f.flush()
     return 0
-
-
-def load_config_dict(model: str) -> dict:
-    from tokenloom.specs.model_spec import load_config
-
-    return load_config(model)[0]
 
 
 def _torch_threads() -> int:

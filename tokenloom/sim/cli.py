@@ -14,6 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
+from tokenloom.config import EngineArgs
 from tokenloom.specs.hardware import CATALOG, LOCAL, Hardware, hardware_names
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64,128,256"
@@ -105,17 +106,19 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_cost_args(p)
     g = p.add_argument_group("engine (same flags as `tokenloom serve`)")
-    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=EngineArgs.block_size)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default: what fits)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of device memory for weights + KV when sizing the cache (default: 0.9)")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=EngineArgs.enable_chunked_prefill)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=EngineArgs.enable_prefix_caching)
+    g.add_argument("--scheduling-policy", default=EngineArgs.scheduling_policy, choices=["fcfs", "priority"])
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="client keeps at most this many requests in flight (like `bench serve --max-concurrency`)")
     c = p.add_argument_group("calibration and validation (--hardware local)")
@@ -328,7 +331,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from tokenloom.model.presets import PRESETS
     from tokenloom.sim.estimate import CostModel
     from tokenloom.specs.hardware import get_hardware
-    from tokenloom.specs.model_spec import load_config, load_model_spec
+    from tokenloom.specs.model_spec import load_config, load_model_spec, max_position_embeddings
     from tokenloom.sim.simulator import SimConfig, Simulator
 
     if args.compare_with:
@@ -363,7 +366,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             scheduling_policy=args.scheduling_policy,
         )
         first = _FirstSteps(max(0, args.show_steps))
-        sim = Simulator(cm, sim_cfg, model_max_positions=config.get("max_position_embeddings"), observers=[first])
+        sim = Simulator(cm, sim_cfg, model_max_positions=max_position_embeddings(config), observers=[first])
         vocab = (MIN_TOKEN_ID, max(MIN_TOKEN_ID + 1, spec.vocab_size))
         wl_spec, reqs = workload_from_args(args, vocab, sim.max_model_len)
         slos = metrics.parse_goodput(args.goodput)

@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Sequence
 from tokenloom.bench.metrics import RequestRecord
 from tokenloom.bench.offline import StepRecorder
 from tokenloom.bench.workloads import BenchRequest
-from tokenloom.config import SchedulerConfig, default_max_num_batched_tokens, parse_size
+from tokenloom.config import EngineArgs, EngineConfig, SchedulerConfig, default_max_num_batched_tokens, parse_size
 from tokenloom.core.kv_cache import KVCacheManager
 from tokenloom.core.scheduler import Scheduler, SchedulerOutput
 from tokenloom.core.events import StepEvent
@@ -52,18 +52,26 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of device memory fo
 
 @dataclass(frozen=True)
 class SimConfig:
-    """Engine knobs the simulated scheduler runs with (same names as `EngineArgs`)."""
+    """Engine knobs the simulated scheduler runs with (same names and defaults as `EngineArgs`)."""
 
-    max_num_seqs: int = 256
+    max_num_seqs: int = EngineArgs.max_num_seqs
     max_num_batched_tokens: int | None = None  # None: the engine's default for max_model_len
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    block_size: int = 16
+    block_size: int = EngineArgs.block_size
     num_kv_blocks: int | None = None  # None: from kv_cache_memory, else from device memory
     kv_cache_memory: str | int | None = None
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
+    enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill
+    enable_prefix_caching: bool = EngineArgs.enable_prefix_caching
+    scheduling_policy: str = EngineArgs.scheduling_policy
+
+    @classmethod
+    def from_engine_config(cls, ec: EngineConfig) -> "SimConfig":
+        """The limits a real engine resolved (`EngineConfig`), KV blocks included."""
+        return cls(max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
+                   max_model_len=ec.max_model_len, block_size=ec.block_size, num_kv_blocks=ec.num_kv_blocks,
+                   enable_chunked_prefill=ec.scheduler.enable_chunked_prefill,
+                   enable_prefix_caching=ec.enable_prefix_caching, scheduling_policy=ec.scheduler.scheduling_policy)
 
     def to_dict(self) -> dict:
         return asdict(self)

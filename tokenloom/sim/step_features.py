@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from tokenloom.config import DTYPE_BYTES
 from tokenloom.specs.model_spec import ModelSpec, normalize_dtype
 
 # One scheduled request in a step: (new tokens, tokens already in its KV cache, samples a token).
@@ -49,7 +50,7 @@ class StepFeatures:
     """Turns step entries into `StepParts` for one model, dtype and block size."""
 
     def __init__(self, spec: ModelSpec, dtype: str, block_size: int = 16, paged_decode: bool = False) -> None:
-        nb = {"float16": 2, "bfloat16": 2, "float32": 4}[normalize_dtype(dtype)]
+        nb = DTYPE_BYTES[normalize_dtype(dtype)]
         self.block_size = block_size
         # True where decode attention reads each request's blocks in place (our CPU kernel):
         # its work is the actual context, not the group's padded, gathered length.

@@ -163,23 +163,6 @@ def rebuild_requests(doc: Mapping[str, Any]) -> list:
     return reqs
 
 
-def _engine_default_kv_blocks(model: str, dtype: str, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
-    """The engine's own default (LLMEngine): min(25% of free RAM, 4 GiB), capped at what
-    max_num_seqs full-length requests can use.  Free RAM is read now, not when the server ran."""
-    from tokenloom.specs.model_spec import load_model_spec
-
-    spec = load_model_spec(model)
-    per_block = block_size * spec.kv_bytes_per_token(dtype)
-    try:
-        import psutil
-
-        budget = min(int(psutil.virtual_memory().available * 0.25), 4 * 2**30)
-    except ImportError:
-        budget = 4 * 2**30
-    useful = max_num_seqs * -(-max_model_len // block_size)
-    return max(1, min(budget // per_block, useful))
-
-
 def _bench_model(doc: Mapping[str, Any]) -> str:
     cfg = doc.get("config", {})
     if doc.get("benchmark") == "sweep":
@@ -199,10 +182,10 @@ def _bench_model(doc: Mapping[str, Any]) -> str:
 def inputs_from_bench(doc: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> BenchInputs:
     """Model, dtype, requests and engine limits of a `bench serve --launch` JSON (or of one point
     of a `bench sweep` JSON: the point's values given as `overrides`)."""
-    from tokenloom.config import default_max_num_batched_tokens, parse_size
+    from tokenloom.config import EngineArgs, EngineConfig
     from tokenloom.sim.calibrate import resolve_dtype
-    from tokenloom.specs.model_spec import load_config, load_model_spec
     from tokenloom.sim.simulator import SimConfig
+    from tokenloom.specs.model_spec import load_model_shape, load_model_spec
 
     if doc.get("benchmark") not in ("serve", "sweep"):
         raise ValueError(f"--compare-with wants a `tokenloom bench serve` or `bench sweep` JSON, "
@@ -215,26 +198,14 @@ def inputs_from_bench(doc: Mapping[str, Any], overrides: Mapping[str, Any] | Non
     model = _bench_model(doc)
     spec = load_model_spec(model)
     dtype = resolve_dtype(spec, cfg.get("dtype") or "auto")
-    config, _ = load_config(model)
-    max_model_len = int(cfg.get("max_model_len") or config.get("max_position_embeddings") or 2048)
-    block_size = int(cfg.get("block_size") or 16)
-    max_num_seqs = int(cfg.get("max_num_seqs") or 256)
-    chunked = bool(cfg.get("enable_chunked_prefill", True))
-    mnbt = cfg.get("max_num_batched_tokens") or default_max_num_batched_tokens(max_model_len, chunked)
-    if cfg.get("num_kv_blocks"):
-        blocks, note = int(cfg["num_kv_blocks"]), "--num-kv-blocks"
-    elif cfg.get("kv_cache_memory"):
-        per_block = block_size * spec.kv_bytes_per_token(dtype)
-        blocks, note = parse_size(cfg["kv_cache_memory"]) // per_block, "--kv-cache-memory"
-    else:
-        blocks = _engine_default_kv_blocks(model, dtype, block_size, max_num_seqs, max_model_len)
-        note = "engine default (re-derived now; pass --num-kv-blocks to the benchmark to pin it)"
-    sim_cfg = SimConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=int(mnbt), max_model_len=max_model_len,
-        block_size=block_size, num_kv_blocks=int(blocks), enable_chunked_prefill=chunked,
-        enable_prefix_caching=bool(cfg.get("enable_prefix_caching", True)),
-        scheduling_policy=cfg.get("scheduling_policy") or "fcfs",
-    )
+    # The engine flags the benchmark recorded (absent or null: the engine's default), resolved
+    # exactly as the engine resolves them -- on this machine's CPU, whose free RAM is read now.
+    args = EngineArgs(**{k: v for k, v in cfg.items() if k in EngineArgs.field_names() and v is not None})
+    engine = EngineConfig.resolve(args, load_model_shape(model), model=model, model_name=model, device="cpu",
+                                  dtype=dtype)
+    note = {"default": "engine default (re-derived now; pass --num-kv-blocks to the benchmark to pin it)"}.get(
+        engine.kv_blocks_from, engine.kv_blocks_from)
+    sim_cfg = SimConfig.from_engine_config(engine)
     spec_d = (doc.get("workload") or {}).get("spec") or {}
     if spec_d.get("respect_eos"):
         raise ValueError("the benchmark ran with --respect-eos: output lengths were the model's choice, "
@@ -288,7 +259,7 @@ def validate(measured_path: str | Path, *, tolerance: float = DEFAULT_TOLERANCE,
              log=None) -> Validation:
     from tokenloom.bench import metrics
     from tokenloom.sim.calibrate import calibrated_cost_model
-    from tokenloom.specs.model_spec import load_config
+    from tokenloom.specs.model_spec import load_config, max_position_embeddings
     from tokenloom.sim.simulator import Simulator
 
     doc = json.loads(Path(measured_path).read_text(encoding="utf-8"))
@@ -296,7 +267,7 @@ def validate(measured_path: str | Path, *, tolerance: float = DEFAULT_TOLERANCE,
     cm = calibrated_cost_model(inp.model, inp.dtype, block_size=inp.sim_config.block_size, mode="serve",
                                refresh=recalibrate, log=log)
     config, _ = load_config(inp.model)
-    sim = Simulator(cm, inp.sim_config, model_max_positions=config.get("max_position_embeddings"))
+    sim = Simulator(cm, inp.sim_config, model_max_positions=max_position_embeddings(config))
     res = sim.run(inp.requests, max_concurrency=inp.max_concurrency)
     summary = metrics.summarize(res.records, duration=res.duration_s).to_dict()
     groups = {g: s.to_dict() for g, s in metrics.summarize_by_group(res.records, duration=res.duration_s).items()}
@@ -352,7 +323,7 @@ def validate_sweep(measured_path: str | Path, doc: Mapping[str, Any], *, toleran
     """Every point of a `bench sweep` JSON, simulated with the same limits and workload."""
     from tokenloom.bench import metrics
     from tokenloom.sim.calibrate import calibrated_cost_model
-    from tokenloom.specs.model_spec import load_config
+    from tokenloom.specs.model_spec import load_config, max_position_embeddings
     from tokenloom.sim.simulator import Simulator
 
     points = []
@@ -370,7 +341,7 @@ def validate_sweep(measured_path: str | Path, doc: Mapping[str, Any], *, toleran
             cm = calibrated_cost_model(inp.model, inp.dtype, block_size=inp.sim_config.block_size, mode=mode,
                                        refresh=recalibrate, log=log)
         config, _ = load_config(inp.model)
-        sim = Simulator(cm, inp.sim_config, model_max_positions=config.get("max_position_embeddings"))
+        sim = Simulator(cm, inp.sim_config, model_max_positions=max_position_embeddings(config))
         res = sim.run(inp.requests, max_concurrency=inp.max_concurrency)
         summary = metrics.summarize(res.records, duration=res.duration_s).to_dict()
         points.append((point, compare(sweep_row_summary(row), summary, tolerance=tolerance, metrics=SWEEP_METRICS)))

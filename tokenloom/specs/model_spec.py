@@ -24,7 +24,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+from tokenloom.config import DTYPE_BYTES, ModelShape
+
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
 
 # Rough count of eager PyTorch ops our decoder dispatches, used only to turn the measured
@@ -257,3 +258,27 @@ def load_model_spec(model: str) -> ModelSpec:
     """`ModelSpec` for a preset name or a directory holding (at least) config.json."""
     config, name = load_config(model)
     return ModelSpec.from_config(config, name=name)
+
+
+def model_shape(config: dict) -> ModelShape:
+    """The engine's sizing inputs (max_position_embeddings, KV heads, ...) of a config.json
+    dict, read as the engine reads it (`model.hf_config`, with each family's defaults)."""
+    from tokenloom.model.hf_config import model_args_fields
+    from tokenloom.model.registry import resolve_architecture
+
+    return ModelShape.from_fields(model_args_fields(config, resolve_architecture(config)))
+
+
+def load_model_shape(model: str) -> ModelShape:
+    """`model_shape` for a preset name or a directory holding config.json."""
+    return model_shape(load_config(model)[0])
+
+
+def max_position_embeddings(config: dict) -> int | None:
+    """The model's max_position_embeddings as the engine reads it (its family's default when
+    the file omits it); for an architecture the engine does not run, the file's value."""
+    try:
+        return model_shape(config).max_position_embeddings
+    except ValueError:
+        value = config.get("max_position_embeddings")
+        return int(value) if value else None
