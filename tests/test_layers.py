@@ -42,6 +42,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"specs": ("tokenloom.specs",)},
     {"runner": ("tokenloom.runner",)},
     {"engine": ("tokenloom.engine",)},
+    {"router": ("tokenloom.router",)},
     {"entrypoints": ("tokenloom.entrypoints",)},
     {"bench": ("tokenloom.bench",)},
     {"sim": ("tokenloom.sim",), "trace": ("tokenloom.trace",)},

@@ -13,6 +13,7 @@ import sys
 COMMAND_MODULES = [
     "tokenloom.entrypoints.cmd_generate",  # generate, make-model
     "tokenloom.entrypoints.cmd_serve",  # serve
+    "tokenloom.entrypoints.cmd_router",  # router
     "tokenloom.bench.cli",  # bench {throughput,serve,latency,roofline,sweep}
     "tokenloom.trace.cli",  # trace
     "tokenloom.sim.cli",  # estimate, simulate

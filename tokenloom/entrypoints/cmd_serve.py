@@ -20,9 +20,6 @@ from tokenloom.entrypoints.openai.limits import add_limit_args
 
 
 def _serve(args: argparse.Namespace) -> int:
-    # Imported here so `tokenloom --help` and other subcommands don't pay for FastAPI/uvicorn.
-    from tokenloom.entrypoints.openai.api_server import build_server
-
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             print(f"error: model given twice ({args.model_tag!r} and --model {args.model!r})", file=sys.stderr)
@@ -35,6 +32,17 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"error: no MODEL given and the bundled model is missing ({BUNDLED_MODEL_DIR}); "
                   "pass a model directory, e.g. one made by `tokenloom make-model`", file=sys.stderr)
             return 1
+    dp = getattr(args, "data_parallel_size", 1)
+    if dp < 1:
+        print(f"error: --data-parallel-size must be at least 1, got {dp}", file=sys.stderr)
+        return 2
+    if dp > 1:  # N replicas of this very command behind a router
+        from tokenloom.entrypoints.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(args, _replica_reference_parser())
+    # Imported here so `tokenloom --help` and other subcommands don't pay for FastAPI/uvicorn.
+    from tokenloom.entrypoints.openai.api_server import build_server
+
     # Loading a model takes a while; a SIGTERM meanwhile is a request to stop, not a crash.
     # (Once uvicorn runs it installs its own handlers, and restores this one when done.)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -59,6 +67,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def _replica_reference_parser() -> argparse.ArgumentParser:
+    """The serve flags with their defaults: what a data-parallel replica inherits is what differs."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_server_args(p)
+    EngineArgs.add_cli_args(p)
+    return p
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -88,5 +104,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="HF model directory or hub id (default: the bundled model)")
     add_server_args(p)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="run N engine replicas (processes, each with its own KV cache and share of the CPU "
+                        "threads or its own GPU) behind a prefix-cache-aware router on --host/--port")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_serve)

@@ -1,0 +1,205 @@
+"""`tokenloom serve --data-parallel-size N`: N engine replicas behind one router.
+
+    front process (the user's host:port)          replica processes (127.0.0.1, free ports)
+    ┌───────────────────────────────┐        ┌─> tokenloom serve ... --port p0   (own KV pool)
+    │ router: cache-aware policy,   │ ───────┼─> tokenloom serve ... --port p1   (own KV pool)
+    │ /health, /metrics (engine=i)  │        └─> ...
+    └───────────────────────────────┘
+
+Each replica is a plain `tokenloom serve` with the user's engine and server flags, so it
+loads its own copy of the weights, owns its KV cache and runs its own scheduler.  Compute is
+split, not shared: on CPU each replica gets `cores // N` threads (unless --num-threads was
+given); on CUDA each gets its own device(s) when there are enough, else they share.
+
+The front process waits until every replica is healthy, then serves the router on the
+user's address.  `/metrics` carries every replica's series labelled `engine="<i>"` plus the
+router's own.  On SIGINT/SIGTERM the router stops first (in-flight requests finish through
+the still-running replicas), then the replicas are stopped; a replica also gets SIGTERM
+from the kernel if the front process dies without cleaning up (Linux), so none outlives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from tokenloom.router.policy import DEFAULT_BALANCE_THRESHOLD
+from tokenloom.router.server import build_router_server
+
+logger = logging.getLogger("tokenloom.router")
+
+# Flags each replica must not inherit from the front: where it listens, how many replicas
+# there are, and a rendezvous port that N tensor-parallel groups cannot share.
+_NOT_FORWARDED = frozenset({"help", "model", "model_tag", "host", "port", "data_parallel_size",
+                            "distributed_init_port", "num_threads", "disable_access_log"})
+
+
+def spell_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, skip=_NOT_FORWARDED) -> list[str]:
+    """The flags of `parser` whose value in `args` differs from its default, spelled back as a
+    command line (so a replica runs with what the user asked of the front)."""
+    flags: list[str] = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in skip or not hasattr(args, action.dest):
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        opt = next(o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-"))
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flags.append(opt if value else "--no-" + opt[2:])
+        elif action.nargs == 0:  # store_true / store_false
+            flags.append(opt)
+        elif isinstance(value, (list, tuple)):
+            flags += [opt, *map(str, value)]
+        else:
+            flags += [opt, str(value)]
+    return flags
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the front process dies (Linux prctl)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Replica:
+    index: int
+    port: int
+    proc: subprocess.Popen
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def placement(args: argparse.Namespace, n: int) -> tuple[list[dict[str, str]], int | None]:
+    """Per-replica environment additions and the thread count each replica gets (None: leave
+    as given).  CPU: cores // n threads each.  CUDA: disjoint devices when there are enough."""
+    device = str(getattr(args, "device", "auto") or "auto")
+    envs: list[dict[str, str]] = [{} for _ in range(n)]
+    threads = args.num_threads
+    on_cuda = False
+    if device != "cpu":
+        import torch  # only to count devices
+
+        on_cuda = device.startswith("cuda") or torch.cuda.is_available()
+    if on_cuda:
+        per = max(1, getattr(args, "tensor_parallel_size", 1) or 1)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else \
+            [str(i) for i in range(torch.cuda.device_count())]
+        if device in ("auto", "cuda") and len(ids) >= n * per:
+            for i in range(n):
+                envs[i]["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i * per:(i + 1) * per])
+        else:
+            logger.warning("%d replicas share %s (%d visible devices)", n, device, len(ids))
+    elif threads is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores // n)
+    return envs, threads
+
+
+def start_replicas(args: argparse.Namespace, flags: list[str]) -> list[Replica]:
+    n = args.data_parallel_size
+    envs, threads = placement(args, n)
+    replicas = []
+    for i in range(n):
+        port = _free_port()
+        cmd = [sys.executable, "-m", "tokenloom.entrypoints.cli", "serve",
+               *([args.model] if args.model else []), "--host", "127.0.0.1", "--port", str(port),
+               "--disable-access-log",  # the router logs each request once
+               *(["--num-threads", str(threads)] if threads else []), *flags]
+        env = {**os.environ, **envs[i], "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        replicas.append(Replica(i, port, proc))
+    return replicas
+
+
+def wait_healthy(replicas: list[Replica], timeout: float) -> None:
+    """Until every replica's /health is 200; RuntimeError if one exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    waiting = list(replicas)
+    while waiting:
+        for r in list(waiting):
+            if r.proc.poll() is not None:
+                raise RuntimeError(f"replica {r.index} exited with status {r.proc.returncode} while starting")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(r.url + "/health", timeout=2.0).status_code == 200:
+                    waiting.remove(r)
+        if waiting and time.monotonic() > deadline:
+            raise RuntimeError(f"replicas {[r.index for r in waiting]} not healthy after {timeout:.0f}s")
+        if waiting:
+            time.sleep(0.25)
+
+
+def stop_replicas(replicas: list[Replica], grace: float) -> None:
+    """SIGINT all (each finishes or aborts its in-flight requests), then SIGKILL stragglers."""
+    for r in replicas:
+        if r.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                r.proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + grace + 5.0
+    for r in replicas:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        if r.proc.poll() is None:
+            r.proc.kill()
+            r.proc.wait()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def serve_data_parallel(args: argparse.Namespace, reference: argparse.ArgumentParser,
+                        start_timeout: float = 1800.0) -> int:
+    """Run the front process: start the replicas, route over them until SIGINT/SIGTERM, stop them.
+    `reference` is a parser with the serve flags and their defaults (what replicas inherit)."""
+    flags = spell_flags(reference, args)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM while replicas load: stop them
+    replicas: list[Replica] = []
+    try:
+        replicas = start_replicas(args, flags)
+        wait_healthy(replicas, start_timeout)
+        print(f"{len(replicas)} replicas healthy: " + ", ".join(r.url for r in replicas), file=sys.stderr, flush=True)
+        routing = argparse.Namespace(policy="cache-aware", balance_threshold=DEFAULT_BALANCE_THRESHOLD,
+                                     health_interval=2.0, host=args.host, port=args.port, log_level=args.log_level,
+                                     disable_access_log=args.disable_access_log)
+        server, _ = build_router_server([r.url for r in replicas], routing, engine_metrics=True,
+                                        grace=max(0.0, args.shutdown_timeout) + 5.0)
+        signal.signal(signal.SIGTERM, previous)  # uvicorn handles signals from here on
+        server.run()
+        return 0 if server.started else 1
+    except KeyboardInterrupt:
+        print("interrupted; stopping the replicas", file=sys.stderr)
+        return 0
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, _interrupt)  # a second SIGTERM must not orphan the replicas mid-stop
+        try:
+            stop_replicas(replicas, max(0.0, args.shutdown_timeout))
+        except KeyboardInterrupt:
+            for r in replicas:
+                with contextlib.suppress(ProcessLookupError):
+                    r.proc.kill()
+        signal.signal(signal.SIGTERM, previous)
