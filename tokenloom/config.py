@@ -58,6 +58,8 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto|cpu|triton|sdpa (model/attention.py)
     ops_backend: str = "auto"  # auto|torch|cpu|triton: norms, rotary, SwiGLU (model/ops.py)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    tensor_parallel_size: int = 1  # ranks that each hold 1/N of every layer (model/parallel.py)
+    distributed_init_port: int | None = None  # the group's rendezvous port (default: a free one)
     num_threads: int | None = None
     chat_template: str | None = None
     revision: str | None = None
@@ -89,6 +91,10 @@ class EngineArgs:
         g.add_argument("--ops-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                        help="norms, rotary and SwiGLU: auto = follow the attention backend (triton), our C++ ops on "
                             "CPU; torch = PyTorch's ops (the reference)")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="split every layer over N processes (torch.distributed: gloo on CPU, NCCL on GPUs)")
+        g.add_argument("--distributed-init-port", type=int, default=None,
+                       help="rendezvous port of the tensor-parallel group (default: a free one)")
         g.add_argument("--enforce-eager", action="store_true",
                        help="run decode steps eagerly (no CUDA graphs)")
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")

@@ -222,6 +222,8 @@ class AsyncLLMEngine:
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("engine thread still busy after %.0fs; leaving it to die with the process", timeout)
+        else:
+            self.engine.shutdown()
 
     # ---- requests (event-loop thread) -----------------------------------
     def validate(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:

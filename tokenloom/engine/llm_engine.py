@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import os
 import time
+import weakref
 from typing import Callable, Iterable
 
 import torch
@@ -47,6 +48,8 @@ from tokenloom.model.registry import resolve_architecture
 from tokenloom.outputs import RequestMetrics, RequestOutput
 from tokenloom.request import Request
 from tokenloom.runner.model_runner import ModelRunner, RunnerOutput
+from tokenloom.runner.tp_worker import TPLauncher, launched_by_torchrun, run_worker, worker_spec
+from tokenloom.model.parallel import check_split
 from tokenloom.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenloom")
@@ -81,7 +84,31 @@ class LLMEngine:
         self.hf_config = cfg
         shape = ModelShape.from_fields(model_args_fields(cfg, resolve_architecture(cfg)))
         max_positions = resolve_max_model_len(args.max_model_len, shape.max_position_embeddings)
-        self.loaded = load_model(path, args.dtype, self.device, max_positions=max_positions)
+        self.tp_launcher = None
+        if args.tensor_parallel_size > 1:  # ranks 1..N-1 load their shards meanwhile (runner/tp_worker.py)
+            f = model_args_fields(cfg, resolve_architecture(cfg))
+            check_split(f["num_heads"], f["num_kv_heads"], f["intermediate_size"], args.tensor_parallel_size)
+            if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+                # Under torchrun every rank runs the same command; all but rank 0 become workers
+                # here and leave when rank 0 shuts the group down.
+                run_worker(int(os.environ["RANK"]), args.tensor_parallel_size, "env://",
+                           worker_spec(args, path, self.device, max_positions))
+                raise SystemExit(0)
+            self.tp_launcher = TPLauncher(args.tensor_parallel_size, worker_spec(args, path, self.device, max_positions),
+                                          args.distributed_init_port)
+            weakref.finalize(self, self.tp_launcher.shutdown)
+        tp = self.tp_launcher.group if self.tp_launcher else None
+        try:
+            self._build(args, path, cfg, shape, max_positions, tp, observers)
+        except BaseException:
+            if self.tp_launcher:
+                self.tp_launcher.abort()
+            raise
+
+    def _build(self, args: EngineArgs, path, cfg: dict, shape: ModelShape, max_positions: int, tp,
+               observers) -> None:
+        """Everything after the tensor-parallel group exists: the model, the config, the runner."""
+        self.loaded = load_model(path, args.dtype, self.device, max_positions=max_positions, tp=tp)
         device = self.device
         # Every default decided once (config.py); on CUDA the KV cache takes what the weights left free.
         self.config = EngineConfig.resolve(
@@ -106,10 +133,11 @@ class LLMEngine:
 
         self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(c.scheduler, self.kv)
-        self.runner = ModelRunner(self.loaded, c.num_kv_blocks, c.block_size, compile=c.compile,
-                                  attention_backend=c.attention_backend, enforce_eager=c.enforce_eager,
-                                  max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len,
-                                  ops_backend=c.ops_backend)
+        runner_kwargs = dict(compile=c.compile, attention_backend=c.attention_backend, enforce_eager=c.enforce_eager,
+                             max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len, ops_backend=c.ops_backend)
+        if self.tp_launcher:
+            self.tp_launcher.send_runner_spec(c.num_kv_blocks, c.block_size, **runner_kwargs)
+        self.runner = ModelRunner(self.loaded, c.num_kv_blocks, c.block_size, tp=tp, **runner_kwargs)
         self.processor = OutputProcessor(self.tokenizer, self.scheduler, self.runner.remove_request)
         self.observers: list[Callable[[StepEvent], None]] = list(observers)
         self.step_count = 0
@@ -118,6 +146,11 @@ class LLMEngine:
         self.num_failed_steps = 0
         self.device_error: str | None = None  # set when the device probe fails after a failed step
         self.faults = FaultInjector.from_env()
+
+    def shutdown(self) -> None:
+        """Release what outlives a step: the tensor-parallel workers (idempotent)."""
+        if self.tp_launcher is not None:
+            self.tp_launcher.shutdown()
 
     @property
     def faults(self) -> FaultInjector | None:

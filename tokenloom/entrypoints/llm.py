@@ -28,6 +28,11 @@ class LLM:
         self.llm_engine = LLMEngine(self.engine_args, observers)
         self._counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop what runs beside this process (tensor-parallel workers); also done when the
+        LLM is garbage-collected or the process exits."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from tokenloom.model.llama import CausalLM, ModelArgs
+from tokenloom.model.parallel import TPGroup, shard_model
 from tokenloom.model.registry import resolve_architecture
 from tokenloom.kernels import glibc_heap
 
@@ -160,7 +161,10 @@ class LoadedModel:
         return total + sum(b - a for a, b in extents.values())
 
 
-def load_model(path: Path, dtype: str, device: torch.device, max_positions: int, pack_weights: bool = True) -> LoadedModel:
+def load_model(path: Path, dtype: str, device: torch.device, max_positions: int, pack_weights: bool = True,
+               tp: TPGroup | None = None) -> LoadedModel:
+    """The checkpoint at `path` as our model on `device`; with `tp`, only this rank's shard
+    (model/parallel.py), cut before any weight packing so our kernels run on it."""
     cfg = load_config(path)
     arch = resolve_architecture(cfg)
     a = ModelArgs.from_hf_config(cfg, arch)
@@ -212,6 +216,8 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
             raise ValueError(f"checkpoint at {path} is missing weights for {pname}")
     model.eval()
     del params  # drop our references, so packing can free each unpacked weight as it goes
+    if tp is not None and tp.size > 1:
+        a = shard_model(model, a, tp)
     from tokenloom.kernels import cpu as cpu_kernels
     from tokenloom.model.packed_linear import packing_supported
 

@@ -23,9 +23,11 @@ from tokenloom.kernels import hugepages
 from tokenloom.kernels.triton import decode_num_splits
 from tokenloom.model.attention import AttentionMetadata, make_backend
 from tokenloom.model.ops import choose_ops
+from tokenloom.model.parallel import TPGroup
 from tokenloom.model.loader import LoadedModel
 from tokenloom.kernels import glibc_heap
 from tokenloom.runner.cuda_graphs import DecodeGraphs, capture_sizes
+from tokenloom.runner.tp_comm import recv_step, send_step
 from tokenloom.runner.sampler import SamplingRow, sample
 
 
@@ -44,6 +46,27 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
     a = loaded.args
     elem = torch.tensor([], dtype=loaded.dtype).element_size()
     return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * elem
+
+
+def _to(x, device: torch.device):
+    """Every tensor in a nest of tuples, lists and dicts moved to `device`."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    return x
+
+
+@dataclass
+class _PromptSpan:
+    """A request's prompt rows scored this step: positions start..last-1 predict tokens start+1..last."""
+
+    request: object
+    start: int
+    last: int
+    rows: torch.Tensor  # their rows in the step's hidden states
 
 
 class RequestError(RuntimeError):
@@ -71,9 +94,10 @@ def _sample_or_blame(logits: torch.Tensor, rows: list[SamplingRow]):
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, compile: bool = False,
                  attention_backend: str = "auto", enforce_eager: bool = False, max_num_seqs: int = 256,
-                 max_model_len: int | None = None, ops_backend: str = "auto"):
+                 max_model_len: int | None = None, ops_backend: str = "auto", tp: TPGroup | None = None):
         self.loaded = loaded
         self.model = loaded.model
+        self.tp = tp  # tensor parallel: rank 0 sends every step to the other ranks (runner/tp_worker.py)
         self.device = loaded.device
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -117,6 +141,8 @@ class ModelRunner:
             return "not on a CUDA device"
         if enforce_eager:
             return "--enforce-eager"
+        if self.tp is not None:
+            return "tensor parallel"
         if compile:
             return "--compile"
         if not self.attn.graphable:
@@ -135,7 +161,8 @@ class ModelRunner:
         graphs = (f"CUDA graphs for decode batches {g.sizes[0]}..{g.sizes[-1]} ({len(g.graphs)} captured in "
                   f"{g.capture_seconds:.1f} s, {g.graph_memory_bytes / 2**20:.0f} MiB)"
                   if g is not None else f"no CUDA graphs ({self.graphs_off_reason})")
-        return f"attention backend {self.attn.name}, ops backend {self.ops.name}, {graphs}"
+        tp = f"tensor parallel over {self.tp.size} ranks, " if self.tp is not None else ""
+        return f"{tp}attention backend {self.attn.name}, ops backend {self.ops.name}, {graphs}"
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -260,13 +287,14 @@ class ModelRunner:
             sample_sched = [(s, i) for i, s in enumerate(decodes)]
         else:
             order, offsets, input_ids, positions, meta = self._prepare(out)
-            t_model = time.perf_counter()
-            hidden = self._forward(input_ids, positions, self.kv_caches, meta)
             sample_sched = [(s, off + s.num_new_tokens - 1) for s, off in zip(order, offsets) if s.sample]
-            logits = None
-            if sample_sched:
-                rows_idx = torch.tensor([i for _, i in sample_sched], device=self.device)
-                logits = self.model.compute_logits(hidden[rows_idx])
+            spans = self._prompt_spans(order, offsets)
+            rows_idx = torch.tensor([i for _, i in sample_sched], dtype=torch.long, device=self.device)
+            t_model = time.perf_counter()
+            if self.tp is not None:  # the other ranks run the same forward and logits (collectives)
+                send_step(input_ids, positions, meta, [rows_idx] + [sp.rows for sp in spans])
+            hidden = self._forward(input_ids, positions, self.kv_caches, meta)
+            logits = self.model.compute_logits(hidden[rows_idx]) if sample_sched else None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the sampler syncs anyway; this makes model_time honest
         result.model_time = time.perf_counter() - t_model
@@ -288,12 +316,13 @@ class ModelRunner:
                 if lp is not None:
                     result.logprobs[s.request_id] = lp
         if hidden is not None:  # decode-only steps have no prompt left to score
-            self._prompt_logprobs(order, offsets, hidden, result)
+            self._prompt_logprobs(spans, hidden, result)
         result.forward_time = time.perf_counter() - t0
         return result
 
-    def _prompt_logprobs(self, order, offsets, hidden, result: RunnerOutput) -> None:
-        """Logprobs of prompt tokens, from the logits of the position before each one."""
+    def _prompt_spans(self, order, offsets) -> list[_PromptSpan]:
+        """The rows whose logits score prompt tokens this step (`prompt_logprobs`)."""
+        spans = []
         for s, off in zip(order, offsets):
             req = s.request
             n_top = req.sampling_params.prompt_logprobs
@@ -301,9 +330,16 @@ class ModelRunner:
                 continue
             c, n = s.num_computed_before, s.num_new_tokens
             last = min(c + n, req.num_prompt_tokens - 1)  # position p predicts prompt token p+1
-            if last <= c:
-                continue
-            logits = self.model.compute_logits(hidden[off : off + (last - c)])
+            if last > c:
+                spans.append(_PromptSpan(req, c, last, torch.arange(off, off + (last - c), device=self.device)))
+        return spans
+
+    def _prompt_logprobs(self, spans: list[_PromptSpan], hidden, result: RunnerOutput) -> None:
+        """Logprobs of prompt tokens, from the logits of the position before each one."""
+        for sp in spans:
+            req, c, last = sp.request, sp.start, sp.last
+            n_top = req.sampling_params.prompt_logprobs
+            logits = self.model.compute_logits(hidden[sp.rows])
             lps = logits.log_softmax(dim=-1)
             targets = torch.tensor(req.prompt_token_ids[c + 1 : last + 1], device=lps.device)
             tok_lp = lps.gather(1, targets.unsqueeze(1)).squeeze(1)
@@ -313,3 +349,17 @@ class ModelRunner:
             for j in range(last - c):
                 top = list(zip(tops.indices[j].tolist(), tops.values[j].tolist())) if tops is not None else []
                 frag.append((c + 1 + j, tok_lp[j].item(), int(ranks[j]), top))
+
+    # ---- the other ranks of a tensor-parallel group -------------------
+    def serve_steps(self) -> None:
+        """Rank > 0: run each step rank 0 sends (forward, then the same logits rows, taking
+        part in every collective), until it sends the end."""
+        while (step := recv_step()) is not None:
+            dev = self.device  # tensors arrive on rank 0's device
+            input_ids, positions, fields, logit_rows = _to(step, dev)
+            meta = AttentionMetadata(backend=self.attn, **fields)
+            with torch.inference_mode():
+                hidden = self._forward(input_ids, positions, self.kv_caches, meta)
+                for rows in logit_rows:
+                    if len(rows):
+                        self.model.compute_logits(hidden[rows])

@@ -1,0 +1,158 @@
+"""The processes of a tensor-parallel group: rank 0 is the engine, ranks 1..N-1 workers.
+
+    rank 0 (the engine's process)            rank r (a worker process, spawned)
+    ----------------------------             ----------------------------------
+    join the group (torch.distributed)       join the group
+    load the model, keep shard 0             load the model, keep shard r
+    size the KV cache; send the runner spec  receive the runner spec; build the runner
+    each step: send it, run it, sample       each step: receive it, run it (collectives pair up)
+    shutdown: send the end                   leave
+
+The group is torch.distributed's default group: gloo on CPUs, NCCL on GPUs (rank r on
+cuda:r).  Spawned locally, the rendezvous is tcp://127.0.0.1 on a free port (or the one
+given); under `torchrun` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), env:// is used
+and nothing is spawned: rank 0 serves, the others call `run_worker` (`tokenloom serve`
+does this), which is how a group spans machines.  CPU threads are divided between the
+ranks on one machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokenloom.model.parallel import TPGroup
+
+# A worker waits for the next step as long as the server is idle: no timeout that matters.
+_IDLE = datetime.timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to load its shard and build its runner (picklable)."""
+
+    path: str
+    dtype: str
+    device: str  # "cpu" or "cuda" (rank r takes cuda:r)
+    max_positions: int
+    num_threads: int | None
+
+
+def worker_spec(args, path: Path, device: torch.device, max_positions: int) -> WorkerSpec:
+    """The worker spec for these engine args (an EngineArgs) and resolved model path."""
+    return WorkerSpec(path=str(path), dtype=args.dtype, device=device.type, max_positions=max_positions,
+                      num_threads=args.num_threads)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _threads(size: int, asked: int | None) -> int:
+    if asked:
+        return asked
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    return max(1, (os.cpu_count() or 1) // local)
+
+
+def _join(rank: int, size: int, device: str, init_method: str) -> TPGroup:
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=_IDLE)
+    return TPGroup(rank, size)
+
+
+def _device(device: str, rank: int) -> torch.device:
+    return torch.device(f"cuda:{rank % torch.cuda.device_count()}") if device.startswith("cuda") else torch.device("cpu")
+
+
+class TPLauncher:
+    """Rank 0's handle on the group: spawns the workers (unless torchrun did) and joins."""
+
+    def __init__(self, size: int, spec: WorkerSpec, port: int | None = None):
+        self.size = size
+        self._closed = False
+        self.procs: list[mp.Process] = []
+        if launched_by_torchrun():
+            if int(os.environ["WORLD_SIZE"]) != size:
+                raise ValueError(f"--tensor-parallel-size {size} but torchrun started {os.environ['WORLD_SIZE']} "
+                                 "processes")
+            init = "env://"
+        else:
+            init = f"tcp://127.0.0.1:{port or free_port()}"
+            ctx = mp.get_context("spawn")
+            for rank in range(1, size):
+                p = ctx.Process(target=_worker_main, args=(rank, size, init, spec), daemon=True,
+                                name=f"tokenloom-tp{rank}")
+                p.start()
+                self.procs.append(p)
+        torch.set_num_threads(_threads(size, spec.num_threads))
+        self.group = _join(0, size, spec.device, init)
+        self.spec = spec
+
+    def send_runner_spec(self, num_blocks: int, block_size: int, **runner_kwargs: Any) -> None:
+        """The KV cache size and runner settings rank 0 decided once its shard was loaded."""
+        dist.broadcast_object_list([(num_blocks, block_size, runner_kwargs)], src=0)
+
+    def abort(self) -> None:
+        """Rank 0 failed before the group could work: stop the workers without a handshake."""
+        self._closed = True
+        for p in self.procs:
+            p.kill()
+            p.join(timeout=10)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def shutdown(self) -> None:
+        """Send the end, wait for the workers, leave the group."""
+        from tokenloom.runner.tp_comm import send_stop
+
+        if self._closed or not dist.is_initialized():
+            return
+        self._closed = True
+        try:
+            send_stop()
+        finally:
+            for p in self.procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+            dist.destroy_process_group()
+
+
+def run_worker(rank: int, size: int, init_method: str, spec: WorkerSpec) -> None:
+    """A worker's whole life: join, load shard `rank`, build the runner, run steps until told to stop."""
+    from tokenloom.model.loader import load_model
+    from tokenloom.runner.model_runner import ModelRunner
+
+    torch.set_num_threads(_threads(size, spec.num_threads))
+    tp = _join(rank, size, spec.device, init_method)
+    try:
+        loaded = load_model(Path(spec.path), spec.dtype, _device(spec.device, rank), max_positions=spec.max_positions,
+                            tp=tp)
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        num_blocks, block_size, runner_kwargs = box[0]
+        runner = ModelRunner(loaded, num_blocks, block_size, tp=tp, **runner_kwargs)
+        runner.serve_steps()
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker_main(rank: int, size: int, init_method: str, spec: WorkerSpec) -> None:
+    run_worker(rank, size, init_method, spec)
