@@ -29,7 +29,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from tokenloom.model.attention import AttentionBackend, AttentionMetadata

@@ -47,6 +47,38 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def _attend_tile(q, k_cache, v_cache, table, start, hi, kvh, qpos, window, scale, m, l, acc,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 TILE: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of TILE keys from position `start` (below `hi`), read in place through the
+    block table row `table`, folded into the running max `m`, sum `l` and output `acc` of
+    the query rows `q`.  CAUSAL: row i sees keys qpos[i] - window < j <= qpos[i]."""
+    offs = start + tl.arange(0, TILE)
+    tmask = offs < hi
+    d = tl.arange(0, D_PAD)
+    kv_mask = tmask[:, None] & (d < HEAD_DIM)[None, :]
+    blk = tl.load(table + offs // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+    row = offs % BLOCK_SIZE
+    k = tl.load(k_cache + (blk * stride_kb + row * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0)
+    s = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale).to(tl.float32)  # [rows, TILE]
+    if CAUSAL:
+        seen = (offs[None, :] <= qpos[:, None]) & (offs[None, :] > qpos[:, None] - window) & tmask[None, :]
+    else:
+        seen = tmask[None, :]
+    s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    v = tl.load(v_cache + (blk * stride_vb + row * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache, v_cache, block_tables, seq_lens, out_ptr, part_out, part_lse,
     scale, window, num_splits,
@@ -79,24 +111,10 @@ def _decode_kernel(
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     for start in range(lo, hi, TILE):
-        offs = start + tl.arange(0, TILE)
-        tmask = offs < hi
-        blk = tl.load(block_tables + b * stride_bt + offs // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-        row = offs % BLOCK_SIZE
-        kv_mask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache + (blk * stride_kb + row * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
-        s = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale).to(tl.float32)  # [GROUP_PAD, TILE]
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        v = tl.load(v_cache + (blk * stride_vb + row * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        l = l * alpha + tl.sum(p, 1)
-        m = m_new
+        m, l, acc = _attend_tile(q, k_cache, v_cache, block_tables + b * stride_bt, start, hi, kvh, g, window, scale,
+                                 m, l, acc, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                 CAUSAL=False, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE,
+                                 PRECISION=PRECISION)
 
     empty = l == 0.0
     out = acc / tl.where(empty, 1.0, l)[:, None]
@@ -220,25 +238,10 @@ def _prefill_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     for start in range(lo, hi, TILE):
-        offs = start + tl.arange(0, TILE)
-        tmask = offs < hi
-        blk = tl.load(block_tables + r * stride_bt + offs // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-        row = offs % BLOCK_SIZE
-        kv_mask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache + (blk * stride_kb + row * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
-        s = (tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale).to(tl.float32)  # [BLOCK_M, TILE]
-        seen = (offs[None, :] <= qpos[:, None]) & (offs[None, :] > qpos[:, None] - window) & tmask[None, :]
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        v = tl.load(v_cache + (blk * stride_vb + row * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        l = l * alpha + tl.sum(p, 1)
-        m = m_new
+        m, l, acc = _attend_tile(q, k_cache, v_cache, block_tables + r * stride_bt, start, hi, kvh, qpos, window, scale,
+                                 m, l, acc, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                 CAUSAL=True, HEAD_DIM=HEAD_DIM, D_PAD=D_PAD, BLOCK_SIZE=BLOCK_SIZE, TILE=TILE,
+                                 PRECISION=PRECISION)
     out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
