@@ -9,7 +9,6 @@ weight matrix exactly once (decode at small batch is bound by weight bytes read)
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
