@@ -16,7 +16,7 @@ stock kernels stream them poorly at decode's shapes:
   layout its dot-product instruction reads (`pack_pairs`); also its own extension.
   Used for bf16 on those CPUs, where it streams faster than oneDNN's bf16 GEMV.
 * `cpu_fused.cpp`: the decoder layer's element-wise ops as one op and one pass each, for
-  float32 (`CausalLM.use_fused_cpu_ops`): RMSNorm (with the residual add before it, or
+  float32 and bfloat16 (the `cpu` ops backend, model/ops.py): RMSNorm (with the residual add before it, or
   not), rotary embedding (also straight from the qkv output into the KV cache), SiLU(gate)
   * up; and the greedy argmax over the vocabulary (`argmax_rows`).
 * `cpu_attention.cpp`: decode attention reading the paged KV cache in place, instead of
