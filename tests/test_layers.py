@@ -15,7 +15,8 @@ Why the order is what it is:
   shared by the engine and the simulator.
 - `model` (the forward pass) never sees `runner` or `engine`; `specs` (hardware figures,
   microbenchmarks, model arithmetic) sits on `model` so that both `bench` and `sim` read it.
-- `runner` drives the model for one step; `engine` runs steps; `entrypoints` serve it.
+- `runner` drives the model for one step; `engine` runs steps; `router` spreads requests over
+  servers (it knows HTTP, not the engine); `entrypoints` serve the engine and start routers.
 - `bench` measures the engine; `sim` predicts it and calibrates against `bench`'s tools;
   `trace` renders a run.  Nothing below imports them.
 - On top: the package root (public names, imported lazily) and the `tokenloom` command,
@@ -41,12 +42,12 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"model": ("tokenloom.model",)},
     {"specs": ("tokenloom.specs",)},
     {"runner": ("tokenloom.runner",)},
-    {"engine": ("tokenloom.engine",)},
+    {"engine": ("tokenloom.engine",), "router": ("tokenloom.router",)},
     {"router": ("tokenloom.router",)},
     {"entrypoints": ("tokenloom.entrypoints",)},
     {"bench": ("tokenloom.bench",)},
     {"sim": ("tokenloom.sim",), "trace": ("tokenloom.trace",)},
-    {"top": ("tokenloom", "tokenloom.entrypoints.cli")},
+    {"top": ("tokenloom", "tokenloom.entrypoints.cli")},  # "tokenloom": the root module alone
 ]
 
 
@@ -72,8 +73,8 @@ def _owner(name: str, modules: dict[str, Path]) -> str | None:
 
 
 def _not_imports(tree: ast.Module) -> set[int]:
-    """String constants that name no import: docstrings, and `python -m MODULE` command lines
-    (another process, not this one's import graph)."""
+    """String constants that name no import: docstrings, `python -m MODULE` command lines
+    (another process, not this one's import graph) and logger names."""
     ids = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -84,6 +85,10 @@ def _not_imports(tree: ast.Module) -> set[int]:
             for prev, cur in zip(node.elts, node.elts[1:]):
                 if isinstance(prev, ast.Constant) and prev.value == "-m":
                     ids.add(id(cur))
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")) == "getLogger":
+                ids.update(id(a) for a in node.args)
     return ids
 
 
@@ -126,12 +131,13 @@ def import_graph(root: Path = ROOT, package: str = PACKAGE) -> dict[str, dict[st
 
 # ---------------------------------------------------------------- the rules
 def unit_of(module: str, layers: list[dict[str, tuple[str, ...]]] = LAYERS) -> tuple[int, str]:
-    """(rank, unit) of a module: the unit with the longest matching prefix."""
+    """(rank, unit) of a module: the unit with the longest matching prefix (the package
+    name itself matches only the root module, so a new subpackage must be placed)."""
     best: tuple[int, int, str] | None = None
     for rank, units in enumerate(layers):
         for unit, prefixes in units.items():
             for pre in prefixes:
-                if module == pre or module.startswith(pre + "."):
+                if module == pre or ("." in pre and module.startswith(pre + ".")):
                     if best is None or len(pre) > best[0]:
                         best = (len(pre), rank, unit)
     if best is None:
@@ -257,6 +263,7 @@ def test_the_checker_catches_upward_imports_and_cycles(tmp_path):
     (pkg / "low" / "a.py").write_text("def f():\n    from toypkg.high import b  # upward, inside a function\n")
     (pkg / "high" / "b.py").write_text("from toypkg.low.a import f\nfrom . import c\n")
     (pkg / "high" / "c.py").write_text("import importlib\nimportlib.import_module('toypkg.high.b')\n")
+    (pkg / "high" / "d.py").write_text("import logging\nlog = logging.getLogger('toypkg.low.a')  # a name, no import\n")
     g = import_graph(pkg, "toypkg")
     assert g["toypkg.low.a"] == {"toypkg.high.b": 2}
     assert g["toypkg.high.c"] == {"toypkg.high.b": 2}
@@ -264,3 +271,6 @@ def test_the_checker_catches_upward_imports_and_cycles(tmp_path):
     bad = upward_imports(g, layers)
     assert bad == ["toypkg.low.a (low) line 2 imports toypkg.high.b: a higher layer (high)"]
     assert cycles(g) == [["toypkg.high.b", "toypkg.high.c", "toypkg.low.a"]]
+    assert g["toypkg.high.d"] == {}
+    with pytest.raises(LookupError):  # a new subpackage is no layer's until it is placed
+        unit_of("toypkg.other.e", layers)
