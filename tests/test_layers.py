@@ -38,7 +38,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"kernels": ("tokenloom.kernels",)},
     {"base": ("tokenloom.version", "tokenloom.config", "tokenloom.sampling_params", "tokenloom.request",
               "tokenloom.outputs", "tokenloom.bundled")},
-    {"core": ("tokenloom.core",)},
+    {"core": ("tokenloom.core",), "structured": ("tokenloom.structured",)},
     {"model": ("tokenloom.model",)},
     {"specs": ("tokenloom.specs",)},
     {"runner": ("tokenloom.runner",)},

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenloom.sampling_params import SamplingParams
 
@@ -41,6 +42,7 @@ class Request:
     max_tokens: int = 16  # resolved: never None here
     priority: int = 0
     cache_salt: str | None = None
+    grammar: Any = None  # structured output: its tokenloom.structured.GrammarState (None: unconstrained)
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -6,7 +6,9 @@ that names the offending field, so the HTTP layer can answer 400 with `param` se
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class SamplingParamError(ValueError):
@@ -15,6 +17,60 @@ class SamplingParamError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")
         self.param = param
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a formal language (vLLM's name and fields): exactly one of a
+    JSON schema (`json`, a dict or its JSON text), any JSON object (`json_object=True`), a
+    regular expression (`regex`), one of a list of strings (`choice`), or an EBNF grammar
+    (`grammar`, GBNF style with a `root` rule).  The grammar is compiled by
+    `tokenloom.structured`; here only the shape is checked.  Properties are generated in the
+    schema's own order."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):  # frozen, and comparable with an equal tuple
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    def spec(self) -> tuple[str, str]:
+        """(kind, text): what the grammar is compiled from, and the compile cache's key.
+        A JSON schema is written out again (compactly), so equal schemas share a key."""
+        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            set_.append("json_object")
+        if len(set_) != 1:
+            raise SamplingParamError("structured_outputs", "exactly one of json, json_object, regex, choice, grammar "
+                                     f"must be given, got {', '.join(set_) or 'none'}")
+        kind = set_[0]
+        if kind == "json_object":
+            return kind, ""
+        if kind == "json":
+            v: Any = self.json
+            if isinstance(v, str):
+                try:
+                    v = json.loads(v)
+                except ValueError as e:
+                    raise SamplingParamError("structured_outputs", f"json: the schema is not valid JSON ({e})") from None
+            if not isinstance(v, (dict, bool)):
+                raise SamplingParamError("structured_outputs", "json: the schema must be a JSON object")
+            return kind, json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+        if kind == "choice":
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise SamplingParamError("structured_outputs", "choice: must be a non-empty list of non-empty strings")
+            return kind, json.dumps(list(self.choice), ensure_ascii=False)
+        text = getattr(self, kind)
+        if not isinstance(text, str) or not text:
+            raise SamplingParamError("structured_outputs", f"{kind}: must be a non-empty string")
+        return kind, text
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 
 @dataclass
@@ -40,6 +96,8 @@ class SamplingParams:
     detokenize: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100..100)
     allowed_token_ids: list[int] | None = None  # vLLM: sample only among these
+    structured_outputs: StructuredOutputsParams | None = None  # grammar-constrained output (tokenloom.structured)
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older spelling of structured_outputs
 
     @property
     def constrains_logits(self) -> bool:
@@ -60,6 +118,10 @@ class SamplingParams:
             self.logit_bias = dict(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None and self.structured_outputs != self.guided_decoding:
+                raise SamplingParamError("guided_decoding", "give structured_outputs or guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         self.validate()
 
     @property
@@ -115,6 +177,10 @@ class SamplingParams:
             for t in self.allowed_token_ids:
                 if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                     bad("allowed_token_ids", f"must be non-negative integers, got {t!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.spec()  # exactly one constraint, of the right type
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named by these params must exist in the model's vocabulary."""

@@ -51,6 +51,7 @@ from tokenloom.runner.model_runner import ModelRunner, RunnerOutput
 from tokenloom.runner.tp_worker import TPLauncher, launched_by_torchrun, run_worker, worker_spec
 from tokenloom.model.parallel import check_split
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.structured import GrammarCompiler
 
 logger = logging.getLogger("tokenloom")
 
@@ -130,6 +131,7 @@ class LLMEngine:
             self.tokenizer.chat_template = tpl
         self.eos_token_ids = load_eos_token_ids(path, cfg, self.tokenizer)
         self.vocab_size = self.loaded.args.vocab_size
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)  # structured output
 
         self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(c.scheduler, self.kv)
@@ -267,6 +269,7 @@ class LLMEngine:
                 max_tokens=max_tokens,
                 priority=priority,
                 cache_salt=cache_salt,
+                grammar=self.grammars.new_state(params.structured_outputs) if params.structured_outputs else None,
             )
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                            params.stop, params.include_stop_str_in_output)

@@ -176,6 +176,11 @@ class OutputProcessor:
             lp, rank, top = res.logprobs[rid]
             sample.logprobs.append(self._logprob_dict(tok, lp, rank, top))
             sample.cumulative_logprob += lp
+        if req.grammar is not None and not req.is_finished:  # structured output: advance its grammar
+            if not req.grammar.accept(tok):
+                raise RuntimeError(f"token {tok} is outside the request's grammar")
+            if req.grammar.terminated:  # the document is complete (it took a stop token)
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, tok)
         stop_str = sample.detok.add(tok) if g.params.detokenize else None
         if stop_str is not None and not req.is_finished:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop_str)

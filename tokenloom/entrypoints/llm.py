@@ -73,6 +73,7 @@ class LLM:
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        engine.grammars.precompile(sp.structured_outputs for sp in params)  # off the step loop, in parallel
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 rid = str(next(self._counter))

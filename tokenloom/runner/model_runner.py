@@ -307,6 +307,7 @@ class ModelRunner:
                     output_token_ids=s.request.output_token_ids,
                     eos_token_ids=s.request.eos_token_ids,
                     generator=self._generator(s),
+                    grammar=s.request.grammar,
                 )
                 for s, _ in sample_sched
             ]

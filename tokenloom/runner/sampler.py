@@ -3,8 +3,8 @@
 This is the seed's "选出下一个 token（如 greedy / sampling）" for a whole batch at once.
 Per-request settings become per-row tensors, so one pass handles a batch that mixes
 greedy and sampled requests.  Expensive transforms (full-vocabulary sort for top-p,
-penalty count tables, logit bias and allow-lists) are only paid when some row in the
-step asks for them.  Logprobs are those of the model's raw distribution, before any of
+penalty count tables, logit bias and allow-lists, grammar masks) are only paid when some
+row in the step asks for them.  Logprobs are those of the model's raw distribution, before any of
 these transforms, as vLLM reports them by default.
 
 Seeded requests draw their randomness from their own `torch.Generator`, so the same
@@ -19,6 +19,7 @@ import torch
 
 from tokenloom.kernels import cpu as cpu_kernels
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.structured import GrammarState, apply_grammar_masks
 
 
 @dataclass
@@ -31,6 +32,7 @@ class SamplingRow:
     output_token_ids: list[int]
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None
+    grammar: GrammarState | None = None  # structured output: only tokens its grammar allows next
 
 
 @dataclass
@@ -161,6 +163,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     if any(r.params.constrains_logits for r in rows):
         logits = logits.clone()
         _apply_constraints(logits, rows)
+    if any(r.grammar is not None for r in rows):
+        logits = apply_grammar_masks(logits.clone(), [r.grammar for r in rows])
 
     tokens = cpu_kernels.argmax_rows(logits)  # greedy rows keep this
     sampled_rows = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -94,6 +94,14 @@ class _SamplingFields(_Request):
     priority: int = 0
     cache_salt: str | None = None
     prompt_logprobs: int | None = None
+    # structured output (serving_common.structured_outputs): OpenAI's response_format, vLLM's
+    # structured_outputs {json, regex, choice, grammar, json_object} and its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -122,7 +130,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     chat_template: str | None = None

@@ -27,9 +27,9 @@ from tokenloom.entrypoints.openai.protocol import (ChatChoice, ChatCompletionReq
                                                    ChatLogprobs, ChatMessage, ChatResponseMessage,
                                                    ChatTokenLogprob, TopLogprob)
 from tokenloom.entrypoints.openai.serving_common import (ChunkFrame, ServingContext, SSEResponse, abort_all,
-                                                         add_requests, check_request, collect_final, finite_logprob,
-                                                         make_usage, merge_streams, new_id, off_loop, sampling_params,
-                                                         sse_body, validate_prompt)
+                                                         add_requests, check_request, collect_final, compile_grammar,
+                                                         finite_logprob, make_usage, merge_streams, new_id, off_loop,
+                                                         sampling_params, sse_body, validate_prompt)
 from tokenloom.outputs import PositionLogprobs, RequestOutput
 
 
@@ -145,9 +145,6 @@ async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[_Pr
     if req.tools:
         raise bad_request("tools / function calling is not supported by this server", param="tools",
                           code="unsupported")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than text is not supported by this server",
-                          param="response_format", code="unsupported")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     top_n = (req.top_logprobs or 0) if req.logprobs else None
@@ -156,6 +153,7 @@ async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[_Pr
         raise bad_request(f"top_logprobs must be in [0, 20], got {top_n}", param="top_logprobs")
     params = sampling_params(req, max_tokens=max_tokens, logprobs=top_n, prompt_logprobs=req.prompt_logprobs)
     ids = await off_loop(_render_and_validate, ctx, req, params)
+    await compile_grammar(ctx, req, params)
     rid = new_id("chatcmpl")
     streams = add_requests(ctx, rid, [(None, ids)], params, priority=req.priority, cache_salt=req.cache_salt)
     return _Prepared(rid, req.model or ctx.model_name, req, top_n, ctx.engine.tokenizer), streams

@@ -33,7 +33,8 @@ from tokenloom.entrypoints.openai.errors import OpenAIError, bad_request, sse_er
 from tokenloom.entrypoints.openai.limits import ServerLimits, check_sampling_limits
 from tokenloom.entrypoints.openai.protocol import PromptTokensDetails, Usage, _SamplingFields
 from tokenloom.outputs import RequestOutput
-from tokenloom.sampling_params import SamplingParamError, SamplingParams
+from tokenloom.sampling_params import SamplingParamError, SamplingParams, StructuredOutputsParams
+from tokenloom.structured import GrammarError
 
 logger = logging.getLogger("tokenloom.server")
 _T = TypeVar("_T")
@@ -131,6 +132,7 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
         skip_special_tokens=req.skip_special_tokens,
         logit_bias=logit_bias,
         allowed_token_ids=req.allowed_token_ids,
+        structured_outputs=structured_outputs(req)[0],
     )
     # Unset optional knobs keep SamplingParams' own defaults.
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
@@ -143,6 +145,68 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
         raise bad_request(str(e), param=e.param) from None
     except (TypeError, ValueError) as e:
         raise bad_request(str(e)) from None
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def structured_outputs(req: _SamplingFields) -> tuple[StructuredOutputsParams | None, str]:
+    """The output constraint a request asks for, and the field it came from (the one a 400
+    names): `response_format` (OpenAI), `structured_outputs` or `guided_*` (vLLM)."""
+    found: list[tuple[StructuredOutputsParams, str]] = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            found.append((StructuredOutputsParams(json_object=True), "response_format"))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema") if isinstance(js, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+                                  param="response_format")
+            found.append((StructuredOutputsParams(json=schema), "response_format"))
+        elif kind != "text":
+            raise bad_request(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                              param="response_format")
+    if req.structured_outputs is not None:
+        so = {k: v for k, v in req.structured_outputs.items() if k in _STRUCTURED_KEYS and v is not None}
+        if not so:
+            raise bad_request(f"structured_outputs needs one of {', '.join(_STRUCTURED_KEYS)}",
+                              param="structured_outputs")
+        try:
+            found.append((StructuredOutputsParams(**so), "structured_outputs"))
+        except TypeError as e:
+            raise bad_request(f"structured_outputs: {e}", param="structured_outputs") from None
+    for name, key in _GUIDED.items():
+        v = getattr(req, name)
+        if v is not None:
+            found.append((StructuredOutputsParams(**{key: v}), name))
+    if len(found) > 1:
+        raise bad_request(f"give one output constraint, not {len(found)} ({', '.join(f for _, f in found)})",
+                          param=found[1][1])
+    if not found:
+        return None, ""
+    spec, field_name = found[0]
+    try:
+        spec.spec()
+    except SamplingParamError as e:
+        raise bad_request(f"{field_name}: {str(e).removeprefix('structured_outputs: ')}", param=field_name) from None
+    return spec, field_name
+
+
+async def compile_grammar(ctx: ServingContext, req: _SamplingFields, params: SamplingParams) -> None:
+    """Compile the request's grammar at admission, in a worker thread, so that the engine
+    thread finds it compiled (`tokenloom.structured.compiler`); a bad schema, regex or grammar
+    is a 400 naming the field it came from."""
+    if params.structured_outputs is None:
+        return
+    field_name = structured_outputs(req)[1]
+    try:
+        await off_loop(ctx.engine.engine.grammars.compile, params.structured_outputs, field_name)
+    except GrammarError as e:
+        raise bad_request(str(e), param=e.param) from None
 
 
 def validate_prompt(ctx: ServingContext, prompt: str | list[int], params: SamplingParams,

@@ -25,9 +25,9 @@ from tokenloom.entrypoints.openai.limits import check_prompt_count
 from tokenloom.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                    CompletionResponse)
 from tokenloom.entrypoints.openai.serving_common import (ChunkFrame, ServingContext, SSEResponse, abort_all,
-                                                         add_requests, check_request, collect_final, finite_logprob,
-                                                         make_usage, merge_streams, new_id, off_loop, sampling_params,
-                                                         sse_body, validate_prompt)
+                                                         add_requests, check_request, collect_final, compile_grammar,
+                                                         finite_logprob, make_usage, merge_streams, new_id, off_loop,
+                                                         sampling_params, sse_body, validate_prompt)
 from tokenloom.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
@@ -156,6 +156,7 @@ async def _prepare(ctx: ServingContext, req: CompletionRequest) -> tuple[_Prepar
     params = sampling_params(req, max_tokens=1 if score_only else req.max_tokens, logprobs=req.logprobs,
                              prompt_logprobs=prompt_lp)
     prompts, texts = await off_loop(_tokenize_all, ctx, single, params, req)
+    await compile_grammar(ctx, req, params)
     rid = new_id("cmpl")
     streams = add_requests(ctx, rid, prompts, params, priority=req.priority, cache_salt=req.cache_salt)
     return _Prepared(rid, req.model or ctx.model_name, texts, req, ctx.engine.tokenizer, score_only), streams

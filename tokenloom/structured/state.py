@@ -1,0 +1,54 @@
+"""One request's position in its grammar, and the per-step masking of a batch's logits.
+
+The sampler calls `apply_grammar_masks` on the rows of the step that carry a state: each
+state writes the tokens that may come next into one row of a bitmask (one bit per token of
+the model's vocabulary), and xgrammar's kernel sets every other logit to -inf, on whatever
+device the logits live.  The engine calls `accept` with the token it appended; a state that
+reached the end of its grammar (it accepted a stop token) is `terminated`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+
+class GrammarState:
+    """Wraps an xgrammar GrammarMatcher for one request."""
+
+    def __init__(self, compiled: Any, vocab_size: int):
+        import xgrammar as xgr
+
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]`."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False if the grammar does not allow it."""
+        return self._matcher.accept_token(token_id)
+
+    @property
+    def terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+
+def apply_grammar_masks(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> torch.Tensor:
+    """Set to -inf, in place, every logit of row i that `states[i]`'s grammar does not allow
+    next (rows whose state is None are untouched).  Returns `logits`."""
+    import xgrammar as xgr
+
+    rows = [i for i, s in enumerate(states) if s is not None]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    bitmask = xgr.allocate_token_bitmask(len(states), vocab)  # all ones: nothing masked
+    for i in rows:
+        states[i].fill_mask(bitmask, i)
+    if logits.device.type != "cpu":
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
+    return logits
