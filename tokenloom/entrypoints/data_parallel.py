@@ -67,6 +67,9 @@ def spell_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, skip=
     return flags
 
 
+_GPU_NODES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver, ROCm's (torch.cuda on both)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -97,7 +100,8 @@ def placement(args: argparse.Namespace, n: int) -> tuple[list[dict[str, str]], i
     envs: list[dict[str, str]] = [{} for _ in range(n)]
     threads = args.num_threads
     on_cuda = False
-    if device != "cpu":
+    # Without a GPU's device nodes there is no CUDA to find: spare the front a torch import.
+    if device.startswith("cuda") or (device == "auto" and any(map(os.path.exists, _GPU_NODES))):
         import torch  # only to count devices
 
         on_cuda = device.startswith("cuda") or torch.cuda.is_available()
@@ -137,17 +141,18 @@ def wait_healthy(replicas: list[Replica], timeout: float) -> None:
     """Until every replica's /health is 200; RuntimeError if one exits or time runs out."""
     deadline = time.monotonic() + timeout
     waiting = list(replicas)
-    while waiting:
-        for r in list(waiting):
-            if r.proc.poll() is not None:
-                raise RuntimeError(f"replica {r.index} exited with status {r.proc.returncode} while starting")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(r.url + "/health", timeout=2.0).status_code == 200:
-                    waiting.remove(r)
-        if waiting and time.monotonic() > deadline:
-            raise RuntimeError(f"replicas {[r.index for r in waiting]} not healthy after {timeout:.0f}s")
-        if waiting:
-            time.sleep(0.25)
+    with httpx.Client(timeout=2.0) as http:  # one client: building one per poll costs real CPU
+        while waiting:
+            for r in list(waiting):
+                if r.proc.poll() is not None:
+                    raise RuntimeError(f"replica {r.index} exited with status {r.proc.returncode} while starting")
+                with contextlib.suppress(httpx.HTTPError):
+                    if http.get(r.url + "/health").status_code == 200:
+                        waiting.remove(r)
+            if waiting and time.monotonic() > deadline:
+                raise RuntimeError(f"replicas {[r.index for r in waiting]} not healthy after {timeout:.0f}s")
+            if waiting:
+                time.sleep(0.25)
 
 
 def stop_replicas(replicas: list[Replica], grace: float) -> None:

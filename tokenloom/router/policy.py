@@ -169,9 +169,14 @@ class LeastLoaded(RoundRobin):
 
     name = "least-loaded"
 
-    def choose(self, key: PromptKey, candidates: Sequence[int], loads: Sequence[int]) -> int:
+    @staticmethod
+    def least_loaded(candidates: Sequence[int], loads: Sequence[int]) -> list[int]:
+        """The candidates with the fewest requests in flight."""
         low = min(loads[i] for i in candidates)
-        return self._take_turn([i for i in candidates if loads[i] == low])
+        return [i for i in candidates if loads[i] == low]
+
+    def choose(self, key: PromptKey, candidates: Sequence[int], loads: Sequence[int]) -> int:
+        return self._take_turn(self.least_loaded(candidates, loads))
 
 
 class CacheAware(LeastLoaded):
@@ -198,16 +203,19 @@ class CacheAware(LeastLoaded):
 
     def choose(self, key: PromptKey, candidates: Sequence[int], loads: Sequence[int]) -> int:
         hashes = block_hashes(key, block_chars=self.block_chars, block_tokens=self.block_tokens)
-        least = super().choose(key, candidates, loads)
-        pick = least
+        lowest = self.least_loaded(candidates, loads)
+        pick: int | None = None
         if hashes:
             hits = {i: self.records[i].match(hashes) for i in candidates}
             best_hit = max(hits.values())
             if best_hit > 0:
                 # Among equal matches the least loaded; among those, the lowest index.
                 best = min((i for i in candidates if hits[i] == best_hit), key=lambda i: (loads[i], i))
-                if loads[best] - loads[least] <= self.balance_threshold:
+                if loads[best] - loads[lowest[0]] <= self.balance_threshold:
                     pick = best
+        if pick is None:  # no match, or the match is too busy: least-loaded, ties in turn
+            pick = self._take_turn(lowest)
+        if hashes:
             self.records[pick].insert(hashes)
         return pick
 
