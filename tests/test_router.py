@@ -305,6 +305,30 @@ def test_router_policies_route_as_specified(fleet):
         assert wait_until(lambda: sum(metric(u, "tokenloom:num_requests_running") for u in urls) == 0, 10)
 
 
+def test_router_command_line(fleet, capsys):
+    from tokenloom.entrypoints.cli import main
+
+    assert main(["router", "--backend", "localhost:8000"]) == 2
+    assert "base URL" in capsys.readouterr().err
+    port = free_port()
+    cmd = [sys.executable, "-m", "tokenloom.entrypoints.cli", "router", "--port", str(port), "--policy", "round-robin",
+           "--disable-access-log", *[a for u in fleet.backends for a in ("--backend", u)]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        with httpx.Client(timeout=5.0) as http:
+            def up() -> bool:
+                with contextlib.suppress(httpx.HTTPError):
+                    return http.get(base + "/health").status_code == 200
+                return proc.poll() is not None
+
+            assert wait_until(up, 60, interval=0.2) and proc.poll() is None
+        assert [_complete(base, "via the command").headers[BACKEND] for _ in range(2)] == ["0", "1"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read().decode()[-2000:]
+
+
 def test_router_survives_a_backend_killed_mid_run(fleet):
     """Requests in flight on a backend that dies are retried on the other (none had started
     streaming to its client); the dead backend leaves rotation."""

@@ -29,13 +29,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
 import httpx
 
 from tokenloom.router.policy import DEFAULT_BALANCE_THRESHOLD
-from tokenloom.router.server import build_router_server
+from tokenloom.router.server import RouterServer, build_router_server
 
 logger = logging.getLogger("tokenloom.router")
 
@@ -170,6 +171,21 @@ def stop_replicas(replicas: list[Replica], grace: float) -> None:
             r.proc.wait()
 
 
+def watch_replicas(replicas: list[Replica], server: RouterServer, stop: threading.Event) -> None:
+    """Report each replica that exits while serving (the router already routes around it);
+    once none is left, stop the front so that it exits non-zero for a supervisor to restart."""
+    gone: set[int] = set()
+    while not stop.wait(1.0):
+        for r in replicas:
+            if r.index not in gone and r.proc.poll() is not None:
+                gone.add(r.index)
+                print(f"error: replica {r.index} exited with status {r.proc.returncode}", file=sys.stderr, flush=True)
+        if len(gone) == len(replicas):
+            print("error: every replica has exited; stopping", file=sys.stderr, flush=True)
+            server.should_exit = True
+            return
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -191,8 +207,15 @@ def serve_data_parallel(args: argparse.Namespace, reference: argparse.ArgumentPa
         server, _ = build_router_server([r.url for r in replicas], routing, engine_metrics=True,
                                         grace=max(0.0, args.shutdown_timeout) + 5.0)
         signal.signal(signal.SIGTERM, previous)  # uvicorn handles signals from here on
-        server.run()
-        return 0 if server.started else 1
+        stop = threading.Event()
+        watcher = threading.Thread(target=watch_replicas, args=(replicas, server, stop), daemon=True)
+        watcher.start()
+        try:
+            server.run()
+        finally:
+            stop.set()
+        all_gone = all(r.proc.poll() is not None for r in replicas)
+        return 1 if all_gone or not server.started else 0
     except KeyboardInterrupt:
         print("interrupted; stopping the replicas", file=sys.stderr)
         return 0
@@ -203,8 +226,9 @@ def serve_data_parallel(args: argparse.Namespace, reference: argparse.ArgumentPa
         signal.signal(signal.SIGTERM, _interrupt)  # a second SIGTERM must not orphan the replicas mid-stop
         try:
             stop_replicas(replicas, max(0.0, args.shutdown_timeout))
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # asked twice: no more grace
             for r in replicas:
                 with contextlib.suppress(ProcessLookupError):
                     r.proc.kill()
+                r.proc.wait()
         signal.signal(signal.SIGTERM, previous)
