@@ -42,12 +42,6 @@ class RunnerOutput:
     model_time: float = 0.0  # the model alone: forward pass + logits
 
 
-def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
-    a = loaded.args
-    elem = torch.tensor([], dtype=loaded.dtype).element_size()
-    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * elem
-
-
 def _to(x, device: torch.device):
     """Every tensor in a nest of tuples, lists and dicts moved to `device`."""
     if isinstance(x, torch.Tensor):
