@@ -113,6 +113,8 @@ class ModelRunner:
         self.model.set_ops(self.ops)
         self.sliding_window = a.sliding_window
         self.max_blocks = -(-(max_model_len or a.max_position_embeddings) // block_size)
+        # split-KV decode sizes its splits to the SMs; on CPUs (Triton's interpreter, in tests)
+        # a pretend 4, so the splits and their merge are exercised there too
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 4)
         self._forward = self.model.forward
