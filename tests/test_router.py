@@ -331,22 +331,34 @@ def test_router_command_line(fleet, capsys):
 
 def test_router_survives_a_backend_killed_mid_run(fleet):
     """Requests in flight on a backend that dies are retried on the other (none had started
-    streaming to its client); the dead backend leaves rotation."""
-    with ThreadedRouter(fleet.backends, "least-loaded", health_interval=0.3) as r:
+    streaming to its client); a stream that had started ends with an error event instead;
+    the dead backend leaves rotation."""
+    with ThreadedRouter(fleet.backends, "least-loaded", health_interval=0.3) as r, \
+            httpx.Client(timeout=60) as http, contextlib.ExitStack() as held:
+        stream_body = {"model": MODEL_NAME[0], "prompt": "a long story", "max_tokens": 900, "ignore_eos": True,
+                       "stream": True}
+        stream = held.enter_context(http.stream("POST", r.base_url + "/v1/completions", json=stream_body))
+        assert stream.headers[BACKEND] == "0"  # the first request of an idle fleet
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data:")
         n = 8
         with ThreadPoolExecutor(n) as pool:
             futures = [pool.submit(_complete, r.base_url, f"request {i} " * 8, max_tokens=400, ignore_eos=True)
                        for i in range(n)]
-            # Kill backend 0 once it is busy with its share of the requests.
-            assert wait_until(lambda: r.router.backends[0].in_flight >= 2, 30)
+            # Kill backend 0 once it is busy with its share of the requests (and the stream).
+            assert wait_until(lambda: r.router.backends[0].in_flight >= 3, 30)
             os.kill(fleet.replica_pids[0], signal.SIGKILL)
             results = [f.result() for f in futures]
         assert [res.status_code for res in results] == [200] * n
         assert all(res.json()["usage"]["completion_tokens"] == 400 for res in results)
         retried = r.metric("tokenloom:router_retries_total", 0)
-        assert retried >= 2  # at least those in flight on backend 0 when it died
+        assert retried >= 2  # at least those in flight on backend 0 when it died (the stream aside)
         assert sum(res.headers[BACKEND] == "1" for res in results) >= retried
         assert r.metric("tokenloom:router_failed_requests_total") == 0
+        events = sse_events(lines)  # the stream was committed to backend 0: cut, not retried
+        stream.close()
+        assert "[DONE]" not in events and events[-1]["error"]["code"] == "backend_failed"
+        assert r.metric("tokenloom:router_stream_errors_total", 0) == 1
         assert wait_until(lambda: r.metric("tokenloom:router_backend_healthy", 0) == 0, 10)
         assert httpx.get(r.base_url + "/health").status_code == 200
         before = r.metric("tokenloom:router_requests_total", 0)

@@ -60,6 +60,7 @@ class Router:
         self.engine_metrics = engine_metrics
         self.client: httpx.AsyncClient | None = None
         self.checker: HealthChecker | None = None
+        self._checks: set[asyncio.Task] = set()  # health checks asked out of turn (held: tasks are weak)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -104,7 +105,13 @@ class Router:
         if unreachable:
             self.checker.set_health(b, False, reason)
         else:
-            asyncio.get_running_loop().create_task(self.checker.check(b))
+            self.check_soon(b)
+
+    def check_soon(self, b: Backend) -> None:
+        """Ask `b`'s /health now rather than at the next round."""
+        task = asyncio.get_running_loop().create_task(self.checker.check(b))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
 
     @property
     def any_healthy(self) -> bool:
@@ -116,7 +123,7 @@ class Router:
         body = await request.body()
         key = None
         if body and request.method == "POST":
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, RecursionError):  # not JSON: the backend will say so
                 key = prompt_key(json.loads(body))
         query = request.scope.get("query_string", b"").decode("latin-1")
         target = request.url.path + ("?" + query if query else "")
@@ -195,7 +202,7 @@ class Router:
             err = {"error": {"message": f"the backend serving this stream failed mid-way ({type(e).__name__})",
                              "type": "service_unavailable_error", "param": None, "code": "backend_failed"}}
             yield b"\n\ndata: " + json.dumps(err).encode() + b"\n\n"
-            asyncio.get_running_loop().create_task(self.checker.check(b))
+            self.check_soon(b)
 
     async def backend_metrics(self) -> str:
         """Every reachable backend's /metrics, merged, each sample labelled engine="<index>"."""

@@ -27,8 +27,8 @@ class RouterMetrics:
         self.requests = Counter("tokenloom:router_requests", "Requests sent to each backend (retries included).",
                                 ["backend"], registry=r)
         self.retries = Counter("tokenloom:router_retries",
-                               "Requests that failed on this backend before any byte reached the client, "
-                               "and were tried on another.", ["backend"], registry=r)
+                               "Tries that failed on this backend before any byte reached the client "
+                               "(the request then goes to another backend, if one is left).", ["backend"], registry=r)
         self.failed = Counter("tokenloom:router_failed_requests",
                               "Requests no backend could serve (every healthy one was tried, or none was healthy).",
                               registry=r)
