@@ -123,6 +123,29 @@ def test_merge_expositions_labels_every_sample_and_writes_headers_once():
     assert add_label("a{} 1", "engine", "2") == 'a{engine="2"} 1'
 
 
+def test_data_parallel_replicas_inherit_the_users_flags_and_split_the_cpu():
+    from tokenloom.entrypoints.cli import build_parser
+    from tokenloom.entrypoints.cmd_serve import _replica_reference_parser
+    from tokenloom.entrypoints.data_parallel import placement, spell_flags
+
+    argv = ["serve", "some/model", "-dp", "2", "--port", "9000", "--served-model-name", "a", "b", "--device", "cpu",
+            "--max-num-seqs", "8", "--no-enable-prefix-caching", "--enforce-eager"]
+    args = build_parser().parse_args(argv)
+    assert spell_flags(_replica_reference_parser(), args) == [
+        "--served-model-name", "a", "b", "--device", "cpu", "--max-num-seqs", "8", "--no-enable-prefix-caching",
+        "--enforce-eager"]  # where to listen and how many replicas are the front's business
+    cores = len(os.sched_getaffinity(0))
+    places = placement(args, 2)
+    for p in places:
+        assert p.env == {} and p.flags[:2] == ["--num-threads", str(max(1, cores // 2))]
+        assert p.flags[2] == "--kv-cache-memory" and int(p.flags[3]) > 0
+    sized = build_parser().parse_args([*argv, "--kv-cache-memory", "1GiB", "--num-threads", "3"])
+    assert "--kv-cache-memory" not in placement(sized, 2)[0].flags
+    assert placement(sized, 2)[1].flags == ["--num-threads", "3"]
+    spelled = spell_flags(_replica_reference_parser(), sized)
+    assert spelled[spelled.index("--kv-cache-memory") + 1] == "1GiB" and "--num-threads" not in spelled
+
+
 # ---------------------------------------------------------------- live servers
 # One process tree serves every test below, in file order (starting engines is the slow part):
 # `tokenloom serve --data-parallel-size 2` -- a front process (router) and two replicas, each
