@@ -62,21 +62,22 @@ class ServerProcess:
         """Poll GET /health until 200; raise with the log tail if the process dies or time runs out."""
         deadline = time.monotonic() + timeout
         url = self.base_url + "/health"
-        while True:
-            if self.proc.poll() is not None:
-                raise ServerStartError(
-                    f"server exited with code {self.proc.returncode} before becoming healthy; "
-                    f"command: {' '.join(self.cmd)}\n--- server log ---\n{self.log_tail()}")
-            try:
-                if httpx.get(url, timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass  # not listening yet
-            if time.monotonic() > deadline:
-                self.stop()
-                raise ServerStartError(f"server not healthy after {timeout:.0f}s at {url}\n"
-                                       f"--- server log ---\n{self.log_tail()}")
-            time.sleep(interval)
+        with httpx.Client(timeout=2.0) as client:  # one client: a new one per poll costs CPU the server needs
+            while True:
+                if self.proc.poll() is not None:
+                    raise ServerStartError(
+                        f"server exited with code {self.proc.returncode} before becoming healthy; "
+                        f"command: {' '.join(self.cmd)}\n--- server log ---\n{self.log_tail()}")
+                try:
+                    if client.get(url).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass  # not listening yet
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise ServerStartError(f"server not healthy after {timeout:.0f}s at {url}\n"
+                                           f"--- server log ---\n{self.log_tail()}")
+                time.sleep(interval)
 
     def stop(self, grace: float = 15.0) -> int | None:
         """SIGINT (uvicorn's graceful shutdown), then SIGTERM, then SIGKILL."""
