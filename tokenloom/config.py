@@ -57,6 +57,7 @@ class EngineArgs:
     compile: bool = False
     attention_backend: str = "auto"  # auto|cpu|triton|sdpa (model/attention.py)
     ops_backend: str = "auto"  # auto|torch|cpu|triton: norms, rotary, SwiGLU (model/ops.py)
+    linear_backend: str = "auto"  # auto|panels|onednn|torch: the matmuls (model/loader.py)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     tensor_parallel_size: int = 1  # ranks that each hold 1/N of every layer (model/parallel.py)
     distributed_init_port: int | None = None  # the group's rendezvous port (default: a free one)
@@ -91,6 +92,9 @@ class EngineArgs:
         g.add_argument("--ops-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                        help="norms, rotary and SwiGLU: auto = follow the attention backend (triton), our C++ ops on "
                             "CPU; torch = PyTorch's ops (the reference)")
+        g.add_argument("--linear-backend", default="auto", choices=["auto", "panels", "onednn", "torch"],
+                       help="the matmuls: panels = our CPU GEMM, onednn = oneDNN's packed weights, torch = "
+                            "nn.Linear (cuBLAS on GPUs); auto = the fastest that runs here")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split every layer over N processes (torch.distributed: gloo on CPU, NCCL on GPUs)")
         g.add_argument("--distributed-init-port", type=int, default=None,

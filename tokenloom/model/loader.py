@@ -137,6 +137,7 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     device: torch.device
+    linear_backend: str = "torch"  # how the linears run: panels | onednn | torch (`load_model`)
 
     @property
     def weight_bytes(self) -> int:
@@ -160,10 +161,19 @@ class LoadedModel:
         return total + sum(b - a for a, b in extents.values())
 
 
+LINEAR_BACKENDS = ("auto", "panels", "onednn", "torch")
+
+
 def load_model(path: Path, dtype: str, device: torch.device, max_positions: int, pack_weights: bool = True,
-               tp: TPGroup | None = None) -> LoadedModel:
+               tp: TPGroup | None = None, linear_backend: str = "auto") -> LoadedModel:
     """The checkpoint at `path` as our model on `device`; with `tp`, only this rank's shard
-    (model/parallel.py), cut before any weight packing so our kernels run on it."""
+    (model/parallel.py), cut before any weight packing so our kernels run on it.
+
+    `linear_backend`, chosen once here: `panels` (our GEMM, weights in its column panels),
+    `onednn` (oneDNN's packed weights), `torch` (nn.Linear as loaded: cuBLAS on GPUs);
+    `auto` = panels where our kernel wins on this CPU, else oneDNN where it runs, else torch."""
+    if linear_backend not in LINEAR_BACKENDS:
+        raise ValueError(f"--linear-backend must be one of {', '.join(LINEAR_BACKENDS)}, got {linear_backend!r}")
     cfg = load_config(path)
     arch = resolve_architecture(cfg)
     a = ModelArgs.from_hf_config(cfg, arch)
@@ -220,13 +230,22 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
     from tokenloom.kernels import cpu as cpu_kernels
     from tokenloom.model.packed_linear import packing_supported
 
-    if pack_weights and cpu_kernels.preferred(device, tdtype):
+    linear = "torch" if not pack_weights else linear_backend
+    if linear == "auto":
+        linear = ("panels" if cpu_kernels.preferred(device, tdtype)
+                  else "onednn" if packing_supported(device, tdtype) else "torch")
+    if linear == "panels":
+        if device.type != "cpu" or tdtype not in (torch.float32, torch.bfloat16) or not cpu_kernels.load():
+            raise ValueError("--linear-backend panels needs --device cpu, float32 or bfloat16 and our CPU kernels built")
         model.prepack_panels()
-    elif pack_weights and packing_supported(device, tdtype):
+    elif linear == "onednn":
+        if not packing_supported(device, tdtype):
+            raise ValueError(f"--linear-backend onednn: oneDNN cannot run packed {tdtype} linears here")
         model.prepack()
     if device.type == "cpu":
         glibc_heap.release_free_memory()
-    return LoadedModel(model=model, args=a, hf_config=cfg, path=path, dtype=tdtype, device=device)
+    return LoadedModel(model=model, args=a, hf_config=cfg, path=path, dtype=tdtype, device=device,
+                       linear_backend=linear)
 
 
 def load_eos_token_ids(path: Path, cfg: dict, tokenizer) -> frozenset[int]:

@@ -152,13 +152,14 @@ class ModelRunner:
                             self.device, lambda b: decode_num_splits(b, hk, self.num_sms), self.sliding_window)
 
     def describe(self) -> str:
-        """One line for the start-up summary: attention backend and CUDA graphs."""
+        """One line for the start-up summary: the backends chosen and the CUDA graphs."""
         g = self.graphs
         graphs = (f"CUDA graphs for decode batches {g.sizes[0]}..{g.sizes[-1]} ({len(g.graphs)} captured in "
                   f"{g.capture_seconds:.1f} s, {g.graph_memory_bytes / 2**20:.0f} MiB)"
                   if g is not None else f"no CUDA graphs ({self.graphs_off_reason})")
         tp = f"tensor parallel over {self.tp.size} ranks, " if self.tp is not None else ""
-        return f"{tp}attention backend {self.attn.name}, ops backend {self.ops.name}, {graphs}"
+        return (f"{tp}linear backend {self.loaded.linear_backend}, attention backend {self.attn.name}, "
+                f"ops backend {self.ops.name}, {graphs}")
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -44,12 +44,13 @@ class WorkerSpec:
     device: str  # "cpu" or "cuda" (rank r takes cuda:r)
     max_positions: int
     num_threads: int | None
+    linear_backend: str = "auto"
 
 
 def worker_spec(args, path: Path, device: torch.device, max_positions: int) -> WorkerSpec:
     """The worker spec for these engine args (an EngineArgs) and resolved model path."""
     return WorkerSpec(path=str(path), dtype=args.dtype, device=device.type, max_positions=max_positions,
-                      num_threads=args.num_threads)
+                      num_threads=args.num_threads, linear_backend=args.linear_backend)
 
 
 def free_port() -> int:
@@ -144,7 +145,7 @@ def run_worker(rank: int, size: int, init_method: str, spec: WorkerSpec) -> None
     tp = _join(rank, size, spec.device, init_method)
     try:
         loaded = load_model(Path(spec.path), spec.dtype, _device(spec.device, rank), max_positions=spec.max_positions,
-                            tp=tp)
+                            tp=tp, linear_backend=spec.linear_backend)
         box = [None]
         dist.broadcast_object_list(box, src=0)
         num_blocks, block_size, runner_kwargs = box[0]
