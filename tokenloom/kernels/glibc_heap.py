@@ -5,10 +5,9 @@ x vocab floats, 19 MB at batch 32 for Qwen2.5's 151,936 tokens), the matmul outp
 sampler's probabilities.  By default glibc serves an allocation above its (self-adjusting)
 mmap threshold with a fresh mapping and unmaps it on free, and hands the top of its heap back
 to the OS once more than its trim threshold is free, so these buffers keep coming back as
-new pages that fault in one 4 KiB page at a time.  Measured on our dev VM (batch-32 decode,
-Qwen2.5-0.5B shape, `scripts/step_faults.py`): in two of three runs with glibc's defaults,
-~22,000 page faults and 37-42 ms of kernel time per step (steps of 106-108 ms against 82-85);
-1-2 faults per step with both thresholds raised, as `keep_step_buffers` does.
+new pages that fault in one 4 KiB page at a time -- tens of milliseconds of kernel time per
+step (docs/performance.md, "Why each CPU kernel is chosen"); `keep_step_buffers` raises both
+thresholds so the buffers stay mapped.
 
 Both calls are no-ops off glibc; `TOKENLOOM_GLIBC_HEAP=0` leaves glibc's defaults.
 """

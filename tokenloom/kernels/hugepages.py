@@ -8,11 +8,8 @@ Linux backs anonymous memory with transparent huge pages (THP) where a program a
 them (`madvise` mode, the usual default), so these buffers are mapped on their own, aligned
 to 2 MiB and marked MADV_HUGEPAGE before their first write.
 
-Measured on the AMD Zen 5 VM this project is developed on (scripts/bench_kernels.py runs our
-GEMM over Qwen2.5-0.5B's matrices from both page sizes): 433 -> 469 GF/s at 32 rows, 73.7 ->
-76.3 GB/s at one row (the VM's fast bandwidth state; in its slow one the page size made no
-difference at one row).  Batch-32 decode steps, alternating `bench roofline` runs with
-TOKENLOOM_HUGEPAGES=0|1: 83.7 / 87.8 / 86.2 ms -> 80.1 / 83.6 / 79.7 ms.
+It pays most where bandwidth is highest (figures: docs/performance.md, "Why each CPU kernel
+is chosen").
 
 Where THP is off, on other OSes, or with `TOKENLOOM_HUGEPAGES=0`, these are plain
 `torch.empty` / `torch.zeros`.

@@ -147,12 +147,11 @@ class CausalLM(nn.Module):
     def prepack(self) -> int:
         """CPU fast path: oneDNN-packed weights for every matmul (see packed_linear.py).
 
-        A tied lm_head never gets a second copy of the vocab matrix (545 MB in fp32, a
-        quarter of Qwen2.5-0.5B): where our kernels build, the matrix is stored once in our
-        GEMM's panels, which stream faster than oneDNN reading the unpacked matrix (AMD Zen 5,
-        Qwen2.5-0.5B's head alone: 12-14 vs 16-21 ms at 1 row, 20-22 vs 30-36 ms at 8, even at
-        32; whole decode steps, A/B in one process: batch 8 10-17% faster, batch 1 and 32
-        within 1.5%); elsewhere the head reads the embedding in place."""
+        A tied lm_head never gets a second copy of the vocab matrix (a quarter of a small
+        model's bytes): where our kernels build, the matrix is stored once in our GEMM's
+        panels, which stream faster than oneDNN reading the unpacked matrix (figures:
+        docs/performance.md, "Why each CPU kernel is chosen"); elsewhere the head reads the
+        embedding in place."""
         from tokenloom.kernels import cpu as cpu_kernels
         from tokenloom.model.packed_linear import PackedLinear, prepack_linears
 

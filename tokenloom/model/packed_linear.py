@@ -1,60 +1,16 @@
-"""CPU fast path: linear layers with weights pre-packed for oneDNN.
+"""CPU fast path: linear layers with weights packed once, at load time.
 
 Decode is matmul-bound on a CPU: every step multiplies a few activation rows by every
-weight matrix.  PyTorch's default CPU GEMM (MKL) handles these skinny products poorly
-on some processors; measured on this project's AMD EPYC test machine (fp32, 2 threads,
-[M, 896] x [896, 9728]):
-
-    rows M            1        8        32       256
-    F.linear (MKL)    6 GB/s   8 GF/s   20 GF/s  52 GF/s
-    oneDNN packed    12 GB/s  23 GF/s   62 GF/s 123 GF/s
-
-On an AVX-512 Xeon (a decode step's matrices, 1.4 GB: more than its L3 cache) MKL is
-as good at one row, and packing wins from a few rows up:
-
-    rows M            1         8         32
-    F.linear (MKL)   21 GB/s   31 GF/s  120 GF/s
-    oneDNN packed    19 GB/s   64 GF/s  173 GF/s
-
-so weights are reordered once, at load time, into oneDNN's blocked layout and every
-step calls oneDNN directly.  Only on CPU, for float32 everywhere and bfloat16 where the
-CPU has native bf16 instructions (see `packing_supported`); anything else keeps
+weight matrix.  PyTorch's default CPU GEMM (MKL) handles these skinny products poorly on
+some processors, so weights are reordered once into oneDNN's blocked layout and every
+step calls oneDNN directly (`PackedLinear`) -- on CPU, for float32 everywhere and bfloat16
+where the CPU has native bf16 instructions (see `packing_supported`).  Where our own GEMMs
+beat oneDNN at decode's row counts (AVX2-only CPUs; AVX-512 fp32; AVX512-BF16 bf16),
+`PanelLinear` holds weights in their column panels (`cpu_kernels.pack_for`).  The loader
+picks one, once (`--linear-backend`; `cpu_kernels.preferred`); anything else keeps
 `nn.Linear`, so CUDA and other devices run the plain code path unchanged.
 
-On AVX2 CPUs without AVX-512 our own kernel beats oneDNN at decode's row counts
-(kernels/cpu_gemm.cpp; same AMD machine, 24 layers of Qwen2.5-0.5B's matrices, fp32):
-
-    rows M               1          8         32         256
-    oneDNN packed    12.9 GB/s   33 GF/s    78 GF/s   124 GF/s
-    our AVX2 GEMM    17.9 GB/s   55 GF/s    96 GF/s   105 GF/s
-
-and it streams bf16 weights (widened in registers) at batch 1 where oneDNN has no
-native bf16.  On CPUs with AVX512-BF16, bf16 weights go to our k-pair kernel
-(kernels/cpu_gemm_bf16.cpp) instead, which beats oneDNN's bf16 path at decode's row counts
-and loses at prefill's (AMD EPYC Zen 5, the same 24 layers, bf16):
-
-    rows M               1          8          32         256
-    oneDNN packed    29.4 GB/s  229 GF/s   472 GF/s   660 GF/s
-    our k-pair GEMM  34.1 GB/s  249 GF/s   513 GF/s   474 GF/s
-
-On CPUs with AVX-512, fp32 weights go to our AVX-512 kernel (kernels/cpu_gemm_avx512.cpp,
-32-column panels, both 16-column halves x 12 rows per micro-tile), which beats oneDNN up to
-a few dozen rows and loses ~10% at prefill's (AMD EPYC Zen 5, the same 24 layers, fp32, one
-process; this table from 16-column panels read two at a time):
-
-    rows M               1          8          32         256
-    oneDNN packed    31.2 GB/s  108 GF/s   286 GF/s   397 GF/s
-    our AVX-512 GEMM 34.7 GB/s  159 GF/s   329 GF/s   356 GF/s
-
-The same VM in its faster bandwidth state, activations read in place from 16 rows up,
-32-column panels (one weight stream per thread; `python scripts/bench_kernels.py`):
-
-    rows M               1          8          32         256
-    oneDNN packed    75.9 GB/s  212 GF/s   394 GF/s   521 GF/s
-    our AVX-512 GEMM 82.4 GB/s  277 GF/s   496 GF/s   482 GF/s
-
-`PanelLinear` holds weights in our kernels' layouts (`cpu_kernels.pack_for`);
-`CausalLM.prepack_panels` / `prepack` pick the kernel (see `cpu_kernels.preferred`).
+The measurements behind each choice: docs/performance.md, "Why each CPU kernel is chosen".
 """
 
 from __future__ import annotations
@@ -62,10 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# Reorder hint: oneDNN picks a blocking for this many rows.  Measured on the test machine
-# (16 [9728, 896] matrices): hint 1 streams batch-1 decode fastest (11.4 GB/s) but loses
-# ~15% at 8-32 rows; hint 32 is the reverse (8.3 GB/s at one row); hint 2 gives up little
-# anywhere (10.5 GB/s at 1 row, 67 GFLOP/s at 32, 109 at 128).
+# Reorder hint: oneDNN picks a blocking for this many rows; 2 gives up little at any row count
+# (the alternatives measured: docs/performance.md, "Why each CPU kernel is chosen").
 _PACK_ROWS_HINT = 2
 
 
