@@ -94,6 +94,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=True,
                    help="exit (status 1) when the engine dies, for a supervisor to restart; with "
                         "--no-exit-on-engine-failure the server stays up answering 503")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="read the model's own tool calls for tool_choice \"auto\": hermes (Hermes, Qwen2.5 "
+                        "<tool_call> JSON) or llama3_json (Llama 3.1 JSON); without it \"auto\" is a 400")
     add_limit_args(p)
 
 

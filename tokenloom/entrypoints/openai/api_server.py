@@ -245,7 +245,7 @@ def build_server(args: argparse.Namespace) -> tuple[_Server, AsyncLLMEngine]:
     # with "Already borrowed" while another thread is encoding).
     engine.tokenizer.encode("warm-up")
     names = args.served_model_name or [engine.model_name]
-    ctx = ServingContext(engine, names, limits)
+    ctx = ServingContext(engine, names, limits, tool_call_parser=getattr(args, "tool_call_parser", None))
     app = build_app(ctx, api_key=args.api_key)
     grace = max(0.0, args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

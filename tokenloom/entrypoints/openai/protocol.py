@@ -129,7 +129,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: Any = None  # tool_calls.plan_tools: "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     chat_template: str | None = None
@@ -227,6 +228,7 @@ class ChatLogprobs(_Response):
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's shape (tool_calls.ToolCall.to_openai)
 
 
 class ChatChoice(_Response):

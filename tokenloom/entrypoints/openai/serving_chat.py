@@ -29,7 +29,10 @@ from tokenloom.entrypoints.openai.protocol import (ChatChoice, ChatCompletionReq
 from tokenloom.entrypoints.openai.serving_common import (ChunkFrame, ServingContext, SSEResponse, abort_all,
                                                          add_requests, check_request, collect_final, compile_grammar,
                                                          finite_logprob, make_usage, merge_streams, new_id, off_loop,
-                                                         sampling_params, sse_body, validate_prompt)
+                                                         sampling_params, sse_body, structured_outputs,
+                                                         validate_prompt)
+from tokenloom.entrypoints.openai.tool_calls import ToolPlan, constrained_calls, get_parser, plan_tools
+from tokenloom.structured import GrammarError
 from tokenloom.outputs import PositionLogprobs, RequestOutput
 
 
@@ -72,9 +75,11 @@ def check_chat_template_request(ctx: ServingContext, chat_template: str | None,
 
 
 def render_messages(ctx: ServingContext, messages: Sequence[ChatMessage], *, chat_template: str | None,
-                    add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Messages -> prompt token ids; every failure is a 400.  Blocking (a template render and
-    a tokenizer): call it through `off_loop`."""
+    a tokenizer): call it through `off_loop`.  `tools` go to the template as transformers'
+    `apply_chat_template(tools=...)` gives them."""
     check_chat_template_request(ctx, chat_template, template_kwargs)
     msgs = [_message_dict(m, i) for i, m in enumerate(messages)]
     tok = ctx.engine.tokenizer
@@ -83,11 +88,11 @@ def render_messages(ctx: ServingContext, messages: Sequence[ChatMessage], *, cha
                           "start the server with --chat-template FILE, or use /v1/completions",
                           param="messages", code="missing_chat_template")
     try:
-        if not template_kwargs:
+        if not template_kwargs and not tools:
             return render_chat(tok, msgs, chat_template, add_generation_prompt)
         # Extra template variables (vLLM's chat_template_kwargs, e.g. enable_thinking).
         ids = tok.apply_chat_template(msgs, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                                      tokenize=True, **template_kwargs)
+                                      tokenize=True, tools=tools, **(template_kwargs or {}))
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
     except Exception as e:  # jinja errors (raise_exception in templates), bad kwargs, ...
         raise bad_request(f"the chat template could not render these messages: {type(e).__name__}: {e}",
@@ -131,20 +136,25 @@ class _Prepared:
     req: ChatCompletionRequest
     top_n: int | None  # None: no logprobs
     tokenizer: Any
+    tools: ToolPlan
+    parser_name: str | None = None
 
 
-def _render_and_validate(ctx: ServingContext, req: ChatCompletionRequest, params: Any) -> list[int]:
+def _render_and_validate(ctx: ServingContext, req: ChatCompletionRequest, params: Any,
+                         tools: list[dict[str, Any]] | None) -> list[int]:
     ids = render_messages(ctx, req.messages, chat_template=req.chat_template,
-                          add_generation_prompt=req.add_generation_prompt, template_kwargs=req.chat_template_kwargs)
+                          add_generation_prompt=req.add_generation_prompt, template_kwargs=req.chat_template_kwargs,
+                          tools=tools)
     return validate_prompt(ctx, ids, params, param="messages")[1]
 
 
 async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[_Prepared, list[RequestStream]]:
     check_request(ctx, req)
     check_chat_template_request(ctx, req.chat_template, req.chat_template_kwargs)
-    if req.tools:
-        raise bad_request("tools / function calling is not supported by this server", param="tools",
-                          code="unsupported")
+    plan = plan_tools(req.tools, req.tool_choice, ctx.tool_call_parser, req.parallel_tool_calls)
+    if plan.constraint is not None and structured_outputs(req)[0] is not None:
+        raise bad_request("tool_choice \"required\" or a named function constrains the output already; "
+                          f"drop {structured_outputs(req)[1]}", param="tool_choice")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     top_n = (req.top_logprobs or 0) if req.logprobs else None
@@ -152,11 +162,36 @@ async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[_Pr
     if top_n is not None and not 0 <= top_n <= 20:
         raise bad_request(f"top_logprobs must be in [0, 20], got {top_n}", param="top_logprobs")
     params = sampling_params(req, max_tokens=max_tokens, logprobs=top_n, prompt_logprobs=req.prompt_logprobs)
-    ids = await off_loop(_render_and_validate, ctx, req, params)
-    await compile_grammar(ctx, req, params)
+    if plan.constraint is not None:
+        params.structured_outputs = plan.constraint
+    ids = await off_loop(_render_and_validate, ctx, req, params, plan.template_tools)
+    if plan.constraint is not None:
+        try:  # a function's parameters that are not a usable JSON schema: the tools' fault
+            await off_loop(ctx.engine.engine.grammars.compile, plan.constraint, "tools")
+        except GrammarError as e:
+            raise bad_request(str(e), param="tools") from None
+    else:
+        await compile_grammar(ctx, req, params)
     rid = new_id("chatcmpl")
     streams = add_requests(ctx, rid, [(None, ids)], params, priority=req.priority, cache_salt=req.cache_salt)
-    return _Prepared(rid, req.model or ctx.model_name, req, top_n, ctx.engine.tokenizer), streams
+    return _Prepared(rid, req.model or ctx.model_name, req, top_n, ctx.engine.tokenizer, plan,
+                     ctx.tool_call_parser), streams
+
+
+def _answer(p: _Prepared, text: str, finish_reason: str | None) -> tuple[str | None, list[dict] | None, str | None]:
+    """A finished choice's (content, tool_calls, finish_reason): tool calls read from the
+    constrained document or, for tool_choice "auto", from the model's own format."""
+    plan = p.tools
+    if plan.constraint is not None:
+        calls = constrained_calls(plan, text) if finish_reason == "stop" else None
+        if calls is None:  # cut by max_tokens: the partial document is all there is
+            return text, None, finish_reason
+        return None, [c.to_openai() for c in calls], "tool_calls"
+    if plan.mode == "auto" and p.parser_name and finish_reason in ("stop", "length"):
+        content, calls = get_parser(p.parser_name).parse(text, plan.names)
+        if calls:
+            return content, [c.to_openai() for c in calls], "tool_calls"
+    return text, None, finish_reason
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
@@ -172,8 +207,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         logprobs = None
         if p.top_n is not None:
             logprobs = chat_logprobs(c.token_ids, c.logprobs or [], p.top_n, _texts(p, out), last=True)
-        choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
-                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        content, tool_calls, reason = _answer(p, c.text, c.finish_reason)
+        choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=tool_calls),
+                                  logprobs=logprobs, finish_reason=reason, stop_reason=c.stop_reason))
     resp = ChatCompletionResponse(id=p.request_id, model=p.model, choices=choices, usage=make_usage(finals))
     return Response(resp.model_dump_json(), media_type="application/json")
 
@@ -186,6 +222,11 @@ async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream
     done: set[int] = set()
     latest: list[RequestOutput] = []
     walkers: dict[int, TokenTexts] = {}
+    # Tool calls: a constrained answer streams nothing until it is complete (then one delta
+    # carries the calls); with tool_choice "auto" the text that may begin a call is held back.
+    plan = p.tools
+    parser = get_parser(p.parser_name) if plan.mode == "auto" and p.parser_name else None
+    hold_all = plan.constraint is not None
     # The role comes first, before any token exists: clients show "assistant is typing".
     for j in range(req.n):
         text_sent[j] = tokens_sent[j] = 0
@@ -201,17 +242,34 @@ async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream
             finished = c.finish_reason is not None
             if not new_ids and not finished:
                 continue
-            delta_text = c.text[text_sent[j]:]
+            visible = len(c.text)
+            if not finished and hold_all:
+                visible = text_sent[j]
+            elif not finished and parser is not None:
+                visible = max(text_sent[j], parser.safe_prefix(c.text))
+            delta: dict[str, Any] = {}
+            reason = c.finish_reason if finished else None
+            if finished and (hold_all or parser is not None):
+                content, tool_calls, reason = _answer(p, c.text, c.finish_reason)
+                if tool_calls is not None:
+                    # the content before the calls, less what was streamed; then the calls
+                    visible = text_sent[j] + len((content or "")[text_sent[j]:])
+                    delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(tool_calls)]
+            delta_text = c.text[text_sent[j]:visible]
             logprobs = None
             if p.top_n is not None:
                 new_lp = (c.logprobs or [])[tokens_sent[j]:tokens_sent[j] + len(new_ids)]
                 texts = walkers.setdefault(j, _texts(p, out))
                 logprobs = chat_logprobs(new_ids, new_lp, p.top_n, texts, last=finished).model_dump(mode="json")
-            text_sent[j], tokens_sent[j] = max(text_sent[j], len(c.text)), len(c.token_ids)
+            text_sent[j], tokens_sent[j] = max(text_sent[j], visible), len(c.token_ids)
             if finished:
                 done.add(j)
-            yield frame.chunk({"index": j, "delta": {"content": delta_text} if delta_text or not finished else {},
-                               "logprobs": logprobs, "finish_reason": c.finish_reason if finished else None,
+            if delta_text or not (finished or delta):
+                delta = {"content": delta_text, **delta}
+            elif "tool_calls" in delta:
+                delta = {"content": None, **delta}
+            yield frame.chunk({"index": j, "delta": delta,
+                               "logprobs": logprobs, "finish_reason": reason,
                                "stop_reason": c.stop_reason if finished else None}, latest)
     if (usage := frame.usage_chunk(latest)) is not None:
         yield usage

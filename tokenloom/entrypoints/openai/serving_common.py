@@ -47,6 +47,7 @@ class ServingContext:
     served_model_names: list[str]
     limits: ServerLimits = field(default_factory=ServerLimits)
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_call_parser: str | None = None  # --tool-call-parser: reads tool_choice "auto" answers
 
     @property
     def model_name(self) -> str:

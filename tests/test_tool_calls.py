@@ -1,0 +1,208 @@
+"""Tool calling: `tools` with tool_choice none / auto / required / a named function.
+
+`required` and a named function are constrained by the functions' parameter schemas, so even a
+tiny random model sampling at temperature 1 answers with calls whose arguments validate.
+`auto` reads the model's own format (`--tool-call-parser hermes`): the parsers are checked on
+canned strings, and end to end on an answer forced to be a Hermes call by a one-choice
+constraint.  The server's chat template prints the tools, so the prompt's length shows
+whether the template received them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("xgrammar")
+
+from server_fixtures import ThreadedServer  # noqa: E402
+
+from tokenloom.bench.launcher import free_port  # noqa: E402
+from tokenloom.entrypoints.openai.tool_calls import HermesParser, Llama3JsonParser  # noqa: E402
+
+jsonschema = pytest.importorskip("jsonschema")
+
+NAME = "tiny"
+WEATHER = {"type": "object",
+           "properties": {"city": {"type": "string", "maxLength": 8},
+                          "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+ADD = {"type": "object",
+       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                      "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+       "required": ["a", "b"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "parameters": ADD}}]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+# A template that prints the tools it is given (as a tool-trained model's template does).
+TEMPLATE = ("{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}"
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    template = tmp_path_factory.mktemp("tools") / "template.jinja"
+    template.write_text(TEMPLATE)
+    s = ThreadedServer([str(tiny_llama), "--port", str(free_port()), "--max-model-len", "1024",
+                        "--num-kv-blocks", "256", "--max-num-seqs", "16", "--seed", "0",
+                        "--chat-template", str(template), "--tool-call-parser", "hermes",
+                        "--served-model-name", NAME, "--log-level", "warning", "--disable-access-log"]).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _check_call(call) -> None:
+    assert call.id.startswith("call_") and call.type == "function"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_named_function_arguments_validate(client):
+    r = client.chat.completions.create(model=NAME, messages=CHAT, tools=TOOLS, temperature=1.0, seed=1, n=4,
+                                       max_tokens=100,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    for ch in r.choices:
+        assert ch.finish_reason == "tool_calls"
+        assert ch.message.content is None
+        assert len(ch.message.tool_calls) == 1 and ch.message.tool_calls[0].function.name == "get_weather"
+        _check_call(ch.message.tool_calls[0])
+
+
+def test_required_chooses_functions_with_valid_arguments(client):
+    names = set()
+    for seed in range(4):
+        r = client.chat.completions.create(model=NAME, messages=CHAT, tools=TOOLS, temperature=1.0, seed=seed,
+                                           max_tokens=200, tool_choice="required", parallel_tool_calls=False)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls", ch.message
+        assert ch.message.content is None and len(ch.message.tool_calls) == 1
+        _check_call(ch.message.tool_calls[0])
+        names.add(ch.message.tool_calls[0].function.name)
+    assert names <= set(SCHEMAS)
+
+
+def test_required_streamed_as_tool_call_deltas(client):
+    for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+        stream = client.chat.completions.create(model=NAME, messages=CHAT, tools=TOOLS, temperature=1.0, seed=5,
+                                                max_tokens=200, tool_choice=choice, parallel_tool_calls=False,
+                                                stream=True)
+        content, calls, reasons = "", [], []
+        for chunk in stream:
+            for ch in chunk.choices:
+                content += ch.delta.content or ""
+                calls += ch.delta.tool_calls or []
+                reasons.append(ch.finish_reason)
+        assert reasons[-1] == "tool_calls" and content == ""
+        assert len(calls) == 1 and calls[0].index == 0
+        _check_call(calls[0])
+        if isinstance(choice, dict):
+            assert calls[0].function.name == "add"
+
+
+def test_template_receives_tools_and_none_leaves_them_out(client):
+    def prompt_tokens(**kw) -> int:
+        return client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=1, **kw).usage.prompt_tokens
+
+    plain = prompt_tokens()
+    assert prompt_tokens(tools=TOOLS, tool_choice="none") == plain
+    assert prompt_tokens(tools=TOOLS, tool_choice="auto") > plain
+    r = client.chat.completions.create(model=NAME, messages=CHAT, tools=TOOLS, tool_choice="none", max_tokens=5,
+                                       temperature=1.0, seed=3)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+
+
+FORCED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+
+
+def test_auto_parses_hermes_calls_end_to_end(client):
+    # The answer is forced (a one-choice constraint) to be what a Hermes-style model writes.
+    r = client.chat.completions.create(model=NAME, messages=CHAT, tools=TOOLS, tool_choice="auto", max_tokens=100,
+                                       extra_body={"structured_outputs": {"choice": ["Sure. " + FORCED]}})
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content == "Sure. "
+    assert [c.function.name for c in ch.message.tool_calls] == ["get_weather"]
+    assert json.loads(ch.message.tool_calls[0].function.arguments) == {"city": "Paris", "unit": "c"}
+    stream = client.chat.completions.create(model=NAME, messages=CHAT, tools=TOOLS, max_tokens=100, stream=True,
+                                            extra_body={"structured_outputs": {"choice": ["Sure. " + FORCED]}})
+    content, calls, reasons = "", [], []
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            reasons.append(c.finish_reason)
+    assert content == "Sure. " and reasons[-1] == "tool_calls"
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "unit": "c"}
+    # Plain text with tools offered stays text.
+    r = client.chat.completions.create(model=NAME, messages=CHAT, tools=TOOLS, max_tokens=20,
+                                       extra_body={"structured_outputs": {"choice": ["It is sunny."]}})
+    assert r.choices[0].message.content == "It is sunny." and r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_hermes_parser_on_strings():
+    p = HermesParser()
+    content, calls = p.parse('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+                             '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+                             ["add", "get_weather"])
+    assert content is None and [c.name for c in calls] == ["add", "get_weather"]
+    assert json.loads(calls[0].arguments) == {"a": 1, "b": 2}
+    assert p.parse("no call here", ["add"]) == ("no call here", [])
+    assert p.parse("<tool_call>{not json}</tool_call>", ["add"])[1] == []
+    assert p.parse('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', ["add"])[1] == []
+    assert p.safe_prefix("Hello <tool_") == len("Hello ")
+    assert p.safe_prefix("Hello <b>") == len("Hello <b>")
+    assert p.safe_prefix("Hi <tool_call>{") == len("Hi ")
+
+
+def test_llama3_json_parser_on_strings():
+    p = Llama3JsonParser()
+    content, calls = p.parse('{"name": "add", "parameters": {"a": 1, "b": 2}}', ["add"])
+    assert content is None and calls[0].name == "add" and json.loads(calls[0].arguments) == {"a": 1, "b": 2}
+    _, calls = p.parse('<|python_tag|>{"name": "add", "parameters": {}}; {"name": "add", "parameters": {"a": 3}}',
+                       ["add"])
+    assert [json.loads(c.arguments) for c in calls] == [{}, {"a": 3}]
+    assert p.parse("The answer is 3.", ["add"]) == ("The answer is 3.", [])
+    assert p.parse('{"x": 1}', ["add"])[1] == []
+    assert p.safe_prefix('{"na') == 0 and p.safe_prefix("Hello") == 5
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_invalid_tools_are_a_400_naming_the_field(client, kw, param):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=5, **kw)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == param, err
+    # The server carries on.
+    r = client.chat.completions.create(model=NAME, messages=CHAT, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=200, seed=0)
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_without_a_parser_is_a_400(tiny_llama):
+    from tokenloom.entrypoints.openai.errors import OpenAIError
+    from tokenloom.entrypoints.openai.tool_calls import plan_tools
+
+    with pytest.raises(OpenAIError) as e:
+        plan_tools(TOOLS, "auto", None)
+    assert e.value.param == "tool_choice" and "--tool-call-parser" in str(e.value)
+    assert plan_tools(TOOLS, "none", None).template_tools is None
