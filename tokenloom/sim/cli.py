@@ -97,6 +97,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
     from tokenloom.bench.workloads import add_workload_args
+    from tokenloom.router.policy import POLICIES
 
     p = subparsers.add_parser(
         "simulate",
@@ -121,6 +122,11 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--scheduling-policy", default=EngineArgs.scheduling_policy, choices=["fcfs", "priority"])
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="client keeps at most this many requests in flight (like `bench serve --max-concurrency`)")
+    f = p.add_argument_group("fleet (replicas behind a router, like `serve --data-parallel-size`)")
+    f.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="simulate N engine replicas, each with the KV cache and limits above (default: 1)")
+    f.add_argument("--router", default="cache-aware", choices=list(POLICIES),
+                   help="--replicas > 1: the routing policy, the router's own code (default: cache-aware)")
     c = p.add_argument_group("calibration and validation (--hardware local)")
     c.add_argument("--calibrated", action="store_true",
                    help="--hardware local with --model DIR: use the cost model fitted to this engine's real steps "
@@ -366,7 +372,14 @@ def run_simulate(args: argparse.Namespace) -> int:
             scheduling_policy=args.scheduling_policy,
         )
         first = _FirstSteps(max(0, args.show_steps))
-        sim = Simulator(cm, sim_cfg, model_max_positions=max_position_embeddings(config), observers=[first])
+        if args.replicas != 1:
+            from tokenloom.sim.fleet import FleetSimulator
+
+            sim = FleetSimulator(cm, sim_cfg, num_replicas=args.replicas, router=args.router,
+                                 model_max_positions=max_position_embeddings(config),
+                                 replica_observers=[lambda k, ev: first((k, ev))])
+        else:
+            sim = Simulator(cm, sim_cfg, model_max_positions=max_position_embeddings(config), observers=[first])
         vocab = (MIN_TOKEN_ID, max(MIN_TOKEN_ID + 1, spec.vocab_size))
         wl_spec, reqs = workload_from_args(args, vocab, sim.max_model_len)
         slos = metrics.parse_goodput(args.goodput)
@@ -380,10 +393,15 @@ def run_simulate(args: argparse.Namespace) -> int:
         f"rate {wl_spec.request_rate} req/s | max_num_seqs {sc.max_num_seqs}, max_num_batched_tokens "
         f"{sc.max_num_batched_tokens}, max_model_len {sc.max_model_len}, {sim.num_kv_blocks:,} KV blocks x "
         f"{sim_cfg.block_size} tokens | mem eff {cm.mem_efficiency:g}, compute eff {cm.compute_efficiency:g}, "
-        f"overhead {fmt_time(cm.overhead_s)}/step", markup=False)
+        f"overhead {fmt_time(cm.overhead_s)}/step"
+        + (f" | {args.replicas} replicas, router {args.router}" if args.replicas != 1 else ""), markup=False)
     res = sim.run(reqs, seed=args.seed, max_concurrency=args.max_concurrency)
     if first.events:
-        console.print("\n".join(step_lines(first.events)), markup=False, soft_wrap=True)
+        if args.replicas != 1:  # (replica, event) pairs: each line says whose step it was
+            lines = [f"r{k} " + step_lines([ev])[0] for k, ev in first.events]
+        else:
+            lines = step_lines(first.events)
+        console.print("\n".join(lines), markup=False, soft_wrap=True)
     summary = metrics.summarize(res.records, duration=res.duration_s, goodput_slos=slos, percentiles=percentiles)
     groups = metrics.summarize_by_group(res.records, duration=res.duration_s, goodput_slos=slos,
                                         percentiles=percentiles)
@@ -393,6 +411,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     steps.update(num_kv_blocks=res.num_kv_blocks, prefix_cache_hit_rate=res.prefix_cache_hit_rate,
                  simulated_s=res.duration_s, wall_s=res.wall_time_s)
     console.print(report.dict_table(steps, title="Steps (batch quality)"))
+    replicas = getattr(res, "replicas", None)
+    if replicas is not None:
+        console.print(replica_table(res))
     if args.output_json:
         doc = report.build_report(
             "simulate",
@@ -403,13 +424,33 @@ def run_simulate(args: argparse.Namespace) -> int:
                                    **({"calibration": cm.calibration.to_dict(with_samples=False)}
                                       if hasattr(cm, "calibration") else {})}},
             workload={"spec": wl_spec.to_dict(), "stats": workload_stats(reqs)},
-            results={"summary": summary, "groups": groups, "steps": steps},
+            results={"summary": summary, "groups": groups, "steps": steps,
+                     **({"router": res.router, "replicas": [r.to_dict() for r in replicas]}
+                        if replicas is not None else {})},
             # The "machine" is the simulated one; the host only ran the arithmetic.
             machine={"simulated": True, "hardware": hw.to_dict(), "model": spec.to_dict(),
                      "model_is_preset": args.model in PRESETS},
         )
         if not args.no_save_requests:
             doc["requests"] = report.to_jsonable([r.to_dict() for r in res.records])
+            if replicas is not None:
+                for d, k in zip(doc["requests"], res.replica_of):
+                    d["replica"] = k
         report.write_json(args.output_json, doc)
         console.print(f"wrote {args.output_json}", markup=False)
     return 0 if summary.completed else 1
+
+
+def replica_table(res) -> "object":
+    """A fleet run's split: requests, steps, busy time and prefix-cache hits per replica."""
+    from rich.table import Table
+
+    t = Table(title=f"Replicas (router {res.router})")
+    for col in ("replica", "requests", "steps", "busy (virtual s)", "busy share", "preemptions",
+                "prefix-cache hit rate"):
+        t.add_column(col, justify="right")
+    for r in res.replicas:
+        share = r.busy_s / res.duration_s if res.duration_s > 0 else float("nan")
+        t.add_row(str(r.index), str(r.num_requests), str(r.num_steps), f"{r.busy_s:.3f}", f"{share:.0%}",
+                  str(r.num_preemptions), f"{r.prefix_cache_hit_rate:.1%}")
+    return t
