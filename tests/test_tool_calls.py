@@ -39,7 +39,9 @@ SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 # A template that prints the tools it is given (as a tool-trained model's template does).
 TEMPLATE = ("{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}"
-            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+            "{% for tc in m.get('tool_calls') or [] %}call {{ tc.function.name }} {{ tc.function.arguments | tojson }}"
+            "{% endfor %}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
@@ -119,6 +121,22 @@ def test_template_receives_tools_and_none_leaves_them_out(client):
     r = client.chat.completions.create(model=NAME, messages=CHAT, tools=TOOLS, tool_choice="none", max_tokens=5,
                                        temperature=1.0, seed=3)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_history_with_tool_calls_and_results(client):
+    # OpenAI sends an earlier call's arguments as JSON text; the template gets the object, so
+    # `tojson` prints it once, not as an escaped string.
+    def prompt_tokens(arguments) -> int:
+        history = CHAT + [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+        r = client.chat.completions.create(model=NAME, messages=history, tools=TOOLS, tool_choice="none",
+                                           max_tokens=1)
+        return r.usage.prompt_tokens
+
+    args = {"city": "Paris", "unit": "c"}
+    assert prompt_tokens(json.dumps(args)) == prompt_tokens(args)
 
 
 FORCED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'

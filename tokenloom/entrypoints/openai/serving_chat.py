@@ -12,6 +12,7 @@ chunk with empty `choices` carries the usage.
 from __future__ import annotations
 
 import inspect
+import json
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, AsyncIterator, Sequence
@@ -49,7 +50,21 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
             texts.append(part["text"])
         content = "\n".join(texts)
     d["content"] = content if content is not None else ""
+    if isinstance(d.get("tool_calls"), list):
+        d["tool_calls"] = [_template_tool_call(tc) for tc in d["tool_calls"]]
     return d
+
+
+def _template_tool_call(tc: Any) -> Any:
+    """An earlier assistant tool call as templates expect it: OpenAI sends `arguments` as
+    JSON text, templates (Llama 3.1's, Qwen2.5's) print it with `tojson`, which wants the object."""
+    fn = tc.get("function") if isinstance(tc, dict) else None
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            return {**tc, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+        except ValueError:
+            pass
+    return tc
 
 
 @lru_cache(maxsize=8)
