@@ -23,6 +23,7 @@ admits between steps); replicas advance independently.  With one replica the loo
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import time
@@ -154,10 +155,9 @@ class FleetSimulator(Simulator):
         policy = self.make_policy()
         everyone = list(range(self.num_replicas))
 
-        def observers_for(k: int) -> list[Callable[[StepEvent], None]]:
-            return [*self.observers, *(lambda ev, fn=fn: fn(k, ev) for fn in self.replica_observers)]
-
-        rep_observers = [observers_for(k) for k in everyone]
+        # Plain observers see every replica's steps; replica observers are also told whose.
+        rep_observers = [[*self.observers, *(functools.partial(fn, k) for fn in self.replica_observers)]
+                         for k in everyone]
         records = [RequestRecord(prompt_len=r.prompt_len, arrival_time=r.arrival_time, group=r.group,
                                  expected_output_len=r.output_len) for r in requests]
         replica_of: list[int | None] = [None] * len(requests)
