@@ -167,6 +167,28 @@ def test_auto_parses_hermes_calls_end_to_end(client):
     assert r.choices[0].finish_reason == "stop"
 
 
+def test_auto_parses_llama3_json_calls_end_to_end(tiny_llama, tmp_path):
+    import openai
+
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    s = ThreadedServer([str(tiny_llama), "--port", str(free_port()), "--max-model-len", "512",
+                        "--num-kv-blocks", "64", "--max-num-seqs", "4", "--seed", "0",
+                        "--chat-template", str(template), "--tool-call-parser", "llama3_json",
+                        "--served-model-name", NAME, "--log-level", "warning", "--disable-access-log"]).start()
+    try:
+        c = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        forced = '{"name": "add", "parameters": {"a": 2, "b": 40}}'
+        r = c.chat.completions.create(model=NAME, messages=CHAT, tools=TOOLS, max_tokens=100,
+                                      extra_body={"structured_outputs": {"choice": [forced]}})
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        assert ch.message.tool_calls[0].function.name == "add"
+        assert json.loads(ch.message.tool_calls[0].function.arguments) == {"a": 2, "b": 40}
+    finally:
+        s.stop()
+
+
 def test_hermes_parser_on_strings():
     p = HermesParser()
     content, calls = p.parse('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
@@ -201,6 +223,8 @@ def test_llama3_json_parser_on_strings():
     ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "tools"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_invalid_tools_are_a_400_naming_the_field(client, kw, param):
