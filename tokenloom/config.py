@@ -295,3 +295,26 @@ class EngineConfig:
             attention_backend=args.attention_backend, ops_backend=args.ops_backend, compile=args.compile,
             enforce_eager=args.enforce_eager, num_threads=args.num_threads, chat_template=args.chat_template,
         )
+
+
+def spell_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, skip=()) -> list[str]:
+    """The flags of `parser` whose value in `args` differs from its default, spelled back as a
+    command line, so another process (a data-parallel replica, a server a benchmark launches)
+    runs with what the user asked."""
+    flags: list[str] = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in skip or not hasattr(args, action.dest):
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        opt = next(o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-"))
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flags.append(opt if value else "--no-" + opt[2:])
+        elif action.nargs == 0:  # store_true / store_false
+            flags.append(opt)
+        elif isinstance(value, (list, tuple)):
+            flags += [opt, *map(str, value)]
+        else:
+            flags += [opt, str(value)]
+    return flags

@@ -136,22 +136,7 @@ def engine_flags_from_args(args, *, skip: Sequence[str] = ("model",)) -> list[st
     back as CLI flags, so `bench serve --launch` / `bench sweep` can pass them to `serve`."""
     import argparse
 
-    from tokenloom.config import EngineArgs
+    from tokenloom.config import EngineArgs, spell_flags
 
     ref = EngineArgs.add_cli_args(argparse.ArgumentParser(add_help=False), with_model=False)
-    flags: list[str] = []
-    for action in ref._actions:
-        if not action.option_strings or action.dest in skip or not hasattr(args, action.dest):
-            continue
-        value = getattr(args, action.dest)
-        if value == action.default:
-            continue
-        opt = next(o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-"))
-        if isinstance(action, argparse.BooleanOptionalAction):
-            flags.append(opt if value else "--no-" + opt[2:])
-        elif action.nargs == 0:  # store_true
-            if value:
-                flags.append(opt)
-        else:
-            flags += [opt, str(value)]
-    return flags
+    return spell_flags(ref, args, skip)

@@ -39,6 +39,7 @@ import httpx
 
 from tokenloom.bundled import BUNDLED_MODEL_DIR
 from tokenloom.config import CUDA_KV_SHARE_OF_FREE, default_kv_cache_bytes
+from tokenloom.config import spell_flags as config_spell_flags
 from tokenloom.router.policy import DEFAULT_BALANCE_THRESHOLD
 from tokenloom.router.server import RouterServer, build_router_server
 
@@ -51,25 +52,8 @@ _NOT_FORWARDED = frozenset({"help", "model", "model_tag", "host", "port", "data_
 
 
 def spell_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, skip=_NOT_FORWARDED) -> list[str]:
-    """The flags of `parser` whose value in `args` differs from its default, spelled back as a
-    command line (so a replica runs with what the user asked of the front)."""
-    flags: list[str] = []
-    for action in parser._actions:
-        if not action.option_strings or action.dest in skip or not hasattr(args, action.dest):
-            continue
-        value = getattr(args, action.dest)
-        if value == action.default:
-            continue
-        opt = next(o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-"))
-        if isinstance(action, argparse.BooleanOptionalAction):
-            flags.append(opt if value else "--no-" + opt[2:])
-        elif action.nargs == 0:  # store_true / store_false
-            flags.append(opt)
-        elif isinstance(value, (list, tuple)):
-            flags += [opt, *map(str, value)]
-        else:
-            flags += [opt, str(value)]
-    return flags
+    """The flags a replica runs with: what the user asked of the front (`config.spell_flags`)."""
+    return config_spell_flags(parser, args, skip)
 
 
 _GPU_NODES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver, ROCm's (torch.cuda on both)
