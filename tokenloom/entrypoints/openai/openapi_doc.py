@@ -41,12 +41,18 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": _WHY[s]} for s in sorted(set(statuses))}
 
 
+SSE_EVENT = {"type": "object", "description": "one server-sent event: `data` is a JSON chunk, or `[DONE]`",
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                            "retry": {"type": "integer"}}}
+
+
 def generation_ok(model: type[BaseModel], *statuses: int) -> dict[int | str, dict[str, Any]]:
     """200 as JSON (`model`) or, with `stream: true`, as server-sent events; plus the errors."""
     ok = {"model": model,
           "description": "The whole response as JSON; with `stream: true`, server-sent events (`data: {chunk}` "
                          "lines, an error chunk if the engine fails mid-stream, then `data: [DONE]`).",
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+          # Before OpenAPI 3.2, an event stream's `schema` describes one event
+          "content": {"text/event-stream": {"schema": SSE_EVENT}}}
     return {200: ok, **error_responses(*statuses)}
 
 
