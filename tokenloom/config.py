@@ -58,6 +58,7 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto|cpu|triton|sdpa (model/attention.py)
     ops_backend: str = "auto"  # auto|torch|cpu|triton: norms, rotary, SwiGLU (model/ops.py)
     linear_backend: str = "auto"  # auto|panels|onednn|torch: the matmuls (model/loader.py)
+    quantization: str | None = None  # None|int8|int4|int4-g128: weight-only, at load (model/quantization.py)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     tensor_parallel_size: int = 1  # ranks that each hold 1/N of every layer (model/parallel.py)
     distributed_init_port: int | None = None  # the group's rendezvous port (default: a free one)
@@ -95,6 +96,9 @@ class EngineArgs:
         g.add_argument("--linear-backend", default="auto", choices=["auto", "panels", "onednn", "torch"],
                        help="the matmuls: panels = our CPU GEMM, onednn = oneDNN's packed weights, torch = "
                             "nn.Linear (cuBLAS on GPUs); auto = the fastest that runs here")
+        g.add_argument("--quantization", default=None, choices=["int8", "int4", "int4-g128"],
+                       help="weight-only quantization at load: int8 per output channel; int4 in groups of 32 "
+                            "(int4-g128: of 128) along the input; activations stay in --dtype (docs/quantization.md)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split every layer over N processes (torch.distributed: gloo on CPU, NCCL on GPUs)")
         g.add_argument("--distributed-init-port", type=int, default=None,
