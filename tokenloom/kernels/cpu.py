@@ -19,6 +19,9 @@ stock kernels stream them poorly at decode's shapes:
   float32 and bfloat16 (the `cpu` ops backend, model/ops.py): RMSNorm (with the residual add before it, or
   not), rotary embedding (also straight from the qkv output into the KV cache), SiLU(gate)
   * up; and the greedy argmax over the vocabulary (`argmax_rows`).
+* `cpu_gemm_quant.cpp`: the same GEMM for weight-only int8 / int4 weights (model/quantization.py),
+  in 32-column panels (`pack_int8`, `pack_int4`), widened to float32 as they stream; built
+  twice, with AVX-512 and with AVX2 (`quant_ops`).
 * `cpu_attention.cpp`: decode attention reading the paged KV cache in place, instead of
   gathering it into a dense copy for SDPA.  Used on any CPU where the kernels build; the
   AVX-512 extension compiles the same source again with its 512-bit loop (`attention_op`).
@@ -227,6 +230,61 @@ def bf16_enabled() -> bool:
         return False
     _register_fake_linear("tokenloom_bf16::linear")
     return True
+
+
+@functools.cache
+def quant_ops():
+    """The op namespace of our quantized GEMM for this CPU: the AVX-512 build where the CPU has
+    AVX-512 (`TOKENLOOM_CPU_QUANT=avx2` forces the AVX2 build), else the AVX2 one; None where
+    neither builds or `TOKENLOOM_CPU_QUANT=0`."""
+    choice = os.environ.get("TOKENLOOM_CPU_QUANT", "auto")
+    flags = _cpu_flags()
+    if choice == "0" or not {"avx2", "fma"} <= flags:
+        return None
+    if choice != "avx2" and {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        if _build("tokenloom_cpu_quant512", ["cpu_gemm_quant.cpp"],
+                  ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]):
+            return _register_fake_quant("tokenloom_q512")
+    if _build("tokenloom_cpu_quant256", ["cpu_gemm_quant.cpp"], ["-mavx2", "-mfma"]):
+        return _register_fake_quant("tokenloom_q256")
+    return None
+
+
+def _register_fake_quant(ns: str):
+    @torch.library.register_fake(f"{ns}::linear_int8")
+    def _(x, qweight, scales, n, bias):
+        return x.new_empty((*x.shape[:-1], n))
+
+    @torch.library.register_fake(f"{ns}::linear_int4")
+    def _(x, qweight, scales, n, group, bias):
+        return x.new_empty((*x.shape[:-1], n))
+
+    return getattr(torch.ops, ns)
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [N, K] and float32 scales [N] -> ([ceil(N/32), K, 32] int8, float32 [ceil(N/32) * 32]),
+    the layout `cpu_gemm_quant.cpp` streams (`pack(q, WIDE)`); padded columns scale by 0."""
+    packed = pack(q, WIDE)
+    s = torch.zeros(packed.shape[0] * WIDE, dtype=torch.float32)
+    s[: scale.numel()] = scale.float()
+    return packed, s
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 values q [N, Kp] (int8 in -8..7) and bf16 scales [N, Kp/G] -> ([P, Kp, 16] uint8, byte c
+    of panel p at k = (q[32p + c, k] + 8) | (q[32p + 16 + c, k] + 8) << 4; bf16 scales [P, Kp/G, 32]),
+    P = ceil(N/32).  Padded columns are 0 with scale 0."""
+    n, kp = q.shape
+    p = -(-n // WIDE)
+    u = torch.full((p * WIDE, kp), 8, dtype=torch.uint8)
+    u[:n] = (q.to(torch.int16) + 8).to(torch.uint8)
+    u = u.view(p, 2, WIDE // 2, kp)
+    nib = (u[:, 0] | (u[:, 1] << 4)).transpose(1, 2)  # [P, Kp, 16]
+    packed = hugepages.empty((p, kp, WIDE // 2), torch.uint8).copy_(nib)
+    s = torch.zeros((p * WIDE, scale.shape[1]), dtype=torch.bfloat16)
+    s[:n] = scale
+    return packed, s.view(p, WIDE, -1).transpose(1, 2).contiguous()
 
 
 def preferred(device: torch.device, dtype: torch.dtype) -> bool:

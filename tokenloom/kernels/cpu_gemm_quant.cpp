@@ -1,0 +1,346 @@
+// Weight-only quantized GEMM for x86 CPUs: y[M, N] = x[M, K] * dequant(W)[N, K]^T (+ bias),
+// W in int8 (one scale per output column) or int4 (one scale per group of G k per column).
+//
+// Decode at small batch is bound by the bytes of weights it reads (the seed: each step reads
+// the whole model), so storing 8 or 4 bits per weight instead of 16 is what makes it faster;
+// the arithmetic stays float32 (activations are not quantized).  Layouts, 32 columns a panel
+// as the bf16/fp32 kernels (kernels/cpu.py `pack_int8`, `pack_int4`), each panel one
+// sequential stream:
+//
+//   int8  [P, K, 32] int8; scales [P * 32] float32:  w[32p + c, k] = q[p, k, c] * s[32p + c]
+//   int4  [P, Kp, 16] uint8, low nibble column c, high nibble column c + 16 (biased by 8);
+//         scales [P, Kp / G, 32] bfloat16:           w[32p + c, k] = (nib - 8) * s[p, k / G, c]
+//
+// Two ways through a panel, chosen by the row count:
+// * few rows (decode): each k's 32 weights are widened to float32 in registers and used at
+//   once, by every row (`QSource` fed to `micro`); the weights are read exactly once.
+// * more rows (batched decode, prefill): each block of KC k is first dequantized into a
+//   16 KB float32 buffer (in L1), which every 12-row tile then reads like the fp32 kernel's
+//   panel, so the widening is paid once per weight, not once per tile.
+// Both compute the product of x with exactly the dequantized float32 weights above (the
+// PyTorch reference in model/quantization.py), up to float32 summation order.
+//
+// The same source builds twice (kernels/cpu.py): with AVX-512 (16-float vectors, 12-row tiles)
+// and with AVX2 + FMA (8-float vectors, 2-row tiles), registering `tokenloom_q512` or
+// `tokenloom_q256`.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t W = 32;    // columns per panel
+constexpr int64_t KC = 128;  // k per dequantized block (a multiple of both group sizes, 32 and 128)
+
+#ifdef __AVX512F__
+using vf = __m512;
+constexpr int VL = 16;
+constexpr int MR = 12;  // 2 x 12 accumulators + 2 weight vectors of 32 registers
+constexpr int kFusedRows = 4;  // up to this many rows: dequantize in registers
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vset1(float a) { return _mm512_set1_ps(a); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+// bfloat16 -> float32 of 16 scales.
+inline vf vload_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+// 32 int8 weights of one k -> 2 vectors, times the columns' scales.
+inline void widen_int8(const int8_t* src, const vf* s, vf* out) {
+  out[0] = vmul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)src))), s[0]);
+  out[1] = vmul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 16)))), s[1]);
+}
+// 16 bytes of nibbles of one k -> 2 vectors: nib * s + (-8 s), i.e. (nib - 8) * s rounded once.
+inline void widen_int4(const uint8_t* src, const vf* s, const vf* z, vf* out) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)src));
+  out[0] = vfma(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), s[0], z[0]);
+  out[1] = vfma(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s[1], z[1]);
+}
+#else
+using vf = __m256;
+constexpr int VL = 8;
+constexpr int MR = 2;  // 2 x 4 accumulators + 4 weight vectors of 16 registers
+constexpr int kFusedRows = 2;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vset1(float a) { return _mm256_set1_ps(a); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vload_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline __m128i load8(const void* p) { return _mm_loadl_epi64((const __m128i*)p); }
+inline void widen_int8(const int8_t* src, const vf* s, vf* out) {
+  for (int j = 0; j < 4; ++j) out[j] = vmul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(src + 8 * j))), s[j]);
+}
+// bytes 0-7: columns 0-7 (low) and 16-23 (high); bytes 8-15: columns 8-15 and 24-31.
+inline void widen_int4(const uint8_t* src, const vf* s, const vf* z, vf* out) {
+  for (int h = 0; h < 2; ++h) {
+    const __m256i b = _mm256_cvtepu8_epi32(load8(src + 8 * h));
+    out[h] = vfma(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))), s[h], z[h]);
+    out[h + 2] = vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), s[h + 2], z[h + 2]);
+  }
+}
+#endif
+
+constexpr int NV = W / VL;  // vectors per k of a panel
+
+// Weights of a block, already float32: [kc][32].
+struct BufSource {
+  const float* w;
+  void group(int64_t) {}
+  void get(int64_t k, vf* out) const {
+    for (int j = 0; j < NV; ++j) out[j] = vload(w + k * W + j * VL);
+  }
+};
+
+// int8 weights of one panel from k0 on, widened as they are read.
+struct Int8Source {
+  const int8_t* q;  // panel's k0 row: [.., 32]
+  vf s[NV];
+  Int8Source(const int8_t* q_, const float* scales) : q(q_) {
+    for (int j = 0; j < NV; ++j) s[j] = vload(scales + j * VL);
+  }
+  void group(int64_t) {}
+  void get(int64_t k, vf* out) const { widen_int8(q + k * W, s, out); }
+};
+
+// int4 weights of one panel from k0 on (k0 a multiple of G); `group(k)` loads the scales of
+// the group that starts at block offset k.
+struct Int4Source {
+  const uint8_t* q;      // panel's k0 row: [.., 16]
+  const uint16_t* sc;    // panel's scales from k0's group: [.., 32]
+  int64_t G;
+  vf s[NV], z[NV];
+  void group(int64_t k) {
+    const uint16_t* g = sc + (k / G) * W;
+    for (int j = 0; j < NV; ++j) {
+      s[j] = vload_bf16(g + j * VL);
+      z[j] = vmul(s[j], vset1(-8.0f));
+    }
+  }
+  void get(int64_t k, vf* out) const { widen_int4(q + k * (W / 2), s, z, out); }
+};
+
+// y[0:R, 0:32] (+)= x[0:R, 0:kc] . w[0:kc]; S interleaved accumulator chains keep a single row
+// from waiting on FMA latency.  `G`: the source's group length (scales change at multiples).
+template <int R, int S, typename Src>
+inline void micro(const float* x, int64_t ldx, Src& src, int64_t kc, int64_t G, float* y, int64_t ldy,
+                  bool accumulate, const float* bias) {
+  vf acc[S][R][NV];
+  for (int s = 0; s < S; ++s)
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < NV; ++j) acc[s][i][j] = vzero();
+  for (int64_t g0 = 0; g0 < kc; g0 += G) {
+    src.group(g0);
+    const int64_t g1 = std::min(kc, g0 + G);
+    int64_t k = g0;
+    for (; k + S <= g1; k += S) {
+#pragma GCC unroll 4
+      for (int s = 0; s < S; ++s) {
+        vf wv[NV];
+        src.get(k + s, wv);
+#pragma GCC unroll 12
+        for (int i = 0; i < R; ++i) {
+          const vf a = vset1(x[i * ldx + k + s]);
+#pragma GCC unroll 4
+          for (int j = 0; j < NV; ++j) acc[s][i][j] = vfma(a, wv[j], acc[s][i][j]);
+        }
+      }
+    }
+    for (; k < g1; ++k) {
+      vf wv[NV];
+      src.get(k, wv);
+      for (int i = 0; i < R; ++i) {
+        const vf a = vset1(x[i * ldx + k]);
+        for (int j = 0; j < NV; ++j) acc[0][i][j] = vfma(a, wv[j], acc[0][i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) {
+      vf v = acc[0][i][j];
+      for (int s = 1; s < S; ++s) v = vadd(v, acc[s][i][j]);
+      float* yij = y + i * ldy + j * VL;
+      if (accumulate) v = vadd(v, vload(yij));
+      if (bias) v = vadd(v, vload(bias + j * VL));
+      vstore(yij, v);
+    }
+}
+
+template <typename Src>
+void micro_rows(int64_t rows, const float* x, int64_t ldx, Src& src, int64_t kc, int64_t G, float* y, int64_t ldy,
+                bool accumulate, const float* bias) {
+  switch (rows) {
+    case 1: return micro<1, 4, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
+#ifdef __AVX512F__
+    case 2: return micro<2, 2, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
+    case 3: return micro<3, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
+    case 4: return micro<4, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
+    case 5: return micro<5, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
+    case 6: return micro<6, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
+    case 7: return micro<7, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
+    case 8: return micro<8, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
+    case 9: return micro<9, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
+    case 10: return micro<10, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
+    case 11: return micro<11, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
+    default: return micro<12, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
+#else
+    default: return micro<2, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
+#endif
+  }
+}
+
+// Fill buf[0:kc][0:32] with the block's dequantized weights.
+template <typename Src>
+void dequant_block(Src& src, int64_t kc, int64_t G, float* buf) {
+  for (int64_t g0 = 0; g0 < kc; g0 += G) {
+    src.group(g0);
+    for (int64_t k = g0; k < std::min(kc, g0 + G); ++k) {
+      vf wv[NV];
+      src.get(k, wv);
+      for (int j = 0; j < NV; ++j) vstore(buf + k * W + j * VL, wv[j]);
+    }
+  }
+}
+
+// The GEMM over panels; `make(p, k0)` is a weight source for panel p from k0 on.  y is
+// [M, P * 32] (padded to whole panels), x [M, K] with K a multiple of G (padded by the caller).
+template <typename Make>
+void gemm(const float* x, int64_t M, int64_t K, int64_t P, int64_t G, const float* bias, float* y, Make make) {
+  const int64_t ldy = P * W;
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) float buf[KC * W];
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        const float* b = (bias && k0 + kc == K) ? bias + p * W : nullptr;
+        auto src = make(p, k0);
+        if (M <= kFusedRows) {
+          micro_rows(M, x + k0, K, src, kc, G, y + p * W, ldy, k0 > 0, b);
+          continue;
+        }
+        dequant_block(src, kc, G, buf);
+        BufSource bs{buf};
+        for (int64_t m = 0; m < M; m += MR) {
+          const int64_t r = std::min<int64_t>(MR, M - m);
+          micro_rows(r, x + m * K + k0, K, bs, kc, KC, y + m * ldy + p * W, ldy, k0 > 0, b);
+        }
+      }
+    }
+  });
+}
+
+struct Call {
+  at::Tensor x2, y, bias;
+  const float* bias_ptr = nullptr;
+  int64_t M = 0;
+};
+
+// x as float32 [M, Kp] (zero-padded past K), y [M, P*32] float32, bias float32 [P*32].
+Call begin(const at::Tensor& x, int64_t Kp, int64_t P, const c10::optional<at::Tensor>& bias) {
+  Call c;
+  const int64_t K = x.size(-1);
+  auto x2 = x.reshape({-1, K}).to(at::kFloat);
+  if (Kp != K) x2 = at::constant_pad_nd(x2, {0, Kp - K});
+  c.x2 = x2.contiguous();
+  c.M = c.x2.size(0);
+  c.y = at::empty({c.M, P * W}, c.x2.options());
+  if (bias.has_value() && bias->defined()) {
+    c.bias = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(c.bias.numel() >= P * W, "bias must be padded to the panels");
+    c.bias_ptr = c.bias.data_ptr<float>();
+  }
+  return c;
+}
+
+at::Tensor finish(const Call& c, const at::Tensor& x, int64_t n) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  auto y = c.y.size(1) == n ? c.y : c.y.narrow(1, 0, n).contiguous();
+  return y.view(sizes).to(x.scalar_type());
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t n,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "quantized linear runs on CPU");
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 3 && qweight.size(2) == W,
+              "int8 weight must be packed as [P, K, 32] int8");
+  const int64_t P = qweight.size(0), K = qweight.size(1);
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == P * W, "int8 scales: float32 [P * 32]");
+  TORCH_CHECK(P * W >= n, "n exceeds the packed panels");
+  const auto q = qweight.contiguous();
+  const auto s = scales.contiguous();
+  Call c = begin(x, K, P, bias);
+  if (c.M > 0) {
+    const int8_t* qp = q.data_ptr<int8_t>();
+    const float* sp = s.data_ptr<float>();
+    gemm(c.x2.data_ptr<float>(), c.M, K, P, KC, c.bias_ptr, c.y.data_ptr<float>(),
+         [&](int64_t p, int64_t k0) { return Int8Source(qp + (p * K + k0) * W, sp + p * W); });
+  }
+  return finish(c, x, n);
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t n,
+                       int64_t group, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "quantized linear runs on CPU");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 3 && qweight.size(2) == W / 2,
+              "int4 weight must be packed as [P, Kp, 16] uint8");
+  TORCH_CHECK(group > 0 && KC % group == 0, "int4 group must divide ", KC);
+  const int64_t P = qweight.size(0), Kp = qweight.size(1);
+  TORCH_CHECK(Kp % group == 0, "packed k must be a multiple of the group");
+  TORCH_CHECK(x.size(-1) <= Kp && x.size(-1) > Kp - group, "x has ", x.size(-1), " features, the weight ", Kp);
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == P &&
+                  scales.size(1) == Kp / group && scales.size(2) == W,
+              "int4 scales: bfloat16 [P, Kp / group, 32]");
+  TORCH_CHECK(P * W >= n, "n exceeds the packed panels");
+  const auto q = qweight.contiguous();
+  const auto s = scales.contiguous();
+  Call c = begin(x, Kp, P, bias);
+  if (c.M > 0) {
+    const uint8_t* qp = q.data_ptr<uint8_t>();
+    const uint16_t* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>());
+    const int64_t ng = Kp / group;
+    gemm(c.x2.data_ptr<float>(), c.M, Kp, P, group, c.bias_ptr, c.y.data_ptr<float>(), [&](int64_t p, int64_t k0) {
+      Int4Source src;
+      src.q = qp + (p * Kp + k0) * (W / 2);
+      src.sc = sp + (p * ng + k0 / group) * W;
+      src.G = group;
+      return src;
+    });
+  }
+  return finish(c, x, n);
+}
+
+}  // namespace
+
+#ifdef __AVX512F__
+#define TOKENLOOM_QNS tokenloom_q512
+#else
+#define TOKENLOOM_QNS tokenloom_q256
+#endif
+#define TOKENLOOM_LIB(ns, m) TORCH_LIBRARY(ns, m)
+#define TOKENLOOM_LIB_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+TOKENLOOM_LIB(TOKENLOOM_QNS, m) {
+  m.def("linear_int8(Tensor x, Tensor qweight, Tensor scales, int n, Tensor? bias) -> Tensor");
+  m.def("linear_int4(Tensor x, Tensor qweight, Tensor scales, int n, int group, Tensor? bias) -> Tensor");
+}
+
+TOKENLOOM_LIB_IMPL(TOKENLOOM_QNS, CPU, m) {
+  m.impl("linear_int8", &linear_int8);
+  m.impl("linear_int4", &linear_int4);
+}
