@@ -97,6 +97,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="read the model's own tool calls for tool_choice \"auto\": hermes (Hermes, Qwen2.5 "
                         "<tool_call> JSON) or llama3_json (Llama 3.1 JSON); without it \"auto\" is a 400")
+    g.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve the live step picture at /dashboard (guarded by --api-key: open "
+                        "/dashboard?key=KEY); --no-dashboard answers 404 there")
     add_limit_args(p)
 
 

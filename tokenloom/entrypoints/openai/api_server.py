@@ -4,6 +4,7 @@
     /v1/models, /v1/models/{id}             what is served                [--api-key applies]
     /tokenize /detokenize /tokenizer_info   the model's tokenizer over HTTP [--api-key applies]
     /health /version /metrics               liveness, version, Prometheus
+    /dashboard, /dashboard/events           the live step picture (--api-key applies; --no-dashboard)
 
 Every error is OpenAI-shaped JSON, and the OpenAPI document (/openapi.json) says so: each
 route lists the error statuses it can answer, and SSE / Prometheus / plain-text bodies are
@@ -36,6 +37,7 @@ from tokenloom.config import EngineArgs
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.entrypoints.openai.errors import bad_request, error_body, install_error_handlers
 from tokenloom.entrypoints.openai.body_limit import BodySizeLimitMiddleware
+from tokenloom.entrypoints.openai.dashboard_routes import install_dashboard
 from tokenloom.entrypoints.openai.limits import ServerLimits
 from tokenloom.entrypoints.openai.openapi_doc import (GENERATION_ERRORS, TOKENIZER_ERRORS, describe_api_key,
                                                       error_responses, generation_ok, install_openapi)
@@ -81,8 +83,9 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(ctx: ServingContext, *, api_key: str | None = None) -> FastAPI:
+def build_app(ctx: ServingContext, *, api_key: str | None = None, dashboard: bool = True) -> FastAPI:
     engine = ctx.engine
+    hub = None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -91,6 +94,8 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None) -> FastAPI:
         try:
             yield
         finally:
+            if hub is not None:
+                hub.close()
             # join() blocks; run it off the loop so uvicorn can finish closing connections.
             await asyncio.to_thread(engine.shutdown)
 
@@ -178,6 +183,9 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None) -> FastAPI:
         """The tokenizer's settings (vLLM's endpoint, read by lm-eval-harness's remote tokenizer)."""
         return TokenizerInfo.of(engine.tokenizer, engine.max_model_len, engine.engine.vocab_size)
 
+    if dashboard:  # checks the key itself: ?key= and a cookie count there, not only the header
+        hub = install_dashboard(app, engine.engine, ctx.served_model_names, api_key)
+    app.state.dashboard = hub
     install_openapi(app)
 
     return app
@@ -214,6 +222,9 @@ class _Server(uvicorn.Server):
             self.should_exit = True
 
     async def shutdown(self, sockets=None) -> None:
+        hub = getattr(self.config.app.state, "dashboard", None) if hasattr(self.config.app, "state") else None
+        if hub is not None:  # dashboard streams never end by themselves: end them, or uvicorn waits
+            hub.close()
         timer = asyncio.get_running_loop().call_later(
             self.grace, self.engine.abort_all, f"the server is shutting down (in-flight requests get {self.grace:g}s)")
         try:
@@ -246,7 +257,7 @@ def build_server(args: argparse.Namespace) -> tuple[_Server, AsyncLLMEngine]:
     engine.tokenizer.encode("warm-up")
     names = args.served_model_name or [engine.model_name]
     ctx = ServingContext(engine, names, limits, tool_call_parser=getattr(args, "tool_call_parser", None))
-    app = build_app(ctx, api_key=args.api_key)
+    app = build_app(ctx, api_key=args.api_key, dashboard=getattr(args, "dashboard", True))
     grace = max(0.0, args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=not args.disable_access_log,
