@@ -110,7 +110,7 @@ class LLMEngine:
                observers) -> None:
         """Everything after the tensor-parallel group exists: the model, the config, the runner."""
         self.loaded = load_model(path, args.dtype, self.device, max_positions=max_positions, tp=tp,
-                                 linear_backend=args.linear_backend)
+                                 linear_backend=args.linear_backend, quantization=args.quantization)
         device = self.device
         # Every default decided once (config.py); on CUDA the KV cache takes what the weights left free.
         self.config = EngineConfig.resolve(

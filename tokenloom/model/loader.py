@@ -138,6 +138,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     linear_backend: str = "torch"  # how the linears run: panels | onednn | torch (`load_model`)
+    quantization: str | None = None  # weight-only scheme (model/quantization.py), or None
 
     @property
     def weight_bytes(self) -> int:
@@ -165,13 +166,15 @@ LINEAR_BACKENDS = ("auto", "panels", "onednn", "torch")
 
 
 def load_model(path: Path, dtype: str, device: torch.device, max_positions: int, pack_weights: bool = True,
-               tp: TPGroup | None = None, linear_backend: str = "auto") -> LoadedModel:
+               tp: TPGroup | None = None, linear_backend: str = "auto", quantization: str | None = None) -> LoadedModel:
     """The checkpoint at `path` as our model on `device`; with `tp`, only this rank's shard
     (model/parallel.py), cut before any weight packing so our kernels run on it.
 
     `linear_backend`, chosen once here: `panels` (our GEMM, weights in its column panels),
     `onednn` (oneDNN's packed weights), `torch` (nn.Linear as loaded: cuBLAS on GPUs);
-    `auto` = panels where our kernel wins on this CPU, else oneDNN where it runs, else torch."""
+    `auto` = panels where our kernel wins on this CPU, else oneDNN where it runs, else torch.
+    `quantization` (int8 | int4 | int4-g128): every matmul's weights quantized once, here
+    (model/quantization.py); then `panels` is our quantized CPU kernel, `torch` PyTorch ops."""
     if linear_backend not in LINEAR_BACKENDS:
         raise ValueError(f"--linear-backend must be one of {', '.join(LINEAR_BACKENDS)}, got {linear_backend!r}")
     cfg = load_config(path)
@@ -227,10 +230,23 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
     del params  # drop our references, so packing can free each unpacked weight as it goes
     if tp is not None and tp.size > 1:
         a = shard_model(model, a, tp)
+    linear = "torch" if not pack_weights else linear_backend
+    if quantization is not None:
+        linear = _quantize(model, quantization, linear, device, tp)
+    else:
+        linear = _pack(model, linear, device, tdtype)
+    if device.type == "cpu":
+        glibc_heap.release_free_memory()
+    return LoadedModel(model=model, args=a, hf_config=cfg, path=path, dtype=tdtype, device=device,
+                       linear_backend=linear, quantization=quantization)
+
+
+def _pack(model: CausalLM, linear: str, device: torch.device, tdtype: torch.dtype) -> str:
+    """Pack `model`'s matmul weights for the linear backend `linear` (auto: the fastest that
+    runs here); returns the backend chosen."""
     from tokenloom.kernels import cpu as cpu_kernels
     from tokenloom.model.packed_linear import packing_supported
 
-    linear = "torch" if not pack_weights else linear_backend
     if linear == "auto":
         linear = ("panels" if cpu_kernels.preferred(device, tdtype)
                   else "onednn" if packing_supported(device, tdtype) else "torch")
@@ -242,10 +258,23 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
         if not packing_supported(device, tdtype):
             raise ValueError(f"--linear-backend onednn: oneDNN cannot run packed {tdtype} linears here")
         model.prepack()
-    if device.type == "cpu":
-        glibc_heap.release_free_memory()
-    return LoadedModel(model=model, args=a, hf_config=cfg, path=path, dtype=tdtype, device=device,
-                       linear_backend=linear)
+    return linear
+
+
+def _quantize(model: CausalLM, quantization: str, linear: str, device: torch.device, tp: TPGroup | None) -> str:
+    """Quantize `model`'s matmul weights in place; returns the linear backend they run on."""
+    from tokenloom.model.quantization import kernels_available, parse_scheme, quantize_model
+
+    scheme = parse_scheme(quantization)
+    if tp is not None and tp.size > 1:
+        raise ValueError("--quantization is not supported with --tensor-parallel-size > 1 yet")
+    if linear == "onednn":
+        raise ValueError("--quantization runs on --linear-backend panels (our CPU kernel) or torch, not onednn")
+    panels = linear in ("auto", "panels") and kernels_available(device)
+    if linear == "panels" and not panels:
+        raise ValueError("--linear-backend panels with --quantization needs --device cpu and our CPU kernels built")
+    quantize_model(model, scheme, panels=panels)
+    return "panels" if panels else "torch"
 
 
 def load_eos_token_ids(path: Path, cfg: dict, tokenizer) -> frozenset[int]:
