@@ -77,3 +77,39 @@ def test_a_build_is_announced_keyed_in_its_own_directory_and_reused(tmp_path, mo
     (src / "tiny.h").write_text("#define TINY_VALUE 2\n")  # a header change is a new build beside the old
     assert "tokenloom: building CPU kernels tokenloom_tiny" in build()
     assert len(list(cache.iterdir())) == 2
+
+
+@pytest.mark.skipif(not has_toolchain, reason="needs a C++ toolchain with ninja")
+def test_a_build_killed_half_way_does_not_block_the_next(tmp_path, monkeypatch):
+    """A process killed mid-build (Ctrl-C, a timeout) leaves torch's `lock` file behind; the
+    next build must notice nobody holds it, not wait for it forever."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tiny.cpp").write_text(_TINY)
+    (src / "tiny.h").write_text("#define TINY_VALUE 3\n")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TOKENLOOM_KERNEL_CACHE", str(cache))
+    # A builder that dies while it holds both locks, as a killed build does.
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from tokenloom.kernels import cpu
+        def compile_and_die(name, tag, files, cflags, build_dir):
+            (build_dir / "lock").write_text("")  # torch's baton, taken as its build starts
+            print("holding", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        cpu._compile = compile_and_die
+        cpu._build("tokenloom_tiny", [{str(src / 'tiny.cpp')!r}], [])
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TOKENLOOM_KERNEL_CACHE": str(cache)})
+    assert proc.returncode == -signal.SIGKILL and "holding" in proc.stdout
+    (build_dir,) = cache.iterdir()
+    assert (build_dir / "lock").exists()  # what a killed build leaves
+    assert cpu_kernels._build("tokenloom_tiny", [src / "tiny.cpp"], [])  # returns: built, not waiting
+    assert not (build_dir / "lock").exists()
+    assert ctypes.CDLL(str(build_dir / f"{build_dir.name}.so")).tokenloom_tiny_kernel() == 3

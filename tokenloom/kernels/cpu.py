@@ -42,6 +42,7 @@ AVX-512 CPUs), `TOKENLOOM_CPU_FUSED=0` the fused element-wise ops.
 from __future__ import annotations
 
 import functools
+import fcntl
 import hashlib
 import logging
 import os
@@ -130,29 +131,47 @@ def _build(name: str, sources: list[str | Path], isa_flags: list[str]) -> bool:
                 return True
             except OSError:  # half-written by a build in another process: build (waits on its lock)
                 pass
-        from torch.utils.cpp_extension import load as load_ext
-
-        src_dir = build_dir / "src"
-        src_dir.mkdir(parents=True, exist_ok=True)
-        for f in files:
-            if not (src_dir / f.name).is_file() or (src_dir / f.name).read_bytes() != f.read_bytes():
-                shutil.copyfile(f, src_dir / f.name)
-        print(f"tokenloom: building CPU kernels {name} ({', '.join(f.name for f in files)}) in {build_dir}; "
-              f"once per build of the sources, flags and torch", file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        load_ext(
-            name=tag,
-            sources=[str(src_dir / f.name) for f in files if f.suffix != ".h"],
-            extra_cflags=cflags,
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
-        print(f"tokenloom: built CPU kernels {name} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with open(build_dir / "build.flock", "w") as held:
+            # One builder at a time, under a lock the OS drops when its holder dies, so a build
+            # killed half-way (Ctrl-C, a test timeout) never leaves the next process waiting.
+            fcntl.flock(held, fcntl.LOCK_EX)
+            if library.is_file():  # another process built it while this one waited
+                try:
+                    torch.ops.load_library(str(library))
+                    return True
+                except OSError:
+                    pass
+            # torch's own build lock: any left now belongs to a builder that died (we hold ours).
+            (build_dir / "lock").unlink(missing_ok=True)
+            _compile(name, tag, files, cflags, build_dir)
         return True
     except Exception as e:  # no toolchain, no ninja, compile error: keep the stock kernels
         log.warning("tokenloom CPU kernels %s unavailable (%s); using PyTorch's kernels", name, e)
         return False
+
+
+def _compile(name: str, tag: str, files: list[Path], cflags: list[str], build_dir: Path) -> None:
+    """Copy the sources into the build directory and compile and load them there (ninja)."""
+    from torch.utils.cpp_extension import load as load_ext
+
+    src_dir = build_dir / "src"
+    src_dir.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        if not (src_dir / f.name).is_file() or (src_dir / f.name).read_bytes() != f.read_bytes():
+            shutil.copyfile(f, src_dir / f.name)
+    print(f"tokenloom: building CPU kernels {name} ({', '.join(f.name for f in files)}) in {build_dir}; "
+          f"once per build of the sources, flags and torch", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    load_ext(
+        name=tag,
+        sources=[str(src_dir / f.name) for f in files if f.suffix != ".h"],
+        extra_cflags=cflags,
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+    print(f"tokenloom: built CPU kernels {name} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 def _register_fake_linear(op: str) -> None:

@@ -29,6 +29,7 @@ from tokenloom.kernels import glibc_heap
 from tokenloom.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from tokenloom.runner.tp_comm import recv_step, send_step
 from tokenloom.runner.sampler import SamplingRow, sample
+from tokenloom.structured import StepMasks
 
 
 @dataclass
@@ -71,11 +72,11 @@ class RequestError(RuntimeError):
         self.request_id = request_id
 
 
-def _sample_or_blame(logits: torch.Tensor, rows: list[SamplingRow]):
+def _sample_or_blame(logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | None = None):
     """`sample`, and if it raises, the row that makes it raise found by sampling each row
     alone (only on failure), so one request's bad settings fail that request, not the step."""
     try:
-        return sample(logits, rows)
+        return sample(logits, rows, masks)
     except Exception as exc:
         for i, row in enumerate(rows):
             try:
@@ -279,14 +280,16 @@ class ModelRunner:
         hidden = None
         if decodes is not None:
             ids, pos, slots = self._decode_inputs(decodes, self.block_size)
+            sample_sched = [(s, i) for i, s in enumerate(decodes)]
+            masks = StepMasks.start([s.request.grammar for s, _ in sample_sched])  # filled during the forward
             t_model = time.perf_counter()
             logits = self.graphs.run(ids, pos, slots, [s.block_ids for s in decodes])
-            sample_sched = [(s, i) for i, s in enumerate(decodes)]
         else:
             order, offsets, input_ids, positions, meta = self._prepare(out)
             sample_sched = [(s, off + s.num_new_tokens - 1) for s, off in zip(order, offsets) if s.sample]
             spans = self._prompt_spans(order, offsets)
             rows_idx = torch.tensor([i for _, i in sample_sched], dtype=torch.long, device=self.device)
+            masks = StepMasks.start([s.request.grammar for s, _ in sample_sched])  # filled during the forward
             t_model = time.perf_counter()
             if self.tp is not None:  # the other ranks run the same forward and logits (collectives)
                 send_step(input_ids, positions, meta, [rows_idx] + [sp.rows for sp in spans])
@@ -308,7 +311,7 @@ class ModelRunner:
                 )
                 for s, _ in sample_sched
             ]
-            so = _sample_or_blame(logits, rows)
+            so = _sample_or_blame(logits, rows, masks)
             for (s, _), tok, lp in zip(sample_sched, so.token_ids, so.logprobs):
                 result.sampled[s.request_id] = tok
                 if lp is not None:

@@ -19,7 +19,7 @@ import torch
 
 from tokenloom.kernels import cpu as cpu_kernels
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.structured import GrammarState, apply_grammar_masks
+from tokenloom.structured import GrammarState, StepMasks, apply_grammar_masks
 
 
 @dataclass
@@ -149,8 +149,9 @@ def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-    """logits: [N, vocab] float32, one row per entry of `rows`."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | None = None) -> SamplerOutput:
+    """logits: [N, vocab] float32, one row per entry of `rows`.  `masks`: the grammar rows'
+    bitmask, started before the forward (`StepMasks.start`); filled here when None."""
     want_lp = [r.params.logprobs for r in rows]
     raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None
 
@@ -164,7 +165,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.clone()
         _apply_constraints(logits, rows)
     if any(r.grammar is not None for r in rows):
-        logits = apply_grammar_masks(logits.clone(), [r.grammar for r in rows])
+        logits = apply_grammar_masks(logits.clone(), [r.grammar for r in rows], masks)
 
     tokens = cpu_kernels.argmax_rows(logits)  # greedy rows keep this
     sampled_rows = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -9,9 +9,12 @@ reached the end of its grammar (it accepted a stop token) is `terminated`.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from tokenloom.structured.masks import StepMasks
 
 
 class GrammarState:
@@ -36,18 +39,23 @@ class GrammarState:
         return self._matcher.is_terminated()
 
 
-def apply_grammar_masks(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> torch.Tensor:
+def apply_grammar_masks(logits: torch.Tensor, states: Sequence[GrammarState | None],
+                        masks: "StepMasks | None" = None) -> torch.Tensor:
     """Set to -inf, in place, every logit of row i that `states[i]`'s grammar does not allow
-    next (rows whose state is None are untouched).  Returns `logits`."""
+    next (rows whose state is None are untouched).  `masks`: the same rows' bitmask, already
+    being filled while the forward ran (`StepMasks.start`); filled here when not given.
+    Returns `logits`."""
     import xgrammar as xgr
 
-    rows = [i for i, s in enumerate(states) if s is not None]
+    from tokenloom.structured.masks import StepMasks
+
+    if masks is None:
+        masks = StepMasks(states)
+    rows = masks.rows
     if not rows:
         return logits
     vocab = logits.shape[1]
-    bitmask = xgr.allocate_token_bitmask(len(states), vocab)  # all ones: nothing masked
-    for i in rows:
-        states[i].fill_mask(bitmask, i)
+    bitmask = masks.bitmask()
     if logits.device.type != "cpu":
         bitmask = bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
