@@ -60,6 +60,8 @@ class EngineArgs:
     linear_backend: str = "auto"  # auto|panels|onednn|torch: the matmuls (model/loader.py)
     quantization: str | None = None  # None|int8|int4|int4-g128: weight-only, at load (model/quantization.py)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    # n-gram speculative decoding, vLLM's dict (or its JSON text): tokenloom/spec_decode/config.py
+    speculative_config: dict | str | None = None
     tensor_parallel_size: int = 1  # ranks that each hold 1/N of every layer (model/parallel.py)
     distributed_init_port: int | None = None  # the group's rendezvous port (default: a free one)
     num_threads: int | None = None
@@ -99,6 +101,9 @@ class EngineArgs:
         g.add_argument("--quantization", default=None, choices=["int8", "int4", "int4-g128"],
                        help="weight-only quantization at load: int8 per output channel; int4 in groups of 32 "
                             "(int4-g128: of 128) along the input; activations stay in --dtype (docs/quantization.md)")
+        g.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                            '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (docs/speculative-decoding.md)')
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split every layer over N processes (torch.distributed: gloo on CPU, NCCL on GPUs)")
         g.add_argument("--distributed-init-port", type=int, default=None,
