@@ -38,9 +38,10 @@ def percentile(sorted_values: Sequence[float], q: float) -> float | None:
 
 
 def tokens_out(entry: Any) -> int:
-    """Tokens an entry's request gained this step.  Read defensively: a speculative step may
-    add a list of accepted tokens to the entry; a plain one samples at most one."""
-    many = getattr(entry, "sampled_token_ids", None)
+    """Tokens an entry's request gained this step.  Read defensively (older events lack the
+    field): a speculative decode lists every token it appended (accepted drafts, then the
+    sampled one) in `generated_token_ids`; a plain step samples at most one."""
+    many = getattr(entry, "generated_token_ids", None)
     if many:
         return len(many)
     return 0 if getattr(entry, "sampled_token_id", None) is None else 1
