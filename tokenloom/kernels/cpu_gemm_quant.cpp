@@ -55,16 +55,18 @@ inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vload_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
-// 32 int8 weights of one k -> 2 vectors, times the columns' scales.
-inline void widen_int8(const int8_t* src, const vf* s, vf* out) {
-  out[0] = vmul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)src))), s[0]);
-  out[1] = vmul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 16)))), s[1]);
+// 32 int8 weights of one k -> 2 vectors of their integer values.
+inline void widen_int8(const int8_t* src, vf* out) {
+  out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)src)));
+  out[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 16))));
 }
-// 16 bytes of nibbles of one k -> 2 vectors: nib * s + (-8 s), i.e. (nib - 8) * s rounded once.
-inline void widen_int4(const uint8_t* src, const vf* s, const vf* z, vf* out) {
+// 16 bytes of nibbles of one k -> 2 vectors of nib - 8: a lookup of the 16 levels indexed by
+// each lane's low 4 bits (one permute instead of mask, convert and subtract).
+inline void widen_int4(const uint8_t* src, vf* out) {
+  const __m512 levels = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)src));
-  out[0] = vfma(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), s[0], z[0]);
-  out[1] = vfma(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s[1], z[1]);
+  out[0] = _mm512_permutexvar_ps(b, levels);
+  out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), levels);
 }
 #else
 using vf = __m256;
@@ -82,56 +84,63 @@ inline vf vload_bf16(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 inline __m128i load8(const void* p) { return _mm_loadl_epi64((const __m128i*)p); }
-inline void widen_int8(const int8_t* src, const vf* s, vf* out) {
-  for (int j = 0; j < 4; ++j) out[j] = vmul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(src + 8 * j))), s[j]);
+inline void widen_int8(const int8_t* src, vf* out) {
+  for (int j = 0; j < 4; ++j) out[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(src + 8 * j)));
 }
 // bytes 0-7: columns 0-7 (low) and 16-23 (high); bytes 8-15: columns 8-15 and 24-31.
-inline void widen_int4(const uint8_t* src, const vf* s, const vf* z, vf* out) {
+inline void widen_int4(const uint8_t* src, vf* out) {
+  const vf eight = _mm256_set1_ps(8.0f);
   for (int h = 0; h < 2; ++h) {
     const __m256i b = _mm256_cvtepu8_epi32(load8(src + 8 * h));
-    out[h] = vfma(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))), s[h], z[h]);
-    out[h + 2] = vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), s[h + 2], z[h + 2]);
+    out[h] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))), eight);
+    out[h + 2] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), eight);
   }
 }
 #endif
 
 constexpr int NV = W / VL;  // vectors per k of a panel
 
-// Weights of a block, already float32: [kc][32].
+// Weight sources: `get(k, out)` gives the 32 weights of block offset k as float32, times the
+// scales unless the source defers them (`kScale`): 0 = none, 1 = per column (applied to the
+// sums at the end), 2 = per group (applied to each group's sums); `group(k)` loads the scales
+// of the group that starts at block offset k into `s`.
+
+// Weights of a block, already float32 and scaled: [kc][32].
 struct BufSource {
+  static constexpr int kScale = 0;
   const float* w;
+  vf s[NV];
   void group(int64_t) {}
   void get(int64_t k, vf* out) const {
     for (int j = 0; j < NV; ++j) out[j] = vload(w + k * W + j * VL);
   }
 };
 
-// int8 weights of one panel from k0 on, widened as they are read.
+// int8 weights of one panel from k0 on: q as float32; the column scales come after the sum.
 struct Int8Source {
+  static constexpr int kScale = 1;
   const int8_t* q;  // panel's k0 row: [.., 32]
   vf s[NV];
   Int8Source(const int8_t* q_, const float* scales) : q(q_) {
     for (int j = 0; j < NV; ++j) s[j] = vload(scales + j * VL);
   }
   void group(int64_t) {}
-  void get(int64_t k, vf* out) const { widen_int8(q + k * W, s, out); }
+  void get(int64_t k, vf* out) const { widen_int8(q + k * W, out); }
 };
 
-// int4 weights of one panel from k0 on (k0 a multiple of G); `group(k)` loads the scales of
-// the group that starts at block offset k.
+// int4 weights of one panel from k0 on (k0 a multiple of G): nib - 8; the group's scales
+// multiply each group's sums.
 struct Int4Source {
+  static constexpr int kScale = 2;
   const uint8_t* q;      // panel's k0 row: [.., 16]
   const uint16_t* sc;    // panel's scales from k0's group: [.., 32]
   int64_t G;
-  vf s[NV], z[NV];
+  vf s[NV];
   void group(int64_t k) {
     const uint16_t* g = sc + (k / G) * W;
-    for (int j = 0; j < NV; ++j) {
-      s[j] = vload_bf16(g + j * VL);
-      z[j] = vmul(s[j], vset1(-8.0f));
-    }
+    for (int j = 0; j < NV; ++j) s[j] = vload_bf16(g + j * VL);
   }
-  void get(int64_t k, vf* out) const { widen_int4(q + k * (W / 2), s, z, out); }
+  void get(int64_t k, vf* out) const { widen_int4(q + k * (W / 2), out); }
 };
 
 // y[0:R, 0:32] (+)= x[0:R, 0:kc] . w[0:kc]; S interleaved accumulator chains keep a single row
@@ -139,12 +148,14 @@ struct Int4Source {
 template <int R, int S, typename Src>
 inline void micro(const float* x, int64_t ldx, Src& src, int64_t kc, int64_t G, float* y, int64_t ldy,
                   bool accumulate, const float* bias) {
-  vf acc[S][R][NV];
-  for (int s = 0; s < S; ++s)
-    for (int i = 0; i < R; ++i)
-      for (int j = 0; j < NV; ++j) acc[s][i][j] = vzero();
+  vf acc[S][R][NV], tot[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) tot[i][j] = vzero();
   for (int64_t g0 = 0; g0 < kc; g0 += G) {
     src.group(g0);
+    for (int s = 0; s < S; ++s)
+      for (int i = 0; i < R; ++i)
+        for (int j = 0; j < NV; ++j) acc[s][i][j] = vzero();
     const int64_t g1 = std::min(kc, g0 + G);
     int64_t k = g0;
     for (; k + S <= g1; k += S) {
@@ -168,11 +179,16 @@ inline void micro(const float* x, int64_t ldx, Src& src, int64_t kc, int64_t G, 
         for (int j = 0; j < NV; ++j) acc[0][i][j] = vfma(a, wv[j], acc[0][i][j]);
       }
     }
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < NV; ++j) {
+        vf v = acc[0][i][j];
+        for (int s = 1; s < S; ++s) v = vadd(v, acc[s][i][j]);
+        tot[i][j] = Src::kScale == 2 ? vfma(v, src.s[j], tot[i][j]) : vadd(tot[i][j], v);
+      }
   }
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < NV; ++j) {
-      vf v = acc[0][i][j];
-      for (int s = 1; s < S; ++s) v = vadd(v, acc[s][i][j]);
+      vf v = Src::kScale == 1 ? vmul(tot[i][j], src.s[j]) : tot[i][j];
       float* yij = y + i * ldy + j * VL;
       if (accumulate) v = vadd(v, vload(yij));
       if (bias) v = vadd(v, vload(bias + j * VL));
@@ -211,7 +227,7 @@ void dequant_block(Src& src, int64_t kc, int64_t G, float* buf) {
     for (int64_t k = g0; k < std::min(kc, g0 + G); ++k) {
       vf wv[NV];
       src.get(k, wv);
-      for (int j = 0; j < NV; ++j) vstore(buf + k * W + j * VL, wv[j]);
+      for (int j = 0; j < NV; ++j) vstore(buf + k * W + j * VL, Src::kScale ? vmul(wv[j], src.s[j]) : wv[j]);
     }
   }
 }
