@@ -53,6 +53,9 @@ class Request:
     chunked: bool = False  # its prompt was split over several steps this admission
     # prefix-cache keys (chained SHA-256 digests) of its full blocks, extended as blocks fill
     block_hashes: list[bytes] = field(default_factory=list)
+    # speculative decoding: draft tokens proposed for the next step (not part of the request's
+    # tokens until the model accepts them; the scheduler feeds them after the last token)
+    spec_token_ids: list[int] = field(default_factory=list)
     # engine-side bookkeeping
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

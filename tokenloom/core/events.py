@@ -33,6 +33,12 @@ class StepEntry:
     num_cached_tokens: int = 0  # prefix-cache hits counted when the request was admitted
     finished: bool = False
     finish_reason: str | None = None
+    # speculative decoding (docs/speculative-decoding.md): drafts fed after the decode token,
+    # how many of them the model accepted, and every token the step appended to the request
+    # (accepted drafts, then the sampled one; cut at a stop) -- sampled_token_id is its last
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_accepted_tokens: int = 0
+    generated_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -65,9 +71,27 @@ class StepEvent:
     def num_prefill_tokens(self) -> int:
         return sum(e.num_tokens for e in self.entries if e.phase != "decode")
 
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens verified in this step (speculative decoding)."""
+        return sum(len(e.draft_token_ids) for e in self.entries)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Draft tokens the model accepted in this step."""
+        return sum(e.num_accepted_tokens for e in self.entries)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens appended to requests in this step (one per sampling request without drafts)."""
+        return sum(len(e.generated_token_ids) if e.generated_token_ids else e.sampled_token_id is not None
+                   for e in self.entries)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["duration"] = self.duration
+        d["num_draft_tokens"] = self.num_draft_tokens
+        d["num_accepted_tokens"] = self.num_accepted_tokens
         return d
 
 

@@ -273,6 +273,23 @@ class KVCacheManager:
                 self.pool.register(blk, req.block_hashes[i])
         self._num_published[req.request_id] = full
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first num_tokens tokens of req (speculative decoding:
+        slots reserved for drafts the model rejected).  Those blocks hold no computed token
+        yet, so none was published to the prefix cache; the freshly freed go to the end of the
+        free queue, the ones evicted last."""
+        table = self.tables.get(req.request_id)
+        if not table:
+            return
+        keep = -(-num_tokens // self.block_size)
+        if keep >= len(table):
+            return
+        ids = self.table_ids[req.request_id]
+        while len(table) > keep:
+            blk = table.pop()
+            ids.pop()
+            self.pool.release(blk)
+
     def free(self, req: Request) -> None:
         """Return req's blocks.  Tail blocks are freed first so they are evicted first:
         a later request is likelier to share a prompt's head than its tail."""

@@ -30,6 +30,15 @@ preempted, but only `PRIORITY_PREEMPTION_LIMIT` times: after that it is *aged* â
 ranks ahead of every request not yet preempted that often, in the queue and when a
 victim is chosen â€” so a stream of urgent arrivals cannot keep pushing it out.
 
+Speculative decoding: a running request may carry draft tokens (`Request.spec_token_ids`,
+set by the engine's proposer before `schedule`).  Its decode then feeds 1 + len(drafts)
+tokens, which take KV slots and count against the token budget like any other token;
+drafts are dropped (never anyone preempted for them) when the budget or the KV pool is
+short, and each later decode of the step keeps its budget.  `update_from_output` appends
+the accepted drafts and the sampled token one by one, applying stop rules to each, and
+rolls the rest back: `num_computed_tokens` counts only accepted positions (the rejected
+slots are overwritten later), and blocks past the request's tokens go back to the pool.
+
 Driving it (the engine and the simulator do exactly this, nothing else):
 
     sched = Scheduler(SchedulerConfig(...), KVCacheManager(num_blocks, block_size))
@@ -65,6 +74,13 @@ class ScheduledRequest:
     phase: Phase
     sample: bool  # the step reaches the end of the request's tokens: sample the next one
     block_ids: list[int] = field(default_factory=list)
+    # speculative decoding: draft tokens fed after the request's last token (a decode of
+    # 1 + len(spec_token_ids) tokens); the model's verdict arrives with the sampled token
+    spec_token_ids: list[int] = field(default_factory=list)
+    # set by update_from_output: tokens appended to the request this step, in order, and how
+    # many of the drafts the model accepted
+    emitted: list[int] = field(default_factory=list)
+    num_accepted: int = 0
 
     @property
     def request_id(self) -> str:
@@ -154,6 +170,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.chunked = False
         req.status = RequestStatus.PREEMPTED
@@ -195,9 +212,10 @@ class Scheduler:
         # 1) running requests first: every decode (1 token), then unfinished prefill chunks
         #    in rank order.  Decodes fit: at most num_seats <= budget requests run.
         work = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        num_decodes = len(work)
         if len(work) < len(self.running):
             work += [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
-        for req in work:
+        for i, req in enumerate(work):
             if budget <= 0:
                 break
             if req.status == RequestStatus.PREEMPTED:
@@ -206,6 +224,14 @@ class Scheduler:
             num_new = min(req.num_tokens - computed, budget)
             if num_new <= 0:
                 continue
+            drafts: list[int] = []
+            if req.spec_token_ids and i < num_decodes:
+                # drafts take what budget the later decodes of this step do not need
+                room = budget - 1 - (num_decodes - i - 1)
+                drafts = req.spec_token_ids[:max(0, room)]
+                if drafts and not self.kv.can_allocate(req, 1 + len(drafts)):
+                    drafts = []  # memory is short: no request is preempted for a guess
+                num_new += len(drafts)
             while not self.kv.allocate(req, num_new):
                 victim = self._preempt_victim(served)
                 self._preempt(victim)
@@ -215,7 +241,7 @@ class Scheduler:
             if req.status == RequestStatus.PREEMPTED:
                 continue  # it was the least entitled itself
             served.add(id(req))
-            scheduled.append(self._make(req, computed, num_new))
+            scheduled.append(self._make(req, computed, num_new, drafts))
             budget -= num_new
 
         # 2) waiting requests, in queue order, while budget and seats remain.
@@ -250,7 +276,11 @@ class Scheduler:
             num_batched_tokens=cfg.max_num_batched_tokens - budget,
         )
 
-    def _make(self, req: Request, computed: int, num_new: int) -> ScheduledRequest:
+    def _make(self, req: Request, computed: int, num_new: int, drafts: list[int] | None = None) -> ScheduledRequest:
+        if drafts:  # a decode that also checks drafts
+            return ScheduledRequest(request=req, num_new_tokens=num_new, num_computed_before=computed,
+                                    phase="decode", sample=True, block_ids=self.kv.block_ids(req.request_id),
+                                    spec_token_ids=list(drafts))
         phase = self._phase(req, computed, num_new)
         return ScheduledRequest(
             request=req,
@@ -261,32 +291,50 @@ class Scheduler:
             block_ids=self.kv.block_ids(req.request_id),
         )
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int], now: float | None = None) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int], now: float | None = None,
+                           accepted: dict[str, list[int]] | None = None) -> list[Request]:
         """Advance computed counts, append sampled tokens, apply token stop rules.
 
-        Returns the requests that finished in this step (their blocks are already free)."""
+        `accepted`: per request that fed drafts, the drafts the model accepted (a prefix of
+        them); they are appended before its sampled token, each checked for stop rules, and a
+        request that stops part-way drops the rest.  Returns the requests that finished in
+        this step (their blocks are already free)."""
         finished: list[Request] = []
         for s in out.scheduled:
             req = s.request
             if req.is_finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens = s.num_computed_before + s.num_new_tokens
-            self.kv.cache_full_blocks(req)
             if not s.sample:
+                req.num_computed_tokens = s.num_computed_before + s.num_new_tokens
+                self.kv.cache_full_blocks(req)
                 continue
             req.chunked = False
-            tok = sampled[req.request_id]
-            req.output_token_ids.append(tok)
+            acc = accepted.get(req.request_id, []) if (accepted and s.spec_token_ids) else []
+            s.num_accepted = len(acc)
+            s.emitted = []
+            done = False
+            for tok in (*acc, sampled[req.request_id]):
+                req.output_token_ids.append(tok)
+                s.emitted.append(tok)
+                if req.check_stop_tokens():
+                    done = True
+                    break
+            # Rejected drafts' positions are not computed: their KV slots get overwritten.
+            rejected = len(s.spec_token_ids) - len(acc)
+            req.num_computed_tokens = min(s.num_computed_before + s.num_new_tokens - rejected, req.num_tokens)
+            self.kv.cache_full_blocks(req)
             if now is not None:
                 if req.first_token_time is None:
                     req.first_token_time = now
                 req.last_token_time = now
-            if req.check_stop_tokens():
+            if done:
                 self.running.remove(req)
                 self.requests.pop(req.request_id, None)
                 self.kv.free(req)
                 req.finished_time = now
                 finished.append(req)
+            elif rejected:
+                self.kv.trim(req, req.num_tokens)
         return finished
 
     # ---- observability ----------------------------------------------
@@ -303,7 +351,11 @@ class Scheduler:
         for s in out.scheduled:
             req = s.request
             c = s.num_computed_before
-            fed = [req.token_at(c)] if s.num_new_tokens == 1 else req.token_slice(c, c + s.num_new_tokens)
+            if s.spec_token_ids:
+                fed = [req.token_at(c), *s.spec_token_ids]
+            else:
+                fed = [req.token_at(c)] if s.num_new_tokens == 1 else req.token_slice(c, c + s.num_new_tokens)
+            rejected = len(s.spec_token_ids) - s.num_accepted
             entries.append(
                 StepEntry(
                     request_id=req.request_id,
@@ -311,12 +363,15 @@ class Scheduler:
                     num_tokens=s.num_new_tokens,
                     token_ids=fed,
                     kv_len_before=s.num_computed_before,
-                    kv_len_after=s.num_computed_before + s.num_new_tokens,
+                    kv_len_after=s.num_computed_before + s.num_new_tokens - rejected,
                     num_prompt_tokens=req.num_prompt_tokens,
-                    sampled_token_id=sampled.get(req.request_id) if s.sample else None,
+                    sampled_token_id=(s.emitted[-1] if s.emitted else sampled.get(req.request_id)) if s.sample else None,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
                     finished=req.is_finished,
                     finish_reason=req.status.value if req.is_finished else None,
+                    draft_token_ids=list(s.spec_token_ids),
+                    num_accepted_tokens=s.num_accepted,
+                    generated_token_ids=list(s.emitted),
                 )
             )
         return StepEvent(

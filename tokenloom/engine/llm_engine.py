@@ -51,6 +51,8 @@ from tokenloom.runner.model_runner import ModelRunner, RunnerOutput
 from tokenloom.runner.tp_worker import TPLauncher, launched_by_torchrun, run_worker, worker_spec
 from tokenloom.model.parallel import check_split
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.spec_decode.config import SpeculativeConfig
+from tokenloom.spec_decode.proposer import SpecProposer
 from tokenloom.structured import GrammarCompiler
 
 logger = logging.getLogger("tokenloom")
@@ -67,6 +69,8 @@ class PromptTooLongError(ValueError):
 class LLMEngine:
     def __init__(self, args: EngineArgs, observers: Iterable[Callable[[StepEvent], None]] = ()):
         self.args = args
+        # checked before anything loads: a bad speculative_config is a quick, clear error
+        self.speculative_config = SpeculativeConfig.parse(args.speculative_config)
         if args.model is None:
             from tokenloom.bundled import BUNDLED_MODEL_DIR, BUNDLED_MODEL_NAME
 
@@ -142,6 +146,8 @@ class LLMEngine:
             self.tp_launcher.send_runner_spec(c.num_kv_blocks, c.block_size, **runner_kwargs)
         self.runner = ModelRunner(self.loaded, c.num_kv_blocks, c.block_size, tp=tp, **runner_kwargs)
         self.processor = OutputProcessor(self.tokenizer, self.scheduler, self.runner.remove_request)
+        # n-gram drafts set on running requests before each schedule() (spec_decode/proposer.py)
+        self.proposer = SpecProposer(self.speculative_config) if self.speculative_config else None
         self.observers: list[Callable[[StepEvent], None]] = list(observers)
         self.step_count = 0
         logger.info("%s", self.summary())
@@ -322,6 +328,8 @@ class LLMEngine:
         per-step snapshots nobody reads).  A request that failed in this step comes back
         finished, with `error` set and finish_reason "error"."""
         start = time.perf_counter()
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -331,7 +339,7 @@ class LLMEngine:
             return self._failed_step(out, e)
         self.consecutive_failed_steps = 0
         now = time.perf_counter()
-        self.scheduler.update_from_output(out, res.sampled, now)
+        self.scheduler.update_from_output(out, res.sampled, now, res.accepted)
         outputs = self.processor.process(out, res, start, now, finished_only)
         self.step_count += 1
         if self.observers:

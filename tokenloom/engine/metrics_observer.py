@@ -6,7 +6,8 @@ engines -- or a test that builds several servers -- never collide):
 
     per step   (StepEvent observer)   running / waiting / KV usage gauges, generated tokens,
                                       tokens per iteration (batch occupancy), preemptions,
-                                      prefix-cache queries / hits
+                                      prefix-cache queries / hits, speculative decoding's
+                                      drafts / draft tokens / accepted tokens (+ per position)
     per output (RequestOutput)        TTFT, inter-token latency, end-to-end latency,
                                       prompt tokens, finished requests by reason
 
@@ -68,6 +69,15 @@ class EngineMetrics:
                                        ("finished_reason",))
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        # Speculative decoding (vLLM's spec_decode_* names): acceptance rate = accepted / draft tokens,
+        # mean accepted length = 1 + accepted / drafts.
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Decodes that fed draft tokens.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                                       "Draft tokens the model accepted.")
+        self.spec_decode_num_accepted_tokens_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by their position in the draft.",
+            ("position",))
         self.time_to_first_token = hist("time_to_first_token_seconds", "Arrival to first token (TTFT).",
                                         TTFT_BUCKETS)
         self.inter_token_latency = hist("inter_token_latency_seconds", "Time between two tokens of one sequence.",
@@ -82,7 +92,8 @@ class EngineMetrics:
         for m in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
                   self.num_preemptions, self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries,
                   self.prefix_cache_hits, self.time_to_first_token, self.inter_token_latency,
-                  self.e2e_request_latency, self.iteration_tokens):
+                  self.e2e_request_latency, self.iteration_tokens, self.spec_decode_num_drafts,
+                  self.spec_decode_num_draft_tokens, self.spec_decode_num_accepted_tokens):
             self._l(m)
         for reason in ("stop", "length", "abort", "error"):
             self._l(self.request_success, finished_reason=reason)
@@ -125,9 +136,17 @@ class EngineMetrics:
     # ---- per step ------------------------------------------------------
     def on_step(self, event: StepEvent) -> None:
         self._l(self.iteration_tokens).observe(event.num_batched_tokens)
-        generated = sum(1 for en in event.entries if en.sampled_token_id is not None)
+        generated = event.num_generated_tokens
         if generated:
             self._l(self.generation_tokens).inc(generated)
+        for en in event.entries:
+            if en.draft_token_ids:
+                self._l(self.spec_decode_num_drafts).inc()
+                self._l(self.spec_decode_num_draft_tokens).inc(len(en.draft_token_ids))
+                if en.num_accepted_tokens:
+                    self._l(self.spec_decode_num_accepted_tokens).inc(en.num_accepted_tokens)
+                for pos in range(en.num_accepted_tokens):
+                    self._l(self.spec_decode_num_accepted_tokens_per_pos, position=str(pos)).inc()
         if event.preempted:
             self._l(self.num_preemptions).inc(len(event.preempted))
         if self._engine is not None:

@@ -138,7 +138,7 @@ class OutputProcessor:
                 continue
             touched[g.request_id] = g
             try:
-                self._apply(g, sample, s.request, res, start, now)
+                self._apply(g, sample, s.request, res, start, now, s.emitted)
             except Exception as e:
                 logger.exception("request %s failed while its output was processed; failing it alone", g.request_id)
                 del touched[g.request_id]
@@ -155,7 +155,11 @@ class OutputProcessor:
                 outputs.append(self.fail(g, failure_message("building its output", e), now, g.samples))
         return outputs
 
-    def _apply(self, g: Group, sample: Sample, req: Request, res: RunnerOutput, start: float, now: float) -> None:
+    def _apply(self, g: Group, sample: Sample, req: Request, res: RunnerOutput, start: float, now: float,
+               emitted: list[int] | None = None) -> None:
+        """`emitted`: the tokens the scheduler appended this step (several with speculative
+        decoding: accepted drafts, then the sampled token); each goes through the stop rules
+        in order, and a stop string part-way drops the ones after it."""
         rid = req.request_id
         if g.metrics.first_scheduled_time is None:
             g.metrics.first_scheduled_time = start
@@ -172,18 +176,26 @@ class OutputProcessor:
         g.metrics.last_token_time = now
         if self.faults is not None:
             self.faults.check("detokenize", rid, g.prompt)
-        if sample.logprobs is not None and rid in res.logprobs:
-            lp, rank, top = res.logprobs[rid]
-            sample.logprobs.append(self._logprob_dict(tok, lp, rank, top))
-            sample.cumulative_logprob += lp
-        if req.grammar is not None and not req.is_finished:  # structured output: advance its grammar
-            if not req.grammar.accept(tok):
-                raise RuntimeError(f"token {tok} is outside the request's grammar")
-            if req.grammar.terminated:  # the document is complete (it took a stop token)
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, tok)
-        stop_str = sample.detok.add(tok) if g.params.detokenize else None
-        if stop_str is not None and not req.is_finished:
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop_str)
+        tokens = emitted or [tok]
+        finished_before = req.is_finished  # by the scheduler's token rules, at the last of `tokens`
+        for i, tok in enumerate(tokens):
+            if sample.logprobs is not None and rid in res.logprobs:  # (never with drafts: one token)
+                lp, rank, top = res.logprobs[rid]
+                sample.logprobs.append(self._logprob_dict(tok, lp, rank, top))
+                sample.cumulative_logprob += lp
+            if req.grammar is not None and not req.is_finished:  # structured output: advance its grammar
+                if not req.grammar.accept(tok):
+                    raise RuntimeError(f"token {tok} is outside the request's grammar")
+                if req.grammar.terminated:  # the document is complete (it took a stop token)
+                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, tok)
+            stop_str = sample.detok.add(tok) if g.params.detokenize else None
+            if stop_str is not None and not req.is_finished:
+                later = len(tokens) - i - 1
+                if later:  # accepted drafts after the stop string are not part of the output
+                    del req.output_token_ids[-later:]
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop_str)
+            if req.is_finished and not finished_before:
+                break
         if req.is_finished:
             self._finish_sample(sample, now)
         if g.pending and req is g.samples[0].req:

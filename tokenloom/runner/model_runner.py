@@ -29,6 +29,7 @@ from tokenloom.kernels import glibc_heap
 from tokenloom.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from tokenloom.runner.tp_comm import recv_step, send_step
 from tokenloom.runner.sampler import SamplingRow, sample
+from tokenloom.spec_decode.verify import verify
 from tokenloom.structured import StepMasks
 
 
@@ -39,6 +40,9 @@ class RunnerOutput:
     logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]] = field(default_factory=dict)
     # request id -> list of (prompt position, logprob of that prompt token, rank, top-N)
     prompt_logprobs: dict[str, list[tuple[int, float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
+    # speculative decoding: request id -> its drafts the model accepted (a prefix of them),
+    # which come before its token in `sampled`
+    accepted: dict[str, list[int]] = field(default_factory=dict)
     forward_time: float = 0.0  # the whole execute(): input prep + model + sampling
     model_time: float = 0.0  # the model alone: forward pass + logits
 
@@ -196,15 +200,20 @@ class ModelRunner:
 
     def _prepare(self, out: SchedulerOutput):
         bs = self.block_size
-        decodes = [s for s in out.scheduled if s.phase == "decode"]
-        prefills = [s for s in out.scheduled if s.phase != "decode"]
+        # A decode with drafts is a short chunk over the paged KV: it goes with the prefills.
+        decodes = [s for s in out.scheduled if s.phase == "decode" and not s.spec_token_ids]
+        prefills = [s for s in out.scheduled if s.phase != "decode" or s.spec_token_ids]
         order = decodes + prefills
         ids, pos, slots = self._decode_inputs(decodes, bs)
         offsets = list(range(len(decodes)))
         t = len(decodes)
         for s in prefills:
             c, n = s.num_computed_before, s.num_new_tokens
-            ids.extend(s.request.token_slice(c, c + n))
+            if s.spec_token_ids:
+                ids.append(s.request.token_at(c))
+                ids.extend(s.spec_token_ids)
+            else:
+                ids.extend(s.request.token_slice(c, c + n))
             p = np.arange(c, c + n, dtype=np.int64)
             table = np.asarray(s.block_ids, dtype=np.int64)
             pos.extend(p.tolist())
@@ -266,7 +275,7 @@ class ModelRunner:
         if self.graphs is None or len(out.scheduled) > self.graphs.max_size:
             return None
         for s in out.scheduled:
-            if s.phase != "decode" or not s.sample:
+            if s.phase != "decode" or not s.sample or s.spec_token_ids:
                 return None
         return out.scheduled
 
@@ -286,32 +295,28 @@ class ModelRunner:
             logits = self.graphs.run(ids, pos, slots, [s.block_ids for s in decodes])
         else:
             order, offsets, input_ids, positions, meta = self._prepare(out)
-            sample_sched = [(s, off + s.num_new_tokens - 1) for s, off in zip(order, offsets) if s.sample]
+            sample_sched = [(s, off + s.num_new_tokens - 1) for s, off in zip(order, offsets)
+                            if s.sample and not s.spec_token_ids]
+            # decodes with drafts: logits at the decode token and at every draft (verify.py)
+            spec_sched = [(s, off) for s, off in zip(order, offsets) if s.spec_token_ids]
             spans = self._prompt_spans(order, offsets)
-            rows_idx = torch.tensor([i for _, i in sample_sched], dtype=torch.long, device=self.device)
+            rows_idx = torch.tensor([i for _, i in sample_sched]
+                                    + [off + j for s, off in spec_sched for j in range(s.num_new_tokens)],
+                                    dtype=torch.long, device=self.device)
             masks = StepMasks.start([s.request.grammar for s, _ in sample_sched])  # filled during the forward
             t_model = time.perf_counter()
             if self.tp is not None:  # the other ranks run the same forward and logits (collectives)
                 send_step(input_ids, positions, meta, [rows_idx] + [sp.rows for sp in spans])
             hidden = self._forward(input_ids, positions, self.kv_caches, meta)
-            logits = self.model.compute_logits(hidden[rows_idx]) if sample_sched else None
+            logits = self.model.compute_logits(hidden[rows_idx]) if len(rows_idx) else None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the sampler syncs anyway; this makes model_time honest
         result.model_time = time.perf_counter() - t_model
+        if decodes is None and spec_sched:
+            self._verify(spec_sched, logits[len(sample_sched):], result)
         if sample_sched:
-            rows = [
-                SamplingRow(
-                    request_id=s.request_id,
-                    params=s.request.sampling_params,
-                    prompt_token_ids=s.request.prompt_token_ids,
-                    output_token_ids=s.request.output_token_ids,
-                    eos_token_ids=s.request.eos_token_ids,
-                    generator=self._generator(s),
-                    grammar=s.request.grammar,
-                )
-                for s, _ in sample_sched
-            ]
-            so = _sample_or_blame(logits, rows, masks)
+            rows = [self._sampling_row(s) for s, _ in sample_sched]
+            so = _sample_or_blame(logits[:len(sample_sched)] if decodes is None and spec_sched else logits, rows, masks)
             for (s, _), tok, lp in zip(sample_sched, so.token_ids, so.logprobs):
                 result.sampled[s.request_id] = tok
                 if lp is not None:
@@ -320,6 +325,36 @@ class ModelRunner:
             self._prompt_logprobs(spans, hidden, result)
         result.forward_time = time.perf_counter() - t0
         return result
+
+    def _sampling_row(self, s: ScheduledRequest) -> SamplingRow:
+        return SamplingRow(
+            request_id=s.request_id,
+            params=s.request.sampling_params,
+            prompt_token_ids=s.request.prompt_token_ids,
+            output_token_ids=s.request.output_token_ids,
+            eos_token_ids=s.request.eos_token_ids,
+            generator=self._generator(s),
+            grammar=s.request.grammar,
+        )
+
+    def _verify(self, spec_sched, logits: torch.Tensor, result: RunnerOutput) -> None:
+        """Speculative decoding: accept or reject each request's drafts (spec_decode/verify.py)."""
+        rows = [self._sampling_row(s) for s, _ in spec_sched]
+        try:
+            verdicts = verify(logits, rows, [s.spec_token_ids for s, _ in spec_sched])
+        except Exception as exc:  # find the request whose settings break it, as _sample_or_blame does
+            start = 0
+            for (s, _), row in zip(spec_sched, rows):
+                n = s.num_new_tokens
+                try:
+                    verify(logits[start:start + n].clone(), [row], [s.spec_token_ids])
+                except Exception:
+                    raise RequestError(row.request_id, exc) from exc
+                start += n
+            raise
+        for (s, _), v in zip(spec_sched, verdicts):
+            result.sampled[s.request_id] = v.token
+            result.accepted[s.request_id] = v.accepted
 
     def _prompt_spans(self, order, offsets) -> list[_PromptSpan]:
         """The rows whose logits score prompt tokens this step (`prompt_logprobs`)."""

@@ -128,6 +128,8 @@ def cell_tip(trace: Trace, tl: Timeline, rid: str, i: int, out_so_far: list[int]
     lines.append(f"KV cache {en.kv_len_before} → {en.kv_len_after}")
     if en.sampled_token_id is not None:
         lines.append(f"sampled  {en.sampled_token_id} {label(trace.tokens.get(en.sampled_token_id))}")
+    if en.draft_token_ids:
+        lines.append(f"drafts   {len(en.draft_token_ids)} fed, {en.num_accepted_tokens} accepted")
         lines.append(f"text     \"{shorten(visible(_tail_text(trace, out_so_far, en.finished)), 48, keep_end=True)}\"")
     else:
         lines.append("sampled  – (prompt not fully read yet)")
@@ -186,7 +188,9 @@ def _timeline_table(trace: Trace, tl: Timeline) -> str:
         outs: list[int] = []
         for i in range(len(ev)):
             en = tl.cells[rid][i].entry
-            if en is not None and en.sampled_token_id is not None:
+            if en is not None and en.generated_token_ids:
+                outs.extend(en.generated_token_ids)
+            elif en is not None and en.sampled_token_id is not None:
                 outs.append(en.sampled_token_id)
             rows.append(_cell_html(tl.cells[rid][i], cell_tip(trace, tl, rid, i, outs)))
         rows.append("</tr>")

@@ -160,7 +160,8 @@ class Trace:
         events = []
         for s in d["steps"]:
             s = dict(s)
-            s.pop("duration", None)
+            for derived in ("duration", "num_draft_tokens", "num_accepted_tokens"):
+                s.pop(derived, None)
             s["entries"] = [StepEntry(**e) for e in s["entries"]]
             events.append(StepEvent(**s))
         tokens = {int(k): TokenPiece.from_dict(v) for k, v in d.get("tokens", {}).items()}
@@ -232,6 +233,7 @@ def build_trace(llm: Any, outputs: Sequence[Any], events: list[StepEvent], *, se
             all_ids.update(en.token_ids)
             if en.sampled_token_id is not None:
                 all_ids.add(en.sampled_token_id)
+            all_ids.update(en.generated_token_ids)
     return Trace(model=str(engine.model_name), settings=dict(settings or {}), requests=requests, events=list(events),
                  tokens=build_token_table(engine.tokenizer, all_ids))
 

@@ -174,7 +174,9 @@ def print_steps(console: Console, trace: Trace, tl: Timeline) -> None:
     for i, e in enumerate(tl.events):
         for j, en in enumerate(e.entries):
             cell = tl.cells[en.request_id][i]
-            if en.sampled_token_id is not None:
+            if en.generated_token_ids:  # with speculative decoding a step can append several
+                out_ids[en.request_id].extend(en.generated_token_ids)
+            elif en.sampled_token_id is not None:
                 out_ids[en.request_id].append(en.sampled_token_id)
             kv = Text.assemble(str(en.kv_len_before), "→", (str(en.kv_len_after), "bold"))
             if en.sampled_token_id is None:
@@ -182,6 +184,8 @@ def print_steps(console: Console, trace: Trace, tl: Timeline) -> None:
             else:
                 sampled = Text.assemble((str(en.sampled_token_id), "bold"), " ",
                                         shorten(label(trace.tokens.get(en.sampled_token_id)), 12))
+                if en.draft_token_ids:
+                    sampled.append(f" (+{en.num_accepted_tokens}/{len(en.draft_token_ids)} drafts)", "cyan")
             so_far = visible(complete_text(trace.tokens, out_ids[en.request_id], final=en.finished))
             out_text = Text(f'"{shorten(so_far, 30, keep_end=True)}"')
             if en.finished:

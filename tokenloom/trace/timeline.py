@@ -95,7 +95,7 @@ class Timeline:
                 if en is not None:
                     target = en.num_prompt_tokens + num_out[rid]
                     if en.sampled_token_id is not None:
-                        num_out[rid] += 1
+                        num_out[rid] += max(1, len(en.generated_token_ids))
                     cell = Cell(en.phase, en, target=target, recompute=rid in was_preempted and en.phase != "decode",
                                 num_output=num_out[rid], finished=en.finished)
                     started.add(rid)
