@@ -207,3 +207,29 @@ def test_cli_flag_round_trips():
     assert EngineArgs.from_cli_args(parser.parse_args([])).quantization is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int2"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_estimator_counts_the_bytes_the_engine_stores(tiny_llama, name):
+    """specs/model_spec.py's quantized bytes are the PyTorch path's buffers, byte for byte (the
+    kernel's panels add only padding to whole panels)."""
+    from tokenloom.specs.model_spec import load_model_spec
+
+    llm = LLM(str(tiny_llama), quantization=name, linear_backend="torch", max_model_len=64, num_kv_blocks=32)
+    loaded = llm.llm_engine.loaded
+    rope = loaded.model.rope.cos.nbytes + loaded.model.rope.sin.nbytes
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    assert loaded.weight_bytes - rope == load_model_spec(str(tiny_llama)).weight_bytes(dtype, name)
+
+
+def test_estimate_reads_fewer_bytes_per_step_quantized():
+    from tokenloom.sim.estimate import estimate
+    from tokenloom.specs.hardware import get_hardware
+    from tokenloom.specs.model_spec import load_model_spec
+
+    spec, hw = load_model_spec("qwen2.5-0.5b"), get_hardware("rtx4090")
+    full, q8, q4 = (estimate(spec, hw, "bfloat16", batch_sizes=(1,), quantization=q) for q in (None, "int8", "int4"))
+    w = full.weight_bytes_streamed
+    assert q8.weight_bytes_streamed == pytest.approx(w / 2, rel=0.01)
+    assert q4.weight_bytes_streamed == pytest.approx(w * 4.5 / 16, rel=0.01)
+    assert q8.quantization == "int8" and q4.decode[0].step_time_s < q8.decode[0].step_time_s < full.decode[0].step_time_s

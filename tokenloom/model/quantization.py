@@ -25,42 +25,11 @@ lookup dequantizes only the rows it gathers (`QuantEmbedding`).  Figures: docs/q
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True)
-class QuantScheme:
-    """One quantization choice: `bits` per weight, `group` along K (0: the whole row)."""
-
-    name: str
-    bits: int
-    group: int
-
-    def bytes_per_weight(self, k: int) -> float:
-        """Storage per weight of a row of `k` inputs, scales included (int8: float32 per row;
-        int4: bfloat16 per group, K padded to whole groups)."""
-        if self.bits == 8:
-            return 1 + 4 / k
-        groups = -(-k // self.group)
-        return groups * (self.group / 2 + 2) / k
-
-
-SCHEMES = {
-    "int8": QuantScheme("int8", 8, 0),
-    "int4": QuantScheme("int4", 4, 32),
-    "int4-g128": QuantScheme("int4-g128", 4, 128),
-}
-
-
-def parse_scheme(name: str) -> QuantScheme:
-    try:
-        return SCHEMES[name]
-    except KeyError:
-        raise ValueError(f"--quantization must be one of {', '.join(SCHEMES)}; got {name!r}") from None
+from tokenloom.model.quant_schemes import SCHEMES, QuantScheme, parse_scheme  # noqa: F401 (re-exported)
 
 
 # ---------------------------------------------------------------- quantize / dequantize

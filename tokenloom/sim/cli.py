@@ -63,6 +63,8 @@ def _add_cost_args(p: argparse.ArgumentParser) -> None:
                    help="model preset name or a directory with config.json (default: qwen2.5-0.5b)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
                    help="weight/KV dtype (default: the checkpoint's)")
+    g.add_argument("--quantization", default=None, choices=["int8", "int4", "int4-g128"],
+                   help="weight-only quantized matmul weights (the engine's --quantization): fewer bytes per step")
     g.add_argument("--mem-efficiency", type=float, default=None,
                    help="fraction of peak bandwidth achieved (default: 0.8 datasheet, 1.0 measured)")
     g.add_argument("--compute-efficiency", type=float, default=None,
@@ -200,7 +202,7 @@ def run_estimate(args: argparse.Namespace) -> int:
             batch_sizes=args.batch_size, context_len=args.context_len, prompt_len=args.prompt_len,
             mem_efficiency=args.mem_efficiency, compute_efficiency=args.compute_efficiency,
             overhead_s=None if args.overhead_ms is None else args.overhead_ms / 1e3,
-            prefill_chunk=args.prefill_chunk,
+            prefill_chunk=args.prefill_chunk, quantization=args.quantization,
         )
     except (KeyError, ValueError) as e:
         console.print(f"error: {e}", markup=False)
@@ -221,7 +223,8 @@ def decode_table(est) -> "object":
     from rich.table import Table
 
     hw = est.hardware
-    t = Table(title=f"decode step: {est.model['name']} ({est.dtype}) on {hw['name']}, "
+    weights = est.dtype + (f", {est.quantization} weights" if est.quantization else "")
+    t = Table(title=f"decode step: {est.model['name']} ({weights}) on {hw['name']}, "
                     f"context {est.context_len} tokens/request, mem eff {est.mem_efficiency:g}, "
                     f"compute eff {est.compute_efficiency:g}, overhead {fmt_time(est.overhead_s)}")
     for col in ("batch", "bytes/step", "FLOPs/step", "mem time", "compute time", "step time", "bound",
@@ -248,7 +251,10 @@ def explain(est, spec, hw: Hardware) -> str:
         "",
         f"How one decode step at batch {B} was computed ({spec.name}, {est.dtype}, {hw.name}, context L = {L}):",
         "",
-        f"  weights read per step   W  = {spec.streamed_params:,} params x {nb} B = {fmt_bytes(est.weight_bytes_streamed)}",
+        f"  weights read per step   W  = {spec.streamed_params:,} params x {nb} B = {fmt_bytes(est.weight_bytes_streamed)}"
+        if not est.quantization else
+        f"  weights read per step   W  = {spec.matmul_params:,} matmul params in {est.quantization} (scales included)"
+        f" + {spec.streamed_params - spec.matmul_params:,} others x {nb} B = {fmt_bytes(est.weight_bytes_streamed)}",
         f"  KV bytes per token      kv = 2 (K and V) x {spec.num_layers} layers x {spec.num_kv_heads} kv heads"
         f" x {spec.head_dim} head_dim x {nb} B = {kv:,} B",
         f"  bytes per step             = W + B*L*kv + B*kv = {fmt_bytes(d.weight_bytes)} + {B} x {L} x {kv:,} B"
@@ -363,7 +369,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         else:
             cm = CostModel(spec, hw, None if args.dtype == "auto" else args.dtype,
                            mem_efficiency=args.mem_efficiency, compute_efficiency=args.compute_efficiency,
-                           overhead_s=None if args.overhead_ms is None else args.overhead_ms / 1e3)
+                           overhead_s=None if args.overhead_ms is None else args.overhead_ms / 1e3,
+                           quantization=args.quantization)
         sim_cfg = SimConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,

@@ -107,8 +107,11 @@ class CostModel:
         compute_efficiency: float | None = None,
         overhead_s: float | None = None,
         per_seq_overhead_s: float = 0.0,
+        quantization: str | None = None,
     ) -> None:
         self.spec = spec
+        # weight-only int8/int4 (model/quant_schemes.py): fewer bytes per step, the same FLOPs
+        self.quantization = quantization
         self.hardware = hardware
         self.dtype = normalize_dtype(dtype) if dtype else spec.default_dtype()
         em, ec = default_efficiency(hardware)
@@ -122,7 +125,8 @@ class CostModel:
         # Precompute the constants so a step is a handful of multiply-adds.
         self.bandwidth = hardware.mem_bandwidth * self.mem_efficiency
         self.flop_rate = hardware.flops_for(self.dtype) * self.compute_efficiency
-        self.weight_bytes = spec.streamed_weight_bytes(self.dtype)
+        self.weight_bytes = spec.streamed_weight_bytes(self.dtype, quantization)
+        self.total_weight_bytes = spec.weight_bytes(self.dtype, quantization)
         self.kv_bytes_per_token = spec.kv_bytes_per_token(self.dtype)
         self.layer_flops_per_token = 2 * spec.layer_matmul_params
         self.logits_flops = 2 * spec.logits_matmul_params
@@ -231,6 +235,7 @@ class Estimate:
     hardware: dict
     model: dict
     dtype: str
+    quantization: str | None
     mem_efficiency: float
     compute_efficiency: float
     overhead_s: float
@@ -268,7 +273,7 @@ def decode_point(cm: CostModel, batch_size: int, context_len: int) -> DecodePoin
         tokens_per_s_per_request=1.0 / c.time_s,
         tokens_per_s_total=batch_size / c.time_s,
         kv_cache_bytes=float(resident),
-        fits_in_memory=cm.spec.weight_bytes(cm.dtype) + resident <= cm.hardware.memory_bytes,
+        fits_in_memory=cm.total_weight_bytes + resident <= cm.hardware.memory_bytes,
     )
 
 
@@ -289,7 +294,7 @@ def prefill_point(cm: CostModel, prompt_len: int, chunk_size: int | None = None)
 
 
 def max_batch_in_memory(cm: CostModel, context_len: int) -> int:
-    free = cm.hardware.memory_bytes - cm.spec.weight_bytes(cm.dtype)
+    free = cm.hardware.memory_bytes - cm.total_weight_bytes
     per_req = (context_len + 1) * cm.kv_bytes_per_token
     return max(0, int(free // per_req)) if per_req > 0 else 0
 
@@ -306,6 +311,7 @@ def estimate(
     compute_efficiency: float | None = None,
     overhead_s: float | None = None,
     prefill_chunk: int | None = None,
+    quantization: str | None = None,
 ) -> Estimate:
     """Decode estimate at each batch size, crossover batch, and the prefill/TTFT floor."""
     if context_len < 0:
@@ -313,17 +319,18 @@ def estimate(
     if any(b < 1 for b in batch_sizes):
         raise ValueError("batch sizes must be >= 1")
     cm = CostModel(spec, hardware, dtype, mem_efficiency=mem_efficiency,
-                   compute_efficiency=compute_efficiency, overhead_s=overhead_s)
+                   compute_efficiency=compute_efficiency, overhead_s=overhead_s, quantization=quantization)
     return Estimate(
         hardware=hardware.to_dict(),
         model=spec.to_dict(),
         dtype=cm.dtype,
+        quantization=quantization,
         mem_efficiency=cm.mem_efficiency,
         compute_efficiency=cm.compute_efficiency,
         overhead_s=cm.overhead_s,
         context_len=context_len,
         kv_bytes_per_token=cm.kv_bytes_per_token,
-        weight_bytes_total=spec.weight_bytes(cm.dtype),
+        weight_bytes_total=cm.total_weight_bytes,
         weight_bytes_streamed=cm.weight_bytes,
         flops_per_token=spec.flops_per_token(context_len + 1),
         max_batch_in_memory=max_batch_in_memory(cm, context_len),

@@ -93,7 +93,7 @@ def num_kv_blocks_for(cfg: SimConfig, cost_model: CostModel) -> int:
     if cfg.kv_cache_memory is not None:
         budget = parse_size(cfg.kv_cache_memory)
     else:
-        weights = cost_model.spec.weight_bytes(cost_model.dtype)
+        weights = cost_model.total_weight_bytes  # quantized where the cost model is
         budget = int(cost_model.hardware.memory_bytes * cfg.gpu_memory_utilization) - weights
         if budget <= 0:
             raise ValueError(

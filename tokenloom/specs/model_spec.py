@@ -162,10 +162,30 @@ class ModelSpec:
     def matmul_params(self) -> int:
         return self.layer_matmul_params + self.logits_matmul_params
 
+    @property
+    def matmul_shapes(self) -> list[tuple[int, int]]:
+        """(n, k) of every matmul weight, as the engine stores them: per layer the fused q/k/v,
+        o, fused gate/up and down projections; then the vocab projection."""
+        h, i = self.hidden_size, self.intermediate_size
+        layer = [(self.q_dim + 2 * self.kv_dim, h), (h, self.q_dim), (2 * i, h), (h, i)]
+        return layer * self.num_layers + [(self.vocab_size, h)]
+
+    def quantized_matmul_bytes(self, quantization: str) -> int:
+        """Bytes of every matmul weight under a weight-only scheme (model/quant_schemes.py), scales included."""
+        from tokenloom.model.quant_schemes import parse_scheme
+
+        scheme = parse_scheme(quantization)
+        return sum(scheme.matrix_bytes(n, k) for n, k in self.matmul_shapes)
+
     # ------------------------------------------------------------ bytes
-    def weight_bytes(self, dtype: str) -> int:
-        """Size of the whole checkpoint in `dtype` (what must fit in memory)."""
-        return self.total_params * DTYPE_BYTES[normalize_dtype(dtype)]
+    def weight_bytes(self, dtype: str, quantization: str | None = None) -> int:
+        """Size of the whole checkpoint in `dtype` (what must fit in memory); with `quantization`,
+        every matmul weight (the tied or untied vocab projection included) in that scheme and
+        the rest (norms, biases, an untied input embedding) in `dtype`."""
+        nbytes = DTYPE_BYTES[normalize_dtype(dtype)]
+        if quantization is None:
+            return self.total_params * nbytes
+        return (self.total_params - self.matmul_params) * nbytes + self.quantized_matmul_bytes(quantization)
 
     @property
     def streamed_params(self) -> int:
@@ -177,8 +197,12 @@ class ModelSpec:
         """
         return self.total_params - (self.embedding_params if not self.tie_word_embeddings else 0)
 
-    def streamed_weight_bytes(self, dtype: str) -> int:
-        return self.streamed_params * DTYPE_BYTES[normalize_dtype(dtype)]
+    def streamed_weight_bytes(self, dtype: str, quantization: str | None = None) -> int:
+        """Bytes every step reads; with `quantization`, the matmul weights in that scheme."""
+        nbytes = DTYPE_BYTES[normalize_dtype(dtype)]
+        if quantization is None:
+            return self.streamed_params * nbytes
+        return (self.streamed_params - self.matmul_params) * nbytes + self.quantized_matmul_bytes(quantization)
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         """K and V, every layer: 2 * layers * kv_heads * head_dim * bytes."""
