@@ -95,6 +95,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("--num-iters-warmup", type=int, default=1)
+    p.add_argument("--structured-output", choices=["json_object", "json_schema", "regex"], default=None,
+                   help="also run every iteration with each request's output constrained by this grammar "
+                        "(alternating with the unconstrained batch) and report what the masks cost per decode step")
     _add_output_args(p)
     p.set_defaults(func=_lazy("tokenloom.bench.latency", "main"))
 

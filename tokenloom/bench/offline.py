@@ -94,11 +94,13 @@ class OfflineRun:
     outputs: list[Any]  # RequestOutput, in workload order
 
 
-def sampling_params_for(reqs: Sequence[BenchRequest], ignore_eos: bool) -> list:
+def sampling_params_for(reqs: Sequence[BenchRequest], ignore_eos: bool, structured: Any = None) -> list:
+    """`structured`: a `StructuredOutputsParams` every request's output must follow."""
     from tokenloom.sampling_params import SamplingParams
 
     # temperature 0: greedy, so the engine and the HF baseline do the same work.
-    return [SamplingParams(max_tokens=r.output_len, ignore_eos=ignore_eos, temperature=0.0, detokenize=True)
+    return [SamplingParams(max_tokens=r.output_len, ignore_eos=ignore_eos, temperature=0.0, detokenize=True,
+                           structured_outputs=structured)
             for r in reqs]
 
 
@@ -126,11 +128,12 @@ def _records(reqs: Sequence[BenchRequest], outputs: Sequence[Any], rec: StepReco
 
 
 def run_generate(llm: Any, reqs: Sequence[BenchRequest], *, ignore_eos: bool = True,
-                 progress: bool = False, keep_events: bool = False) -> OfflineRun:
-    """All requests at once through `LLM.generate` (arrival times ignored)."""
+                 progress: bool = False, keep_events: bool = False, structured: Any = None) -> OfflineRun:
+    """All requests at once through `LLM.generate` (arrival times ignored); `structured`: a
+    `StructuredOutputsParams` applied to every request."""
     rec = StepRecorder(keep_events=keep_events)
     prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in reqs]
-    params = sampling_params_for(reqs, ignore_eos)
+    params = sampling_params_for(reqs, ignore_eos, structured)
     llm.llm_engine.add_observer(rec)
     try:
         t0 = time.perf_counter()
