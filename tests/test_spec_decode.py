@@ -299,3 +299,32 @@ def test_spec_decode_metrics_on_the_server(hf_checkpoint):
         assert metric(base, "tokenloom:generation_tokens_total") == 30
     finally:
         server.stop()
+
+
+# ---- the simulator ------------------------------------------------------------------------------
+
+def test_simulator_knows_accepted_tokens_per_step():
+    from tokenloom.bench.workloads import BenchRequest
+    from tokenloom.sim.estimate import CostModel
+    from tokenloom.sim.simulator import SimConfig, Simulator
+    from tokenloom.specs.hardware import Hardware
+    from tokenloom.specs.model_spec import ModelSpec
+
+    spec = ModelSpec.from_config({"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 2,
+                                  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+                                  "intermediate_size": 16, "vocab_size": 32}, "toy")
+    hw = Hardware("toy", 10**6, 1000.0, {"float16": 1e4, "bfloat16": 1e4, "float32": 5e3}, "test")
+    cm = CostModel(spec, hw, "float16", mem_efficiency=1.0, compute_efficiency=1.0, overhead_s=0.01)
+    base = dict(max_model_len=128, block_size=4, num_kv_blocks=64, max_num_batched_tokens=64)
+    reqs = [BenchRequest(list(range(5, 15)), 41, 0.0)]
+    runs = {}
+    for name, extra in (("off", {}), ("on", dict(num_speculative_tokens=4, spec_mean_accepted=3.0))):
+        events = []
+        res = Simulator(cm, SimConfig(**base, **extra), observers=[events.append]).run(reqs)
+        runs[name] = (res, events)
+    (off, ev_off), (on, ev_on) = runs["off"], runs["on"]
+    assert sum(e.num_generated_tokens for e in ev_on) == sum(e.num_generated_tokens for e in ev_off) == 41
+    # one step for the prompt and its first token, then 4 tokens a step: 40 more in 10 steps
+    assert (len(ev_off), len(ev_on)) == (41, 11)
+    assert sum(e.num_accepted_tokens for e in ev_on) == 30
+    assert on.duration_s < off.duration_s

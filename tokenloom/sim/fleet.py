@@ -77,7 +77,7 @@ class _Replica:
         self.index = index
         self.kv = KVCacheManager(sim.num_kv_blocks, sim.config.block_size, sim.config.enable_prefix_caching)
         self.sched = Scheduler(sim.scheduler_config, self.kv)
-        self.executor = CostModelExecutor(sim.cost_model, vocab, seed)
+        self.executor = CostModelExecutor(sim.cost_model, vocab, seed, sim.config)
         self.recorder = StepRecorder()
         self.inbox: list[Request] = []  # routed here, admitted when the current step ends
         self.step: tuple[SchedulerOutput, dict[str, int], float, float, float] | None = None
@@ -96,6 +96,7 @@ class _Replica:
         self.inbox.clear()
         if not self.sched.has_unfinished():
             return
+        self.executor.draft(self.sched.running)
         out = self.sched.schedule()
         if out.is_empty:  # cannot happen with a valid config; never spin forever
             raise RuntimeError(f"replica {self.index}: scheduler made no progress at t={t:.6f}s with "
@@ -109,7 +110,7 @@ class _Replica:
         out, sampled, start, end, dt = self.step
         self.step = None
         self.busy_s += dt
-        finished = self.sched.update_from_output(out, sampled, end)
+        finished = self.sched.update_from_output(out, sampled, end, self.executor.accepted)
         event = self.sched.make_event(out, sampled, start, end, dt)
         self.recorder(event)
         for fn in observers:

@@ -22,6 +22,12 @@ A request arriving during a step is admitted when the step ends, as on a server.
 same `StepEvent`s the engine emits go to observers, and per-request timelines become
 `bench.metrics.RequestRecord`s, so the summary is the one `bench serve` prints.
 
+Speculative decoding is modelled by its two figures: `num_speculative_tokens` drafts per
+decode (the scheduler gives them KV slots and budget, the cost model prices the 1 + k token
+verification like any short chunk) and `spec_mean_accepted`, the mean drafts accepted per
+verifying step (measure it with scripts/bench_spec_decode.py); acceptances are spread
+evenly with a per-request running credit, so a request emits 1 + accepted tokens a step.
+
 What it cannot know: there is no model, so output lengths are the workload's (EOS is
 never sampled), and step times are roofline estimates -- calibrate `CostModel`'s
 efficiencies and overheads against `bench latency` / `bench roofline` on real hardware.
@@ -46,6 +52,7 @@ from tokenloom.core.events import StepEvent
 from tokenloom.request import Request
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.sim.estimate import CostModel
+from tokenloom.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of device memory for weights + KV
 
@@ -64,6 +71,11 @@ class SimConfig:
     enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill
     enable_prefix_caching: bool = EngineArgs.enable_prefix_caching
     scheduling_policy: str = EngineArgs.scheduling_policy
+    # speculative decoding: drafts per decode (0: off), mean drafts accepted per verifying
+    # step, and the running-request count above which no step drafts
+    num_speculative_tokens: int = 0
+    spec_mean_accepted: float = 0.0
+    spec_disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @classmethod
     def from_engine_config(cls, ec: EngineConfig) -> "SimConfig":
@@ -109,8 +121,12 @@ class CostModelExecutor:
 
     _TABLE = 4096  # distinct pseudo-random tokens, cycled
 
-    def __init__(self, cost_model: CostModel, vocab_range: tuple[int, int] = (5, 32000), seed: int = 0):
+    def __init__(self, cost_model: CostModel, vocab_range: tuple[int, int] = (5, 32000), seed: int = 0,
+                 spec: SimConfig | None = None):
         self.cost_model = cost_model
+        self.spec = spec if spec is not None and spec.num_speculative_tokens > 0 else None
+        self.accepted: dict[str, list[int]] = {}  # the last step's accepted drafts, per request
+        self._credit: dict[str, float] = {}
         self.vocab_range = vocab_range
         lo, hi = vocab_range
         rng = random.Random(seed)
@@ -118,6 +134,30 @@ class CostModelExecutor:
         # cyclically is as good as fresh draws and costs nothing per token.
         self._tokens = [rng.randrange(lo, hi) for _ in range(self._TABLE)]
         self._next = 0
+
+    def draft(self, running: Sequence[Request]) -> None:
+        """Before `schedule()`: placeholder drafts on every running decode (speculative decoding),
+        as the engine's proposer would set them when the batch is small enough."""
+        c = self.spec
+        if c is None:
+            return
+        on = len(running) <= c.spec_disable_by_batch_size
+        for req in running:
+            room = req.max_tokens - req.num_output_tokens - 1
+            k = min(c.num_speculative_tokens, room) if on and req.num_tokens - req.num_computed_tokens == 1 else 0
+            req.spec_token_ids = self._tokens[:k] if k > 0 else []
+
+    def _accept(self, out: SchedulerOutput) -> None:
+        """How many drafts each verifying request keeps: its credit grows by the mean each step."""
+        self.accepted = {}
+        if self.spec is None:
+            return
+        for s in out.scheduled:
+            if s.spec_token_ids:
+                credit = self._credit.get(s.request_id, 0.0) + self.spec.spec_mean_accepted
+                a = min(int(credit), len(s.spec_token_ids))
+                self._credit[s.request_id] = credit - a
+                self.accepted[s.request_id] = s.spec_token_ids[:a]
 
     def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], float]:
         """(sampled token per request that reached its end, seconds this step takes)."""
@@ -140,6 +180,7 @@ class CostModelExecutor:
                 sampled[s.request_id] = toks[k % n]
                 k += 1
         self._next = k
+        self._accept(out)
         return sampled, dt
 
 
@@ -202,7 +243,7 @@ class Simulator:
         kv = KVCacheManager(self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
         sched = Scheduler(self.scheduler_config, kv)
         vocab = vocab_range or (5, max(6, self.cost_model.spec.vocab_size))
-        executor = CostModelExecutor(self.cost_model, vocab, seed)
+        executor = CostModelExecutor(self.cost_model, vocab, seed, self.config)
         rec = StepRecorder()
         observers = [rec, *self.observers]
 
@@ -244,13 +285,14 @@ class Simulator:
                 if nxt < len(order):
                     t = max(t, requests[order[nxt]].arrival_time)  # idle: jump to the next arrival
                 continue
+            executor.draft(sched.running)
             out = sched.schedule()
             if out.is_empty:  # cannot happen with a valid config; never spin forever
                 raise RuntimeError(f"scheduler made no progress at t={t:.6f}s with "
                                    f"{sched.num_running} running / {sched.num_waiting} waiting requests")
             sampled, dt = executor.execute(out)
             start, t = t, t + dt
-            for req in sched.update_from_output(out, sampled, t):
+            for req in sched.update_from_output(out, sampled, t, executor.accepted):
                 i, _ = live.pop(req.request_id)
                 records[i].end_time = req.finished_time
                 if slots is not None:
