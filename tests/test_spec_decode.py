@@ -235,13 +235,15 @@ def _prompts() -> list[list[int]]:
 STRESS = dict(block_size=4, max_num_batched_tokens=24, num_kv_blocks=60, max_model_len=200)
 
 
-def test_greedy_outputs_identical_with_and_without_speculation(hf_checkpoint):
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+def test_greedy_outputs_identical_with_and_without_speculation(hf_checkpoint, backend):
+    """Batched, with chunked prefill beside the drafts, and with preemption."""
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    ref = LLM(str(hf_checkpoint), **STRESS).generate(prompts, sp, use_tqdm=False)
+    ref = LLM(str(hf_checkpoint), attention_backend=backend, **STRESS).generate(prompts, sp, use_tqdm=False)
     events = []
     llm = LLM(str(hf_checkpoint), observers=[events.append], speculative_config={**SPEC, "disable_by_batch_size": 8},
-              **STRESS)
+              attention_backend=backend, **STRESS)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     drafted = sum(e.num_draft_tokens for e in events)

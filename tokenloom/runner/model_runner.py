@@ -5,6 +5,9 @@ of all requests are flattened into one batch (decode tokens first, then prefill
 chunks), with their positions and KV slots; one forward pass runs over all of them;
 logits are computed only for rows that emit a token (the last token of each request
 that catches up this step, plus prompt positions when `prompt_logprobs` was asked).
+A decode carrying speculative drafts feeds them as extra decode rows (one per position,
+each attending to the rows before it) and gets logits at each; spec_decode/verify.py
+keeps the drafts the model agrees with.
 
 It also owns the paged KV cache tensors: per layer, K and V of shape
 `[num_blocks, block_size, num_kv_heads, head_dim]`, allocated once at start-up.
@@ -200,20 +203,34 @@ class ModelRunner:
 
     def _prepare(self, out: SchedulerOutput):
         bs = self.block_size
-        # A decode with drafts is a short chunk over the paged KV: it goes with the prefills.
-        decodes = [s for s in out.scheduled if s.phase == "decode" and not s.spec_token_ids]
-        prefills = [s for s in out.scheduled if s.phase != "decode" or s.spec_token_ids]
+        decodes = [s for s in out.scheduled if s.phase == "decode"]
+        prefills = [s for s in out.scheduled if s.phase != "decode"]
         order = decodes + prefills
-        ids, pos, slots = self._decode_inputs(decodes, bs)
-        offsets = list(range(len(decodes)))
+        spec = any(s.spec_token_ids for s in decodes)
+        if spec:
+            # A decode with drafts (speculative decoding) becomes 1 + k decode rows: row j is the
+            # token at position c+j attending to c+j+1 tokens.  Every row's K/V is written before
+            # any row attends, so each sees the drafts before it -- a short causal chunk run
+            # through the (fast) decode path.
+            decodes = [s for s in decodes for _ in range(s.num_new_tokens)]
+            ids, pos, slots, offsets = [], [], [], []
+            for s in order[:len(order) - len(prefills)]:
+                c = s.num_computed_before
+                offsets.append(len(ids))
+                ids.append(s.request.token_at(c))
+                ids.extend(s.spec_token_ids)
+                for p in range(c, c + s.num_new_tokens):
+                    pos.append(p)
+                    slots.append(s.block_ids[p // bs] * bs + p % bs)
+            decode_ctx = [p + 1 for p in pos]
+        else:
+            ids, pos, slots = self._decode_inputs(decodes, bs)
+            offsets = list(range(len(decodes)))
+            decode_ctx = [s.num_computed_before + 1 for s in decodes]
         t = len(decodes)
         for s in prefills:
             c, n = s.num_computed_before, s.num_new_tokens
-            if s.spec_token_ids:
-                ids.append(s.request.token_at(c))
-                ids.extend(s.spec_token_ids)
-            else:
-                ids.extend(s.request.token_slice(c, c + n))
+            ids.extend(s.request.token_slice(c, c + n))
             p = np.arange(c, c + n, dtype=np.int64)
             table = np.asarray(s.block_ids, dtype=np.int64)
             pos.extend(p.tolist())
@@ -237,7 +254,7 @@ class ModelRunner:
                                  sliding_window=window)
         if decodes:
             dbt, L = tables(decodes)
-            ctx = torch.tensor([s.num_computed_before + 1 for s in decodes])
+            ctx = torch.tensor(decode_ctx)
             meta.decode_block_tables, meta.decode_context_lens = to(dbt), to(ctx)
             meta.decode_num_splits = decode_num_splits(len(decodes), self.loaded.args.num_kv_heads, self.num_sms)
             if attn.decode_masks:
@@ -250,7 +267,7 @@ class ModelRunner:
             pbt, L = tables(prefills)
             cs = torch.tensor([s.num_computed_before for s in prefills])
             ns = torch.tensor([s.num_new_tokens for s in prefills])
-            offs = torch.tensor(offsets[len(decodes):])
+            offs = torch.tensor(offsets[len(order) - len(prefills):])
             max_q = int(ns.max())
             meta.prefill_block_tables, meta.prefill_max_q = to(pbt), max_q
             meta.prefill_q_starts, meta.prefill_q_lens, meta.prefill_ctx_lens = to(offs), to(ns), to(cs)
