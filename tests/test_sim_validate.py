@@ -394,3 +394,46 @@ def test_a_base_url_benchmark_cannot_be_replayed(tmp_path) -> None:
     doc["config"]["launch"] = None
     with pytest.raises(ValueError, match="--base-url"):
         inputs_from_bench(doc)
+
+
+def test_compare_with_a_data_parallel_run_replays_the_fleet(model_factory, tmp_path, monkeypatch) -> None:
+    """`bench serve --data-parallel-size 2 --num-threads 1` is replayed as two simulated replicas
+    behind the cache-aware router, each with one replica's share of the machine, timed by the
+    calibration taken with a busy neighbor (its own cache key)."""
+    from tokenloom.sim import validate as validate_mod
+
+    model = str(model_factory("tiny-llama"))
+    cal = _fake_local_caches(tmp_path, monkeypatch, model)
+    spec = load_model_spec(model)
+    key = calibration_key(spec, "float32", 16, "serve", num_threads=1, replicas=2)
+    assert key != calibration_key(spec, "float32", 16, "serve")  # a fleet's replica steps slower: its own fit
+    slow = dataclasses.replace(cal, overhead_s=cal.overhead_s * 5)
+    cache = tmp_path / "cache" / "calibration.json"
+    doc_cache = json.loads(cache.read_text())
+    doc_cache["entries"][key] = slow.to_dict()
+    cache.write_text(json.dumps(doc_cache))
+
+    doc = _bench_doc(model, _summary(1.0, 1.0, 1.0, 1.0))
+    doc["config"].update(data_parallel_size=2, num_threads=1, num_kv_blocks=None)
+    path = tmp_path / "dp2.json"
+    path.write_text(json.dumps(doc))
+    v = validate_mod.validate(path)
+    assert v.inputs.data_parallel_size == 2 and v.inputs.engine_threads == 1
+    assert v.calibration.overhead_s == pytest.approx(slow.overhead_s)  # the neighbors' calibration was used
+    # With no threads or KV size given, each replica gets its share, as `serve -dp` gives it.
+    import os
+
+    from tokenloom.config import default_kv_cache_bytes
+
+    share = validate_mod.replica_flags({**doc["config"], "num_threads": None}, 2)
+    assert share == {"num_threads": max(1, len(os.sched_getaffinity(0)) // 2),
+                     "kv_cache_memory": str(default_kv_cache_bytes("cpu") // 2)}
+    # Two replicas serve the same requests in less simulated time than one engine with the same costs.
+    from tokenloom.sim.fleet import FleetSimulator
+    from tokenloom.specs.hardware import local_hardware
+
+    cm = EngineCostModel(spec, local_hardware(), "float32", slow)
+    fleet = FleetSimulator(cm, v.inputs.sim_config, num_replicas=2, router="cache-aware").run(v.inputs.requests)
+    single = FleetSimulator(cm, v.inputs.sim_config, num_replicas=1).run(v.inputs.requests)
+    assert v.sim_summary["duration_s"] == pytest.approx(fleet.duration_s)
+    assert fleet.duration_s < single.duration_s

@@ -64,6 +64,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     target.add_argument("--request-timeout", type=float, default=None, help="per-request timeout in s (default: none)")
     target.add_argument("--server-timeout", type=float, default=300.0, help="--launch: seconds to wait for /health")
     target.add_argument("--server-log", default=None, help="--launch: write the server's output here")
+    target.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                        help="--launch: start N engine replicas behind the cache-aware router "
+                             "(`tokenloom serve --data-parallel-size N`; default: 1)")
     target.add_argument("--no-save-requests", action="store_true", help="leave per-request timelines out of the JSON")
     EngineArgs.add_cli_args(p, with_model=False)  # first: its --seed also seeds the workload
     add_workload_args(p)

@@ -255,6 +255,8 @@ def main(args: Any) -> int:
     engine_flags: list[str] = []
     if args.launch:
         engine_flags = engine_flags_from_args(args)
+        if args.data_parallel_size != 1:
+            engine_flags += ["--data-parallel-size", str(args.data_parallel_size)]
         console.print(f"[bold]launching[/bold] tokenloom serve {args.launch} {' '.join(engine_flags)}")
         server = start_server(args.launch, engine_flags, timeout=args.server_timeout, log_path=args.server_log)
     try:

@@ -63,11 +63,16 @@ def model_fingerprint(spec: ModelSpec) -> str:
     return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def calibration_key(spec: ModelSpec, dtype: str, block_size: int, mode: str = "serve") -> str:
+def calibration_key(spec: ModelSpec, dtype: str, block_size: int, mode: str = "serve",
+                    num_threads: int | None = None, replicas: int = 1) -> str:
+    """`num_threads`: the engine's torch threads when set apart from this process's (one
+    data-parallel replica's share of the cores); `replicas`: engines sharing the machine.
+    Both are part of the key, as they set the step time."""
     from tokenloom.specs import microbench
 
+    threads = (f"|engine_threads={num_threads}" if num_threads else "") + (f"|replicas={replicas}" if replicas > 1 else "")
     return (f"{microbench.cache_key()}|model={model_fingerprint(spec)}|dtype={dtype}|block={block_size}"
-            f"|mode={mode}|engine={engine_fingerprint()}|v{CALIBRATION_VERSION}")
+            f"|mode={mode}{threads}|engine={engine_fingerprint()}|v{CALIBRATION_VERSION}")
 
 
 def _cache_path() -> Path:
@@ -99,17 +104,20 @@ def resolve_dtype(spec: ModelSpec, dtype: str | None) -> str:
 
 
 def calibrate(model: str, dtype: str | None = "auto", *, block_size: int = 16, mode: str = "serve",
-              refresh: bool = False, log: Callable[[str], None] | None = None) -> Calibration:
+              num_threads: int | None = None, replicas: int = 1, refresh: bool = False,
+              log: Callable[[str], None] | None = None) -> Calibration:
     """The cached calibration for `model` (a directory with weights) on this machine; measures if needed.
 
     `mode`: "serve" to predict `tokenloom serve` / `bench serve`, "offline" for in-process
-    `LLM` runs (`bench throughput`, `bench sweep --mode offline`); see `run_calibration`."""
+    `LLM` runs (`bench throughput`, `bench sweep --mode offline`); see `run_calibration`.
+    `num_threads`: the engine's torch threads (default: torch's), e.g. one replica's share;
+    `replicas`: engines on this machine (the others run as busy neighbors while it measures)."""
     from tokenloom.specs.hardware import local_hardware
 
     log = log or (lambda s: None)
     spec = load_model_spec(model)
     dt = resolve_dtype(spec, dtype)
-    key = calibration_key(spec, dt, block_size, mode)
+    key = calibration_key(spec, dt, block_size, mode, num_threads, replicas)
     if not refresh:
         cached = _read_cache().get(key)
         if cached is not None:
@@ -118,10 +126,13 @@ def calibrate(model: str, dtype: str | None = "auto", *, block_size: int = 16, m
         raise ValueError(f"calibrating needs the model's weights: {model!r} is not a model directory "
                          f"(make one with `tokenloom make-model --preset NAME --out DIR`)")
     hw = local_hardware()
-    log(f"calibrating {spec.name} ({dt}) on this machine, {mode} mode: running the engine over a fixed plan "
-        f"of step shapes...")
+    log(f"calibrating {spec.name} ({dt}) on this machine, {mode} mode"
+        + (f", {num_threads} engine thread(s)" if num_threads else "")
+        + (f", beside {replicas - 1} busy replica(s)" if replicas > 1 else "")
+        + ": running the engine over a fixed plan of step shapes...")
     t0 = time.perf_counter()
-    samples, gap, _ = run_calibration(model, dt, block_size=block_size, mode=mode, log=log)
+    samples, gap, _ = run_calibration(model, dt, block_size=block_size, mode=mode, num_threads=num_threads,
+                                      neighbors=replicas - 1, log=log)
     dispatch = hw.op_overhead_s * spec.eager_ops_per_step  # measured per-op cost x ops per forward
     paged = engine_decode_reads_blocks_in_place()
     cal = fit(samples, StepFeatures(spec, dt, block_size, paged), bandwidth_ref=hw.mem_bandwidth,
@@ -136,10 +147,12 @@ def calibrate(model: str, dtype: str | None = "auto", *, block_size: int = 16, m
 
 
 def calibrated_cost_model(model: str, dtype: str | None = "auto", *, block_size: int = 16, mode: str = "serve",
-                          refresh: bool = False, log: Callable[[str], None] | None = None) -> EngineCostModel:
+                          num_threads: int | None = None, replicas: int = 1, refresh: bool = False,
+                          log: Callable[[str], None] | None = None) -> EngineCostModel:
     """`EngineCostModel` for `model` on `--hardware local` (calibrating once, then cached)."""
     from tokenloom.specs.hardware import local_hardware
 
-    cal = calibrate(model, dtype, block_size=block_size, mode=mode, refresh=refresh, log=log)
+    cal = calibrate(model, dtype, block_size=block_size, mode=mode, num_threads=num_threads, replicas=replicas,
+                    refresh=refresh, log=log)
     spec = load_model_spec(model)
     return EngineCostModel(spec, local_hardware(), resolve_dtype(spec, dtype), cal)

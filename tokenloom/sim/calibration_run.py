@@ -12,6 +12,11 @@ take CPU from the forward pass (served steps are measurably slower than
 `LLM.generate`'s there); "offline" mode runs `LLM.generate` in this process, for
 predicting offline benchmarks.
 
+With `neighbors` > 0 (serve mode), that many more servers of the same model run beside
+the measured one, each kept busy by a steady stream of requests of its own, as the other
+replicas of `serve --data-parallel-size N` are: replicas on one host share its memory
+bandwidth and caches, so one replica alone steps faster than it does among its fleet.
+
 Run as `python -m tokenloom.sim.calibration_run --steps-out FILE -- serve MODEL [flags]`
 it is that calibration server: `tokenloom serve` whose engine logs every step.
 """
@@ -103,7 +108,7 @@ def _samples_from(runs: Sequence[Sequence[tuple[list[Entry], float, float, float
 
 
 def run_calibration(model: str, dtype: str = "auto", *, block_size: int = 16, mode: str = "serve",
-                    num_threads: int | None = None, seed: int = 0,
+                    num_threads: int | None = None, neighbors: int = 0, seed: int = 0,
                     log: Callable[[str], None] | None = None) -> tuple[list[Sample], float, dict]:
     """Run the calibration plan on the real engine; ([(entries, period_s, forward_s)], median gap_s, info).
 
@@ -118,7 +123,9 @@ def run_calibration(model: str, dtype: str = "auto", *, block_size: int = 16, mo
     log = log or (lambda s: None)
     if mode == "serve":
         return _run_calibration_served(model, dtype, block_size=block_size, num_threads=num_threads, seed=seed,
-                                       log=log)
+                                       neighbors=neighbors, log=log)
+    if neighbors:
+        raise ValueError("busy neighbors are servers: calibrate them in serve mode")
     from tokenloom.bench.offline import run_offline
     from tokenloom.bench.workloads import vocab_range_for
     from tokenloom.entrypoints.llm import LLM
@@ -172,7 +179,7 @@ def _event_row(ev: Any) -> tuple[list[Entry], float, float, float]:
 
 
 def _run_calibration_served(model: str, dtype: str, *, block_size: int, num_threads: int | None, seed: int,
-                            log: Callable[[str], None]) -> tuple[list[Sample], float, dict]:
+                            log: Callable[[str], None], neighbors: int = 0) -> tuple[list[Sample], float, dict]:
     import subprocess
     import sys
     import tempfile
@@ -199,10 +206,14 @@ def _run_calibration_served(model: str, dtype: str, *, block_size: int, num_thre
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(proc=proc, host="127.0.0.1", port=port, log_path=log_file, cmd=cmd)
     marks: list[tuple[str, float, float]] = []
+    busy = None
     try:
         server.wait_healthy(timeout=600)
         vocab = vocab_range_for_model(model)
         plan = calibration_plan(vocab, limits["max_model_len"], seed)
+        if neighbors:
+            log(f"  starting {neighbors} busy neighbor server(s)")
+            busy = _BusyNeighbors(model, flags, neighbors, vocab, seed)
         warm = [BenchRequest(list(range(vocab[0], vocab[0] + 16)), 3)] * 2
         run_serve_benchmark(server.base_url, warm, num_warmups=1, progress=False)
         step_s = 0.0
@@ -213,6 +224,8 @@ def _run_calibration_served(model: str, dtype: str, *, block_size: int, num_thre
             if not step_s:  # the first item is a decode batch: it sets the arrival unit
                 step_s = _decode_step_s(_rows_between(steps_file, t0, marks[-1][2]))
     finally:
+        if busy is not None:
+            busy.stop()
         server.stop()
     rows = [json.loads(line) for line in steps_file.read_text(encoding="utf-8").splitlines() if line.strip()]
     steps_file.unlink(missing_ok=True)
@@ -226,7 +239,52 @@ def _run_calibration_served(model: str, dtype: str, *, block_size: int, num_thre
         runs.append(evs)
         log(f"  {name}: {len(evs)} steps in {t1 - t0:.1f} s (served)")
     samples, gap = _samples_from(runs)
-    return samples, gap, {"mode": "serve", "dtype": dtype}
+    return samples, gap, {"mode": "serve", "dtype": dtype, "neighbors": neighbors}
+
+
+class _BusyNeighbors:
+    """`n` plain servers with the calibration server's flags, each fed without pause by a
+    client thread: bursts of 8 requests of 32-256 prompt and 16-96 output tokens, as a
+    replica of a busy fleet sees."""
+
+    def __init__(self, model: str, flags: Sequence[str], n: int, vocab: tuple[int, int], seed: int):
+        import threading
+
+        from tokenloom.bench.launcher import start_server
+
+        self._stop = threading.Event()
+        self.servers = []
+        try:
+            for _ in range(n):
+                self.servers.append(start_server(model, list(flags), timeout=600))
+        except BaseException:
+            self.stop()
+            raise
+        self.threads = [threading.Thread(target=self._feed, args=(s.base_url, vocab, seed + 1 + i), daemon=True)
+                        for i, s in enumerate(self.servers)]
+        for t in self.threads:
+            t.start()
+
+    def _feed(self, base_url: str, vocab: tuple[int, int], seed: int) -> None:
+        from tokenloom.bench.serve import run_serve_benchmark
+        from tokenloom.bench.workloads import WorkloadSpec, generate_workload
+
+        burst = 0
+        while not self._stop.is_set():
+            burst += 1
+            reqs = generate_workload(WorkloadSpec(name="random", num_prompts=8, input_len=(32, 256),
+                                                  output_len=(16, 96), vocab_range=vocab, seed=seed * 1000 + burst))
+            try:
+                run_serve_benchmark(base_url, reqs, num_warmups=0, progress=False)
+            except Exception:  # the server was stopped under it: the calibration is over
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        for s in self.servers:
+            s.stop()
+        for t in getattr(self, "threads", []):
+            t.join(timeout=30)
 
 
 def _serve_with_step_log(argv: Sequence[str]) -> int:

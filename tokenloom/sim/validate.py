@@ -126,6 +126,8 @@ class BenchInputs:
     max_concurrency: int | None
     workload_name: str
     kv_blocks_note: str
+    data_parallel_size: int = 1  # replicas behind the cache-aware router (`serve -dp N`)
+    engine_threads: int | None = None  # each engine's torch threads, when set apart from torch's default
 
 
 def workload_spec_from_dict(d: Mapping[str, Any]):
@@ -200,6 +202,9 @@ def inputs_from_bench(doc: Mapping[str, Any], overrides: Mapping[str, Any] | Non
     dtype = resolve_dtype(spec, cfg.get("dtype") or "auto")
     # The engine flags the benchmark recorded (absent or null: the engine's default), resolved
     # exactly as the engine resolves them -- on this machine's CPU, whose free RAM is read now.
+    dp = int(cfg.get("data_parallel_size") or 1)
+    if dp > 1:  # each replica's threads and KV budget, exactly as `serve -dp` splits the machine
+        cfg.update(replica_flags(cfg, dp))
     args = EngineArgs(**{k: v for k, v in cfg.items() if k in EngineArgs.field_names() and v is not None})
     engine = EngineConfig.resolve(args, load_model_shape(model), model=model, model_name=model, device="cpu",
                                   dtype=dtype)
@@ -214,7 +219,23 @@ def inputs_from_bench(doc: Mapping[str, Any], overrides: Mapping[str, Any] | Non
                        # `bench sweep --mode offline` adds requests at their arrival times: no client limit.
                        max_concurrency=(cfg.get("max_concurrency") or None)
                        if doc.get("benchmark") == "serve" or cfg.get("mode") == "serve" else None,
-                       workload_name=str(spec_d.get("name", "?")), kv_blocks_note=note)
+                       workload_name=str(spec_d.get("name", "?")), kv_blocks_note=note,
+                       data_parallel_size=dp, engine_threads=cfg.get("num_threads"))
+
+
+def replica_flags(cfg: Mapping[str, Any], n: int) -> dict[str, Any]:
+    """The engine settings one of `n` data-parallel replicas got (`data_parallel.placement`),
+    as config entries: its torch threads and, unless the benchmark sized it, its KV budget."""
+    from tokenloom.entrypoints.data_parallel import placement
+
+    ns = argparse.Namespace(**{"device": "cpu", "num_threads": None, "kv_cache_memory": None,
+                               "num_kv_blocks": None, "tensor_parallel_size": 1, **cfg})
+    flags = placement(ns, n)[0].flags
+    named = dict(zip(flags[::2], flags[1::2]))
+    out: dict[str, Any] = {"num_threads": int(named["--num-threads"])}
+    if "--kv-cache-memory" in named:
+        out["kv_cache_memory"] = named["--kv-cache-memory"]
+    return out
 
 
 # ---------------------------------------------------------------- running it
@@ -243,6 +264,8 @@ class Validation:
             "dtype": self.inputs.dtype,
             "workload": self.inputs.workload_name,
             "num_requests": len(self.inputs.requests),
+            "data_parallel_size": self.inputs.data_parallel_size,
+            "engine_threads": self.inputs.engine_threads,
             "max_concurrency": self.inputs.max_concurrency,
             "sim_config": self.inputs.sim_config.to_dict(),
             "kv_blocks_from": self.inputs.kv_blocks_note,
@@ -265,9 +288,16 @@ def validate(measured_path: str | Path, *, tolerance: float = DEFAULT_TOLERANCE,
     doc = json.loads(Path(measured_path).read_text(encoding="utf-8"))
     inp = inputs_from_bench(doc)
     cm = calibrated_cost_model(inp.model, inp.dtype, block_size=inp.sim_config.block_size, mode="serve",
+                               num_threads=inp.engine_threads, replicas=inp.data_parallel_size,
                                refresh=recalibrate, log=log)
     config, _ = load_config(inp.model)
-    sim = Simulator(cm, inp.sim_config, model_max_positions=max_position_embeddings(config))
+    if inp.data_parallel_size > 1:  # the replicas behind the router policy `serve -dp` uses
+        from tokenloom.sim.fleet import FleetSimulator
+
+        sim = FleetSimulator(cm, inp.sim_config, num_replicas=inp.data_parallel_size, router="cache-aware",
+                             model_max_positions=max_position_embeddings(config))
+    else:
+        sim = Simulator(cm, inp.sim_config, model_max_positions=max_position_embeddings(config))
     res = sim.run(inp.requests, max_concurrency=inp.max_concurrency)
     summary = metrics.summarize(res.records, duration=res.duration_s).to_dict()
     groups = {g: s.to_dict() for g, s in metrics.summarize_by_group(res.records, duration=res.duration_s).items()}
@@ -398,7 +428,9 @@ def print_validation(v: Validation, console: Any) -> None:
     inp, sc = v.inputs, v.inputs.sim_config
     console.print(
         f"validate: {v.measured_path} | {inp.workload_name}, {len(inp.requests)} requests, "
-        f"concurrency {inp.max_concurrency or 'unlimited'} | {Path(inp.model).name} ({inp.dtype}) | "
+        + (f"{inp.data_parallel_size} replicas (cache-aware router), " if inp.data_parallel_size > 1 else "")
+        + (f"{inp.engine_threads} thread(s) per engine, " if inp.engine_threads else "")
+        + f"concurrency {inp.max_concurrency or 'unlimited'} | {Path(inp.model).name} ({inp.dtype}) | "
         f"max_num_seqs {sc.max_num_seqs}, max_num_batched_tokens {sc.max_num_batched_tokens}, "
         f"max_model_len {sc.max_model_len}, chunked prefill {'on' if sc.enable_chunked_prefill else 'off'}, "
         f"{sc.num_kv_blocks} KV blocks ({inp.kv_blocks_note})", markup=False, soft_wrap=True)
