@@ -21,7 +21,8 @@
   const label = (row) => { let s = ""; row += 1; while (row > 0) { row -= 1; s = String.fromCharCode(65 + (row % 26)) + s; row = Math.floor(row / 26); } return s; };
   const num = (x) => x == null ? "–" : x >= 1000 ? (x / 1000).toFixed(x >= 10000 ? 0 : 1) + "k" : (Math.round(x * 10) / 10).toString();
   const ms = (s) => s == null ? "–" : s * 1000 >= 100 ? (s * 1000).toFixed(0) : (s * 1000).toFixed(1);
-  const pair = (o) => o && o.n ? `${ms(o.p50)} · ${ms(o.p95)} ms` : "–";
+  const pair = (o) => !(o && o.n) ? "–" : o.p95 >= 1 ? `${o.p50.toFixed(2)} · ${o.p95.toFixed(2)} s`
+    : `${ms(o.p50)} · ${ms(o.p95)} ms`;
   const set = (id, text, value) => { const el = $(id); el.textContent = text; if (value !== undefined) el.dataset.value = value; };
 
   // ---- the stream ----------------------------------------------------------
@@ -171,7 +172,7 @@
       g.fillText(label(r), 4, yy);
       g.font = "10px ui-monospace, Menlo, Consolas, monospace";
       g.fillStyle = "#94a3b8";
-      if (info) g.fillText(`${info.prompt}t${info.done ? " ✓" : ""}`, 36, yy);
+      if (info) g.fillText(`${info.prompt} tok${info.done ? " ✓" : ""}`, 30, yy);
     }
     if (hidden) { g.fillStyle = "#64748b"; g.fillText(`+${hidden} more`, 4, HEAD - 6); }
     if (!cols.length) {
