@@ -277,3 +277,37 @@ def test_page_draws_steps_live_in_chromium(srv):
             assert errors == []
         finally:
             browser.close()
+
+
+# ---- the aggregator on its own -------------------------------------------------------------------
+def test_aggregator_counts_speculative_tokens_and_percentiles():
+    """A step that appended several tokens (speculative decoding's accepted drafts) counts
+    them all, and spreads the gap since the previous token over them."""
+    from tokenloom.core.events import StepEntry, StepEvent
+    from tokenloom.dashboard.aggregate import Aggregator, percentile
+    from tokenloom.dashboard.recorder import StepRecord
+
+    assert percentile([], 50) is None
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.0 and percentile([1.0, 2.0, 3.0, 4.0], 95) == 4.0
+
+    def entry(phase: str, n: int, before: int, **kw) -> StepEntry:
+        return StepEntry("r", phase, n, [1] * n, before, before + n, 4, **kw)
+
+    steps = [entry("prefill", 4, 0, sampled_token_id=9),
+             entry("decode", 1, 4, sampled_token_id=9),
+             entry("decode", 3, 5, sampled_token_id=9, finished=True, finish_reason="length")]
+    if hasattr(steps[2], "generated_token_ids"):
+        steps[2].generated_token_ids = [7, 8, 9]
+    records = [StepRecord(StepEvent(i, 1.0 + i, 2.0 + i, 0.5, [e], kv_blocks_used=1, kv_blocks_total=8), 0,
+                          (("r", 0.5),) if i == 0 else ()) for i, e in enumerate(steps)]
+    agg = Aggregator({})
+    agg.ingest(records)
+    u = agg.update(5.0)
+    spec = 3 if hasattr(steps[2], "generated_token_ids") else 1
+    assert u["tokens"]["generated"] == 2 + spec
+    assert [c[1] for s in u["steps"] for c in s[5]] == [2, 0, 0]  # prefill, then decodes
+    lat = u["latency"]
+    assert lat["ttft"] == {"p50": 1.5, "p95": 1.5, "n": 1}  # arrival 0.5 -> first token at 2.0
+    assert lat["itl"]["n"] == 1 + spec and lat["itl"]["p95"] == 1.0
+    assert lat["tpot"]["n"] == 1 and lat["tpot"]["p50"] == pytest.approx(2.0 / (1 + spec))
+    assert u["rows_done"] == [[0, "length"]]
