@@ -1,7 +1,8 @@
 """Decode step time with quantized weights: fp32 vs bf16 vs int8 vs int4, side by side.
 
     python scripts/bench_quant.py [--model DIR] [--batch-sizes 1,32] [--context 128] [--rounds 5]
-                                  [--steps 6] [--variants fp32,bf16,int8,int4] [--quality]
+                                  [--steps 6] [--variants fp32,bf16,int8,int4] [--kernels] [--quality]
+                                  [--no-speed]
 
 Without --model, a random-weight checkpoint of the Qwen2.5-0.5B shape is written once
 (`tokenloom make-model qwen2.5-0.5b`, bf16) under /tmp.  One engine per variant is loaded
@@ -11,6 +12,7 @@ scheduling, model, sampling), so a noisy neighbour slows every variant of a roun
 Printed: the median step time per variant and batch size, and the ratios to bf16 and fp32
 measured in the same run (docs/quantization.md).
 
+--kernels times the GEMMs of one step alone (our bf16 kernel vs the int8 / int4 kernels).
 --quality adds the bundled model's held-out bits per byte (its whole validation split,
 transformers' forward with each matmul weight replaced by its dequantized quantization) and
 the log-prob agreement of engine runs with and without quantization on a checkpoint saved by
@@ -95,6 +97,37 @@ def bench_speed(path: Path, variants: list[str], batches: list[int], context: in
     return results
 
 
+def bench_kernels(batches: list[int], rounds: int) -> None:
+    """The GEMMs alone: every matmul weight of the Qwen2.5-0.5B shape (24 layers' qkv, o, gate/up,
+    down and the 151936 x 896 vocab projection; 988 MB in bf16, more than the caches) through our
+    bf16 kernel and our int8 / int4 kernels, bf16 activations, alternating rounds, medians."""
+    from tokenloom.kernels import cpu as cpu_kernels
+    from tokenloom.model.quantization import PanelQuantized, parse_scheme
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1152, 896), (896, 896), (9728, 896), (896, 4864)] * 24 + [(151936, 896)]
+    ws = [torch.randn(n, k, generator=g).bfloat16() for n, k in shapes]
+    packed = [(cpu_kernels.pack_for(w), w.shape[0], w.shape[1]) for w in ws]
+    op = cpu_kernels.linear_op(packed[0][0])
+    quant = {name: [PanelQuantized(w, parse_scheme(name)) for w in ws] for name in ("int8", "int4")}
+    del ws
+    for m in batches:
+        xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in (896, 4864)}
+        fns = {"bf16": lambda: [op(xs[k], p, n, None) for p, n, k in packed]}
+        for name, mats in quant.items():
+            fns[name] = lambda mats=mats: [q.matmul(xs[q.in_features], None) for q in mats]
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        for _ in range(rounds):
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"\nGEMMs of one step ({m} rows), median of {rounds} alternating rounds:")
+        for k, t in med.items():
+            print(f"  {k:6s} {t * 1e3:8.1f} ms  {med['bf16'] / t:5.2f}x vs bf16")
+
+
 def bench_quality(variants: list[str]) -> None:
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
@@ -170,12 +203,15 @@ def main() -> None:
     ap.add_argument("--variants", default="fp32,bf16,int8,int4")
     ap.add_argument("--quality", action="store_true", help="also the quality figures (held-out bpb, log-probs)")
     ap.add_argument("--no-speed", action="store_true")
+    ap.add_argument("--kernels", action="store_true", help="also time the GEMMs alone (bf16 vs int8 vs int4)")
     a = ap.parse_args()
     variants = a.variants.split(",")
     print(f"torch threads: {torch.get_num_threads()}")
     if not a.no_speed:
         bench_speed(model_dir(a.model), variants, [int(b) for b in a.batch_sizes.split(",")], a.context, a.rounds,
                     a.steps)
+    if a.kernels:
+        bench_kernels([int(b) for b in a.batch_sizes.split(",")], a.rounds)
     if a.quality:
         bench_quality(variants)
         bench_logprobs(variants)
