@@ -13,12 +13,15 @@
 //
 // Two ways through a panel, chosen by the row count:
 // * few rows (decode): each k's 32 weights are widened to float32 in registers and used at
-//   once, by every row (`QSource` fed to `micro`); the weights are read exactly once.
+//   once by every row (`Int8Source` / `Int4Source` fed to `micro`), read exactly once: int8 by
+//   sign extension and conversion, its column scales applied to the finished sums; int4 by one
+//   permute that looks each nibble up in a table of the 16 levels (-8..7), the group's scales
+//   applied to each group's sums.
 // * more rows (batched decode, prefill): each block of KC k is first dequantized into a
 //   16 KB float32 buffer (in L1), which every 12-row tile then reads like the fp32 kernel's
 //   panel, so the widening is paid once per weight, not once per tile.
-// Both compute the product of x with exactly the dequantized float32 weights above (the
-// PyTorch reference in model/quantization.py), up to float32 summation order.
+// Both compute the product of x with the dequantized float32 weights above (the PyTorch
+// reference in model/quantization.py), up to float32 summation order.
 //
 // The same source builds twice (kernels/cpu.py): with AVX-512 (16-float vectors, 12-row tiles)
 // and with AVX2 + FMA (8-float vectors, 2-row tiles), registering `tokenloom_q512` or
