@@ -50,6 +50,23 @@ def kernel_build(request, monkeypatch):
     cpu_kernels.quant_ops.cache_clear()
 
 
+def test_kernel_builds_where_the_cpu_has_the_instructions(monkeypatch):
+    from test_kernel_builds import has_toolchain
+
+    if not has_toolchain:
+        pytest.skip("needs a C++ toolchain with ninja")
+    flags = cpu_kernels._cpu_flags()
+    monkeypatch.delenv("TOKENLOOM_CPU_QUANT", raising=False)
+    cpu_kernels.quant_ops.cache_clear()
+    ops = cpu_kernels.quant_ops()
+    if {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"} <= flags:
+        assert ops is torch.ops.tokenloom_q512
+    elif {"avx2", "fma"} <= flags:
+        assert ops is torch.ops.tokenloom_q256
+    else:
+        assert ops is None
+
+
 # ---------------------------------------------------------------- round trip
 
 
