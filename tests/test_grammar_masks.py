@@ -78,3 +78,28 @@ def test_a_fill_that_raises_fails_only_its_request(compiler):
     with pytest.raises(RequestError) as err:
         _sample_or_blame(torch.randn(2, 100), rows, StepMasks.start(states))
     assert err.value.request_id == "r1"
+
+
+@pytest.mark.parametrize("vocab", [151936, 1000, 37])
+def test_mask_kernel_and_fallback_match_xgrammar(vocab, monkeypatch):
+    """Our CPU masking kernel (and the PyTorch fallback) set exactly xgrammar's -inf entries,
+    all-ones, all-zeros and mixed words alike, vocabularies not a multiple of 32 included."""
+    import xgrammar as xgr
+
+    from tokenloom.kernels import cpu as cpu_kernels
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g)
+    bitmask = xgr.allocate_token_bitmask(6, vocab)  # row 0 stays all ones
+    bitmask[1] = 0
+    bitmask[2] = torch.randint(-2**31, 2**31 - 1, bitmask[2].shape, generator=g, dtype=torch.int32)
+    bitmask[3, ::3] = 0
+    bitmask[4, : bitmask.shape[1] // 2] = 0
+    bitmask[5, -1] = 5
+    want = logits.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=vocab)
+    got = cpu_kernels.mask_logits_(logits.clone(), bitmask)
+    assert torch.equal(got, want)
+    fallback = logits.clone()
+    monkeypatch.setattr(cpu_kernels, "fused_enabled", lambda: False)
+    assert torch.equal(cpu_kernels.mask_logits_(fallback, bitmask), want) and torch.equal(fallback, want)

@@ -358,6 +358,19 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def mask_logits_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set logits[r, j] to -inf, in place, where bit j of int32 `bitmask[r]` is 0 (xgrammar's
+    token-bitmask layout); returns `logits`.  Our kernel for contiguous float32 on CPU, which
+    skips all-ones words; PyTorch's unpacking anywhere else."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.is_contiguous() and fused_enabled()):
+        return torch.ops.tokenloom_cpu.mask_logits_(logits, bitmask.to(torch.int32))
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = bitmask.to(device=logits.device, dtype=torch.int32)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(bits.shape[0], -1)[:, :logits.shape[1]]
+    return logits.masked_fill_(allowed == 0, float("-inf"))
+
+
 @functools.cache
 def fused_enabled() -> bool:
     return os.environ.get("TOKENLOOM_CPU_FUSED", "1") != "0" and load()

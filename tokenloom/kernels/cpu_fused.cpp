@@ -408,12 +408,45 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// logits[r, j] = -inf wherever bit j of bitmask[r] is 0 (bit j: word j / 32, bit j % 32,
+// least significant first -- xgrammar's layout), in place, for float32 [rows, n] logits and
+// int32 [rows, ceil(n / 32)] bitmasks.  A word of all ones (the unconstrained rows, and most
+// of a string's vocabulary) is skipped at the cost of one load.
+at::Tensor mask_logits_(at::Tensor logits, const at::Tensor& bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "mask_logits_: logits must be contiguous float32 [rows, n]");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.size(0) == logits.size(0) &&
+                  bitmask.size(1) * 32 >= logits.size(1),
+              "mask_logits_: bitmask must be int32 [rows, ceil(n / 32)]");
+  const at::Tensor bits = bitmask.contiguous();
+  const int64_t rows = logits.size(0), n = logits.size(1), words = bits.size(1);
+  float* lp = logits.data_ptr<float>();
+  const uint32_t* bp = reinterpret_cast<const uint32_t*>(bits.data_ptr<int32_t>());
+  at::parallel_for(0, rows * words, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      uint32_t keep = bp[i];
+      if (keep == 0xFFFFFFFFu) continue;
+      const int64_t r = i / words, j0 = (i % words) * 32;
+      float* row = lp + r * n;
+      const int64_t stop = std::min<int64_t>(32, n - j0);
+      if (keep == 0 && stop == 32) {
+        for (int b = 0; b < 32; ++b) row[j0 + b] = -INFINITY;
+        continue;
+      }
+      for (int64_t b = 0; b < stop; ++b)
+        if (!((keep >> b) & 1u)) row[j0 + b] = -INFINITY;
+    }
+  });
+  return logits;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("mask_logits_(Tensor(a!) logits, Tensor bitmask) -> Tensor(a!)");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope(Tensor q, Tensor k, Tensor positions, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("rope_write_kv(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
@@ -425,6 +458,7 @@ TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("mask_logits_", &mask_logits_);
   m.impl("rope", &rope);
   m.impl("rope_write_kv", &rope_write_kv);
 }
