@@ -1,6 +1,6 @@
 """Take docs/img/dashboard.png: a real server, a real load, the page in headless Chromium.
 
-    python scripts/dashboard_screenshot.py [--out docs/img/dashboard.png] [--seconds 36]
+    python scripts/dashboard_screenshot.py [--out docs/img/dashboard.png] [--seconds 54]
 
 Serves the bundled model with a small token budget and KV pool, opens /dashboard in the
 system's Chromium (Playwright, `executable_path`: no browser download), and drives a load
@@ -50,7 +50,7 @@ def worker(base_url: str, stop: threading.Event, active: threading.Event, rng: r
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "docs" / "img" / "dashboard.png"))
-    ap.add_argument("--seconds", type=float, default=36.0, help="length of the load before the screenshot")
+    ap.add_argument("--seconds", type=float, default=54.0, help="length of the load before the screenshot")
     ap.add_argument("--chromium", default=shutil.which("chromium") or "chromium")
     a = ap.parse_args()
 

@@ -12,7 +12,7 @@
 
   const dash = $("dash"), batch = $("batch");
   const state = {
-    config: null, interval: 0.25, rows: new Map(), cols: [], pending: [], series: [],
+    config: null, interval: 0.25, rows: new Map(), cols: [], pending: [], series: [], recent: [],
     counts: { rows: 0, columns: 0, decodeCells: 0, prefillCells: 0, chunkCells: 0, recomputeCells: 0 },
     updates: 0, stepsSeen: 0, dirtyBatch: true, dirtyCharts: true, lastFrame: performance.now(),
   };
@@ -68,8 +68,13 @@
     set("stat-steps-rate", m.interval ? `${num(m.steps_in_update / m.interval)} steps/s` : "steps/s –");
     set("stat-running", m.running, m.running);
     set("stat-waiting", m.waiting, m.waiting);
-    set("stat-tps", num(m.tokens_per_s.generated), m.tokens_per_s.generated);
-    set("stat-prefill-tps", `prefill ${num(m.tokens_per_s.prefill)} tok/s`);
+    // Tiles: rates over the last ~2 s (8 updates), steadier than one 0.25-s update.
+    state.recent.push({ gen: m.tokens.generated, pre: m.tokens.prefill, dt: m.interval || 0 });
+    if (state.recent.length > 8) state.recent.shift();
+    const dt = state.recent.reduce((a, r) => a + r.dt, 0);
+    const rate = (k) => dt ? state.recent.reduce((a, r) => a + r[k], 0) / dt : 0;
+    set("stat-tps", num(rate("gen")), rate("gen").toFixed(1));
+    set("stat-prefill-tps", `prefill ${num(rate("pre"))} tok/s (2 s)`);
     const kv = m.kv;
     set("stat-kv-used", kv.used, kv.used); set("stat-kv-cached", kv.cached, kv.cached); set("stat-kv-free", kv.free, kv.free);
     set("stat-kv-total", `of ${kv.total} blocks · ${kv.total ? (100 * kv.used / kv.total).toFixed(1) : 0}% used`);
