@@ -74,7 +74,7 @@
     const dt = state.recent.reduce((a, r) => a + r.dt, 0);
     const rate = (k) => dt ? state.recent.reduce((a, r) => a + r[k], 0) / dt : 0;
     set("stat-tps", num(rate("gen")), rate("gen").toFixed(1));
-    set("stat-prefill-tps", `prefill ${num(rate("pre"))} tok/s (2 s)`);
+    set("stat-prefill-tps", `prefill ${num(rate("pre"))} tok/s`);
     const kv = m.kv;
     set("stat-kv-used", kv.used, kv.used); set("stat-kv-cached", kv.cached, kv.cached); set("stat-kv-free", kv.free, kv.free);
     set("stat-kv-total", `of ${kv.total} blocks · ${kv.total ? (100 * kv.used / kv.total).toFixed(1) : 0}% used`);
