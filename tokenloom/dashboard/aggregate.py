@@ -85,7 +85,7 @@ class Aggregator:
         self.window_s = window_s
         self.max_steps_per_update = max_steps_per_update
         self.forget_after_s = forget_after_s  # a request not seen this long (aborted) is dropped
-        self.t0: float | None = None  # the first step's start: times on the page are relative to it
+        self.t0: float | None = None  # start_clock's time (else the first step's start): times are relative to it
         self.ttft = LatencyWindow(window_s)
         self.tpot = LatencyWindow(window_s)
         self.itl = LatencyWindow(window_s)
@@ -198,8 +198,10 @@ class Aggregator:
         return [self._row_info(r) for r in sorted(self._reqs.values(), key=lambda r: r.row)]
 
     def start_clock(self, now: float) -> None:
-        """The first update's rates count from `now` (when the page opened)."""
+        """The first update's rates count from `now` (when the page opened), and so do times."""
         self._last_time = now
+        if self.t0 is None:
+            self.t0 = now
 
     def has_news(self) -> bool:
         return bool(self._nsteps or self._new_rows or self._done_rows)
