@@ -7,7 +7,9 @@ batch of `--batch-size` requests.  Rounds alternate: the event stream is read by
 process (`curl`, as a browser would be: not this process's GIL) or nobody reads it.  Per
 round, the median *step period* -- start of one step to start of the next, so it includes
 every observer, the server's output delivery, and the event loop's aggregation competing
-for the GIL -- over the round's steps (the first two after a switch are dropped).  Reported:
+for the GIL -- over the round's steps (the first two after a switch are dropped); and the CPU
+time the pump itself spent on the event loop's thread (`time.thread_time`, which other
+processes on the machine do not inflate the way they inflate wall time).  Reported:
 the median over open rounds vs over closed rounds, and the ratio.  Also the recorder's own
 cost per step and the aggregator's per update, timed on the real events of the run.
 """
@@ -89,12 +91,15 @@ def main() -> None:
         time.sleep(0.02)
     periods.sample.clear()
 
+    hub = srv.server.config.app.state.dashboard
+    pump_cpu = {"cpu_s": 0.0, "steps": 0, "wall_s": 0.0, "updates": 0}
     results: dict[str, list[float]] = {"open": [], "closed": []}
     url = srv.base_url + "/dashboard/events"
     for r in range(a.rounds):
         mode = "open" if r % 2 == 0 else "closed"
         reader = subprocess.Popen(["curl", "-sN", url], stdout=subprocess.DEVNULL) if mode == "open" else None
         first = len(periods.starts)
+        cpu0, upd0, wall0 = hub.pump_cpu_s, hub.updates_sent, time.perf_counter()
         while len(periods.starts) < first + per_round + 1:
             if not engine.has_unfinished_requests():
                 raise SystemExit("the requests finished before the rounds did: raise --max-tokens")
@@ -102,6 +107,11 @@ def main() -> None:
         starts = periods.starts[first + 2: first + per_round + 1]
         gaps = [b - a_ for a_, b in zip(starts, starts[1:])]
         results[mode].append(statistics.median(gaps))
+        if mode == "open":
+            pump_cpu["cpu_s"] += hub.pump_cpu_s - cpu0
+            pump_cpu["updates"] += hub.updates_sent - upd0
+            pump_cpu["wall_s"] += time.perf_counter() - wall0
+            pump_cpu["steps"] += len(periods.starts) - first
         if reader is not None:
             reader.terminate()
             reader.wait()
@@ -140,6 +150,9 @@ def main() -> None:
            "step_period_open_ms": round(open_ms, 3), "step_period_closed_ms": round(closed_ms, 3),
            "overhead_pct": round((open_ms / closed_ms - 1) * 100, 2),
            "overhead_pct_paired_median": round(statistics.median(paired) * 100, 2),
+           "pump_cpu_ms_per_step": round(pump_cpu["cpu_s"] / max(1, pump_cpu["steps"]) * 1e3, 3),
+           "pump_cpu_share_of_step_pct": round(pump_cpu["cpu_s"] / max(1, pump_cpu["steps"]) / (open_ms / 1e3) * 100, 4),
+           "updates_per_s_open": round(pump_cpu["updates"] / max(1e-9, pump_cpu["wall_s"]), 2),
            "recorder_us_per_step": round(recorder_us, 2), "aggregate_240_steps_ms": round(aggregate_ms, 2),
            "update_bytes_240_steps": len(msg), "rounds_open_ms": [round(x * 1e3, 2) for x in results["open"]],
            "rounds_closed_ms": [round(x * 1e3, 2) for x in results["closed"]]}
