@@ -251,7 +251,7 @@ def test_simulator_max_concurrency_holds_requests_back() -> None:
     cm = UnitCost(spec, get_hardware("rtx4090"), "float16")
     cfg = SimConfig(max_model_len=256, num_kv_blocks=64)
     reqs = [BenchRequest(list(range(5, 15)), 3, 0.0) for _ in range(3)]
-    res = Simulator(cm, cfg).run(reqs, max_concurrency=1)
+    res = Simulator(cm, cfg).run(reqs, max_concurrency=1, client_turnaround_s=0.0)
     a, b, c = res.records
     # One at a time: prefill + 2 decodes = 3 steps each.
     assert (a.first_token_time, a.end_time) == (1.0, 3.0)
@@ -260,6 +260,23 @@ def test_simulator_max_concurrency_holds_requests_back() -> None:
     assert res.steps.num_seqs == [1] * 9
     free = Simulator(cm, cfg).run(reqs)
     assert free.steps.num_seqs == [3, 3, 3] and all(r.send_time is None for r in free.records)
+
+
+def test_a_closed_loop_client_misses_the_step_that_starts_as_its_slot_frees() -> None:
+    """The next request of a `--max-concurrency` client reaches the engine a moment after the
+    step that finished its predecessor ended; the engine has begun its next step by then."""
+    from tokenloom.sim.fleet import FleetSimulator
+
+    spec = load_model_spec("qwen2.5-0.5b")
+    cm = UnitCost(spec, get_hardware("rtx4090"), "float16")
+    cfg = SimConfig(max_model_len=256, num_kv_blocks=64)
+    reqs = [BenchRequest(list(range(5, 15)), 6, 0.0), BenchRequest(list(range(20, 30)), 2, 0.0),
+            BenchRequest(list(range(40, 50)), 2, 0.0)]
+    for sim in (Simulator(cm, cfg), FleetSimulator(cm, cfg, num_replicas=1)):
+        late = sim.run(reqs, max_concurrency=2).records[2]  # the second finishes at t=2; A keeps stepping
+        assert late.send_time == pytest.approx(2.002) and late.first_token_time == pytest.approx(4.0)
+        now = sim.run(reqs, max_concurrency=2, client_turnaround_s=0.0).records[2]
+        assert now.send_time == 2.0 and now.first_token_time == 3.0
 
 
 # ---------------------------------------------------------------- `simulate --compare-with`, end to end

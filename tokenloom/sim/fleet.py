@@ -40,7 +40,7 @@ from tokenloom.request import Request
 from tokenloom.router.policy import Policy, make_policy
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.sim.estimate import CostModel
-from tokenloom.sim.simulator import CostModelExecutor, SimConfig, SimResult, Simulator
+from tokenloom.sim.simulator import CLIENT_TURNAROUND_S, CostModelExecutor, SimConfig, SimResult, Simulator, _free
 
 DEFAULT_ROUTER = "cache-aware"  # what `serve --data-parallel-size` routes with
 
@@ -147,8 +147,9 @@ class FleetSimulator(Simulator):
         return make_policy(self.router, self.num_replicas)
 
     def run(self, requests: Sequence[BenchRequest], seed: int = 0, vocab_range: tuple[int, int] | None = None,
-            max_concurrency: int | None = None) -> FleetResult:
-        """Simulate `requests` on the fleet; `max_concurrency` is the client's, over the whole fleet."""
+            max_concurrency: int | None = None, client_turnaround_s: float = CLIENT_TURNAROUND_S) -> FleetResult:
+        """Simulate `requests` on the fleet; `max_concurrency` is the client's, over the whole fleet
+        (a slot frees `client_turnaround_s` after its request's last step, as in `Simulator.run`)."""
         wall0 = time.perf_counter()
         vocab = vocab_range or (5, max(6, self.cost_model.spec.vocab_size))
         # Replica 0 samples exactly as the single-engine simulator does.
@@ -174,9 +175,9 @@ class FleetSimulator(Simulator):
                     for req in rep.end_step(rep_observers[rep.index]):
                         records[index_of[req.request_id]].end_time = req.finished_time
                         if slots is not None:
-                            heapq.heappush(slots, t)
+                            heapq.heappush(slots, t + client_turnaround_s)
             # 2. arrivals so far, routed
-            while nxt < len(order) and requests[order[nxt]].arrival_time <= t and (slots is None or slots):
+            while nxt < len(order) and requests[order[nxt]].arrival_time <= t and (slots is None or _free(slots, t)):
                 i = order[nxt]
                 nxt += 1
                 r = requests[i]
@@ -208,7 +209,7 @@ class FleetSimulator(Simulator):
             # 4. the next event
             upcoming = [rep.step[3] for rep in reps if rep.step is not None]
             if nxt < len(order) and (slots is None or slots):
-                upcoming.append(requests[order[nxt]].arrival_time)
+                upcoming.append(max(requests[order[nxt]].arrival_time, slots[0] if slots else 0.0))
             if not upcoming:
                 if nxt < len(order):  # unreachable: no slot free means a request is in some step
                     raise RuntimeError(f"fleet stalled at t={t:.6f}s with {len(order) - nxt} requests unsent")

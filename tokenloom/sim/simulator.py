@@ -57,6 +57,20 @@ from tokenloom.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of device memory for weights + KV
 
 
+# A closed-loop client (`bench serve --max-concurrency`) sends its next request when the last
+# token of one reaches it: that token leaves the engine at a step's end, the new request
+# reaches the engine a few milliseconds later, by which time the engine -- which steps back
+# to back -- has begun its next step, so the newcomer waits for that step to end.  Modelling
+# the trip as zero admits it one step early (a step of several hundred ms with prefill
+# chunks in it, on a CPU).  Measured on localhost: 1-5 ms.
+CLIENT_TURNAROUND_S = 0.002
+
+
+def _free(slots: list[float], t: float) -> bool:
+    """Whether a client slot (a min-heap of the times they free) is free at `t`."""
+    return bool(slots) and slots[0] <= t
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """Engine knobs the simulated scheduler runs with (same names and defaults as `EngineArgs`)."""
@@ -235,10 +249,12 @@ class Simulator:
         return None
 
     def run(self, requests: Sequence[BenchRequest], seed: int = 0, vocab_range: tuple[int, int] | None = None,
-            max_concurrency: int | None = None) -> SimResult:
+            max_concurrency: int | None = None, client_turnaround_s: float = CLIENT_TURNAROUND_S) -> SimResult:
         """Simulate `requests`.  `max_concurrency` mimics `bench serve --max-concurrency`: a client
         that keeps at most that many requests in flight holds the others back until one finishes
-        (their `send_time` is then when a slot freed, and latencies count from it)."""
+        (their `send_time` is then when a slot freed, and latencies count from it).  A slot frees
+        `client_turnaround_s` after the step that finished its request: the last token's trip to
+        the client and the next request's trip back (see `CLIENT_TURNAROUND_S`)."""
         wall0 = time.perf_counter()
         kv = KVCacheManager(self.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
         sched = Scheduler(self.scheduler_config, kv)
@@ -257,7 +273,7 @@ class Simulator:
         t = 0.0
         nxt = 0
         while nxt < len(order) or sched.has_unfinished():
-            while nxt < len(order) and requests[order[nxt]].arrival_time <= t and (slots is None or slots):
+            while nxt < len(order) and requests[order[nxt]].arrival_time <= t and (slots is None or _free(slots, t)):
                 i = order[nxt]
                 nxt += 1
                 r = requests[i]
@@ -282,8 +298,8 @@ class Simulator:
                 sched.add_request(req)
                 live[req.request_id] = (i, req)
             if not sched.has_unfinished():
-                if nxt < len(order):
-                    t = max(t, requests[order[nxt]].arrival_time)  # idle: jump to the next arrival
+                if nxt < len(order):  # idle: jump to the next arrival (or to a slot freeing)
+                    t = max(t, requests[order[nxt]].arrival_time, slots[0] if slots else t)
                 continue
             executor.draft(sched.running)
             out = sched.schedule()
@@ -296,7 +312,7 @@ class Simulator:
                 i, _ = live.pop(req.request_id)
                 records[i].end_time = req.finished_time
                 if slots is not None:
-                    heapq.heappush(slots, t)
+                    heapq.heappush(slots, t + client_turnaround_s)
             event = sched.make_event(out, sampled, start, t, dt)
             for fn in observers:
                 fn(event)
