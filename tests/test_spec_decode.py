@@ -37,7 +37,10 @@ def _brute_force(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]
         suffix = tokens[L - n:]
         for i in range(L - n - 1, -1, -1):
             if tokens[i:i + n] == suffix:
-                return tokens[i + n:i + n + k]
+                ext = list(tokens)  # followers past the end repeat with the match's period
+                while len(ext) < i + n + k:
+                    ext.append(ext[len(ext) - (L - i - n)])
+                return ext[i + n:i + n + k]
     return []
 
 
@@ -49,8 +52,9 @@ def test_proposer_examples():
     assert propose_ngram([1, 2, 3, 1, 2, 4, 1, 2], k=1, max_n=2, min_n=2) == [4]
     assert propose_ngram([1, 2, 3, 4], k=3, max_n=3, min_n=1) == []  # nothing recurs
     assert propose_ngram([3, 9, 3], k=5, max_n=3, min_n=2) == []  # only a 1-gram recurs
-    assert propose_ngram([3, 9, 3], k=5, max_n=3, min_n=1) == [9, 3]  # the draft may run into the suffix
-    assert propose_ngram([7, 7, 7], k=4, max_n=3, min_n=1) == [7]
+    assert propose_ngram([3, 9, 3], k=5, max_n=3, min_n=1) == [9, 3, 9, 3, 9]  # past the end: periodic
+    assert propose_ngram([7, 7, 7], k=4, max_n=3, min_n=1) == [7, 7, 7, 7]
+    assert propose_ngram([1, 2, 3, 1, 2, 3, 1, 2], k=5, max_n=2, min_n=2) == [3, 1, 2, 3, 1]
 
 
 def test_proposer_matches_the_definition_on_random_sequences():

@@ -23,7 +23,8 @@ def propose_ngram(tokens: Sequence[int] | np.ndarray, k: int, max_n: int, min_n:
     """Up to k draft tokens continuing `tokens`, or [] when no suffix of length >= min_n recurs.
 
     The suffix tokens[-n:] (longest n in [min_n, max_n] that occurs earlier) is matched at
-    its most recent earlier start i (i + n < len(tokens)); the draft is tokens[i+n : i+n+k]."""
+    its most recent earlier start i (i + n < len(tokens)); the draft is tokens[i+n : i+n+k],
+    continued periodically where it runs past the end (the match implies the period)."""
     arr = np.asarray(tokens, dtype=np.int64)
     length = arr.shape[0]
     if k < 1 or length < min_n + 1:
@@ -42,4 +43,10 @@ def propose_ngram(tokens: Sequence[int] | np.ndarray, k: int, max_n: int, min_n:
     if best is None or not best.size:
         return []
     j = int(best[-1])  # the most recent occurrence of the longest matching suffix
-    return arr[j + 1 : j + 1 + k].tolist()
+    follow = arr[j + 1 : j + 1 + k].tolist()
+    # Followers that run past the end continue as the drafts themselves: the text repeats with
+    # period length-1-j (a loop "a b a b" drafts "a b a b", not just "a").
+    period = length - 1 - j
+    while len(follow) < k:
+        follow.append(follow[len(follow) - period])
+    return follow
