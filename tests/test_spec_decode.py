@@ -273,7 +273,8 @@ def test_speculation_turns_off_above_the_batch_size(hf_checkpoint):
 
 
 def test_sampled_requests_with_speculation_finish_and_return_blocks(hf_checkpoint):
-    llm = LLM(str(hf_checkpoint), speculative_config=SPEC, max_model_len=200, num_kv_blocks=100)
+    llm = LLM(str(hf_checkpoint), speculative_config={**SPEC, "disable_by_batch_size": 8}, max_model_len=200,
+              num_kv_blocks=100)
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()],
                         [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=25, ignore_eos=True),
                          SamplingParams(temperature=1.0, max_tokens=25, seed=3, ignore_eos=True),  # not drafted
