@@ -13,7 +13,7 @@ request asks for structure.
 """
 
 from tokenloom.structured.compiler import GrammarCompiler, GrammarError
-from tokenloom.structured.masks import StepMasks
-from tokenloom.structured.state import GrammarState, apply_grammar_masks
+from tokenloom.structured.masks import StepMasks, apply_grammar_masks
+from tokenloom.structured.state import GrammarState
 
 __all__ = ["GrammarCompiler", "GrammarError", "GrammarState", "StepMasks", "apply_grammar_masks"]

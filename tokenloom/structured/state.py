@@ -1,20 +1,16 @@
-"""One request's position in its grammar, and the per-step masking of a batch's logits.
+"""One request's position in its grammar.
 
-The sampler calls `apply_grammar_masks` on the rows of the step that carry a state: each
-state writes the tokens that may come next into one row of a bitmask (one bit per token of
-the model's vocabulary), and xgrammar's kernel sets every other logit to -inf, on whatever
-device the logits live.  The engine calls `accept` with the token it appended; a state that
-reached the end of its grammar (it accepted a stop token) is `terminated`.
+Each step the state writes the tokens that may come next into one row of a bitmask (one bit
+per token of the model's vocabulary; `structured.masks` applies it).  The engine calls
+`accept` with the token it appended; a state that reached the end of its grammar (it
+accepted a stop token) is `terminated`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from tokenloom.structured.masks import StepMasks
 
 
 class GrammarState:
@@ -37,30 +33,3 @@ class GrammarState:
     @property
     def terminated(self) -> bool:
         return self._matcher.is_terminated()
-
-
-def apply_grammar_masks(logits: torch.Tensor, states: Sequence[GrammarState | None],
-                        masks: "StepMasks | None" = None) -> torch.Tensor:
-    """Set to -inf, in place, every logit of row i that `states[i]`'s grammar does not allow
-    next (rows whose state is None are untouched).  `masks`: the same rows' bitmask, already
-    being filled while the forward ran (`StepMasks.start`); filled here when not given.
-    Returns `logits`."""
-    import xgrammar as xgr
-
-    from tokenloom.structured.masks import StepMasks
-
-    if masks is None:
-        masks = StepMasks(states)
-    rows = masks.rows
-    if not rows:
-        return logits
-    bitmask = masks.bitmask()
-    if logits.device.type == "cpu":
-        # Ours: xgrammar's CPU path unpacks every bit of every row (tens of ms for a batch
-        # of 32 over a 152k vocabulary); this one skips the all-ones words.
-        from tokenloom.kernels import cpu as cpu_kernels
-
-        return cpu_kernels.mask_logits_(logits, bitmask)
-    bitmask = bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
-    return logits
