@@ -335,3 +335,21 @@ def test_simulator_knows_accepted_tokens_per_step():
     assert (len(ev_off), len(ev_on)) == (41, 11)
     assert sum(e.num_accepted_tokens for e in ev_on) == 30
     assert on.duration_s < off.duration_s
+
+
+def test_stop_string_inside_accepted_drafts(hf_checkpoint):
+    """A stop string completed by an accepted draft ends the request there, exactly as without
+    speculation: same text, same tokens (the drafts after it dropped)."""
+    kw = dict(max_model_len=200, num_kv_blocks=100)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    plain = LLM(str(hf_checkpoint), **kw)
+    spec = LLM(str(hf_checkpoint), speculative_config={**SPEC, "disable_by_batch_size": 8}, **kw)
+    free = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    stops = [o.outputs[0].text[len(o.outputs[0].text) // 2:][:3] for o in free]  # text from mid-output
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[s]) for s in stops]
+    a = plain.generate(prompts, params, use_tqdm=False)
+    b = spec.generate(prompts, params, use_tqdm=False)
+    assert [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in b] == \
+           [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in a]
+    assert sum(o.outputs[0].finish_reason == "stop" for o in a) >= 3
+    assert spec.llm_engine.kv.pool.num_free == 100
