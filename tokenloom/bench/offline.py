@@ -46,8 +46,9 @@ class StepRecorder:
 
     def __call__(self, ev: StepEvent) -> None:
         for e in ev.entries:
-            if e.sampled_token_id is not None:
-                self.token_times.setdefault(e.request_id, []).append(ev.end_time)
+            if e.sampled_token_id is not None:  # with speculation, every accepted token arrives now
+                self.token_times.setdefault(e.request_id, []).extend(
+                    [ev.end_time] * max(1, len(e.generated_token_ids)))
         self.durations.append(ev.duration)
         self.forward_times.append(ev.forward_time)
         self.num_seqs.append(len(ev.entries))
