@@ -52,15 +52,21 @@ _TINY = r'''
 extern "C" int tokenloom_tiny_kernel() { return TINY_VALUE; }
 '''
 
-@pytest.mark.skipif(not has_toolchain, reason="needs a C++ toolchain with ninja")
-def test_a_build_is_announced_keyed_in_its_own_directory_and_reused(tmp_path, monkeypatch, capsys):
-    """Build a tiny extension through the same path as our kernels, in a private cache."""
+def _tiny_sources(tmp_path, monkeypatch, value: int):
+    """tiny.cpp + tiny.h (returning `value`) under tmp_path/src, and a private kernel cache."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "tiny.cpp").write_text(_TINY)
-    (src / "tiny.h").write_text("#define TINY_VALUE 1\n")
+    (src / "tiny.h").write_text(f"#define TINY_VALUE {value}\n")
     cache = tmp_path / "cache"
     monkeypatch.setenv("TOKENLOOM_KERNEL_CACHE", str(cache))
+    return src, cache
+
+
+@pytest.mark.skipif(not has_toolchain, reason="needs a C++ toolchain with ninja")
+def test_a_build_is_announced_keyed_in_its_own_directory_and_reused(tmp_path, monkeypatch, capsys):
+    """Build a tiny extension through the same path as our kernels, in a private cache."""
+    src, cache = _tiny_sources(tmp_path, monkeypatch, 1)
 
     def build() -> str:
         assert cpu_kernels._build("tokenloom_tiny", [src / "tiny.cpp"], [])
@@ -88,12 +94,7 @@ def test_a_build_killed_half_way_does_not_block_the_next(tmp_path, monkeypatch):
     import sys
     import textwrap
 
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "tiny.cpp").write_text(_TINY)
-    (src / "tiny.h").write_text("#define TINY_VALUE 3\n")
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("TOKENLOOM_KERNEL_CACHE", str(cache))
+    src, cache = _tiny_sources(tmp_path, monkeypatch, 3)
     # A builder that dies while it holds both locks, as a killed build does.
     script = textwrap.dedent(f"""
         import os, signal, sys
