@@ -1,0 +1,235 @@
+"""Batch-1 decode step: llama.cpp (F32, BF16, Q8_0, Q4_0) against tokenloom (fp32, bf16, int8, int4).
+
+    python scripts/bench_llamacpp.py [--model DIR] [--context 128] [--rounds 5] [--steps 8]
+                                     [--threads 2] [--work DIR] [--json OUT.json]
+                                     [--llama-variants F32,BF16,Q8_0,Q4_0] [--ours fp32,bf16,int8,int4]
+
+Not part of CI and not imported by the tests. What it does, each step skipped when already done:
+
+1. Installs llama.cpp's Python bindings if `import llama_cpp` fails: `pip install llama-cpp-python`
+   from its source distribution, which compiles llama.cpp with cmake; CMAKE_ARGS asks for a
+   native CPU build (takes several minutes on two cores).
+2. Converts the checkpoint to GGUF with llama.cpp's own converter (`convert_hf_to_gguf.py` from
+   the bindings' source distribution, `vendor/llama.cpp`, fetched with `pip download`): F32 and
+   BF16 directly, Q8_0 and Q4_0 with llama.cpp's quantizer (`llama_cpp.llama_model_quantize`,
+   default settings, from the F32 file). A checkpoint whose tokenizer the converter does not
+   know (the random-weight `make-model` checkpoints have tokenloom's own BPE) is given the
+   `qwen2` pre-tokenizer name; the benchmark feeds token ids, so that name changes nothing timed.
+3. Loads every variant of both engines at once, prefills the same `context`-token prompt in
+   each, then alternates rounds between them: in each round every variant decodes `steps`
+   tokens greedily at batch 1 and its median per-token time is kept. llama.cpp's time is the
+   `llama_decode` of one token (`Llama.eval`, prompt evaluation excluded); tokenloom's is a whole
+   engine step (`eng.step()`: scheduling, model, sampling), as in scripts/bench_quant.py.
+   Printed: the median over rounds per variant, side by side, and the ratios at equal bits;
+   written to `--json`.
+
+Without --model a random-weight Qwen2.5-0.5B-shaped checkpoint is made once (bf16,
+`make-model`, as bench_quant.py does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_quant  # noqa: E402  (scripts/bench_quant.py: checkpoint, prefilled engines, step timing)
+
+CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF"
+OURS_TO_BITS = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}  # equal bits per weight (about)
+
+
+def ensure_bindings() -> None:
+    """Import llama_cpp, building it from source with pip first if it is missing."""
+    try:
+        import llama_cpp  # noqa: F401
+        return
+    except ImportError:
+        pass
+    env = dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS", CMAKE_ARGS),
+               CMAKE_BUILD_PARALLEL_LEVEL=os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2)))
+    print(f"building llama-cpp-python from source (CMAKE_ARGS={env['CMAKE_ARGS']!r}); this takes minutes", flush=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-binary", "llama-cpp-python", "llama-cpp-python"],
+                   env=env, check=True)
+    import llama_cpp  # noqa: F401
+
+
+def llama_cpp_source(work: Path) -> Path:
+    """vendor/llama.cpp of the installed bindings' own source distribution (converter and gguf-py)."""
+    import llama_cpp
+
+    version = llama_cpp.__version__
+    root = work / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if (root / "convert_hf_to_gguf.py").exists():
+        return root
+    sdist_dir = work / "sdist"
+    sdist = sdist_dir / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                        f"llama-cpp-python=={version}", "-d", str(sdist_dir)], check=True)
+    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers()
+                   if m.name.startswith(prefix) and not m.name.startswith(prefix + "ggml/")
+                   and m.name.count("/") >= 3 and (m.name == prefix + "convert_hf_to_gguf.py"
+                                                   or m.name.split("/")[3] in ("gguf-py", "conversion"))]
+        tar.extractall(work, members=members, filter="data")
+    return root
+
+
+# Runs the converter in a child process so that its vendored gguf package stays out of this one.
+# Tokenizers it has no hash for get the "qwen2" pre-tokenizer name instead of an error.
+_CONVERT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import convert_hf_to_gguf as conv
+from conversion import base
+_orig = base.TextModel.get_vocab_base_pre
+def _pre(self, tokenizer):
+    try:
+        return _orig(self, tokenizer)
+    except NotImplementedError:
+        print("converter: unknown BPE pre-tokenizer, writing 'qwen2'", flush=True)
+        return "qwen2"
+base.TextModel.get_vocab_base_pre = _pre
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+conv.main()
+"""
+
+
+def convert(model: Path, src: Path, out: Path, outtype: str) -> None:
+    subprocess.run([sys.executable, "-c", _CONVERT, str(src), str(model), "--outfile", str(out),
+                    "--outtype", outtype], check=True)
+
+
+def quantize(inp: Path, out: Path, ftype_name: str, threads: int) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}")
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(str(inp).encode(), str(out).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize {inp} -> {ftype_name} failed with {rc}")
+
+
+def gguf_files(model: Path, work: Path, variants: list[str], threads: int) -> dict[str, Path]:
+    """GGUF file per llama.cpp variant, converted once per checkpoint directory."""
+    src = llama_cpp_source(work)
+    out_dir = work / "gguf" / model.resolve().name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {v: out_dir / f"model-{v}.gguf" for v in variants}
+    f32 = out_dir / "model-F32.gguf"
+    for v in variants:
+        if files[v].exists():
+            continue
+        if v in ("F32", "BF16"):
+            convert(model, src, files[v], v.lower())
+        else:  # quantized by llama.cpp's own quantizer, from full precision
+            if not f32.exists():
+                convert(model, src, f32, "f32")
+            quantize(f32, files[v], v, threads)
+        print(f"wrote {files[v]} ({files[v].stat().st_size / 1e6:.0f} MB)", flush=True)
+    return files
+
+
+class LlamaDecoder:
+    """One llama.cpp model with a prefilled prompt, decoding greedily one token per call."""
+
+    def __init__(self, path: Path, prompt: list[int], n_ctx: int, threads: int) -> None:
+        import numpy as np
+        from llama_cpp import Llama
+
+        self._np = np
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(512, n_ctx), n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
+        self.llm.eval(prompt)  # prompt evaluation: not timed
+        self.next = self._argmax()
+        self.decode_one()  # first decode warms up
+
+    def _argmax(self) -> int:
+        return int(self._np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+
+    def decode_one(self) -> float:
+        t0 = time.perf_counter()
+        self.llm.eval([self.next])
+        dt = time.perf_counter() - t0
+        self.next = self._argmax()
+        return dt
+
+    def time_steps(self, steps: int) -> float:
+        return statistics.median(self.decode_one() for _ in range(steps))
+
+
+def run(model: Path, work: Path, llama_variants: list[str], ours: list[str], context: int, rounds: int,
+        steps: int, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    files = gguf_files(model, work, llama_variants, threads)
+    prompt = [5 + (j * 13) % 3000 for j in range(context)]  # bench_quant.prefilled's first request
+    total = rounds * steps + 8
+    engines: dict[str, object] = {}
+    for v in llama_variants:
+        engines[f"llama.cpp {v}"] = LlamaDecoder(files[v], prompt, context + total + 16, threads)
+    for v in ours:
+        engines[f"tokenloom {v}"] = bench_quant.prefilled(model, 1, context, total, **bench_quant.VARIANTS[v])
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    for r in range(rounds):
+        for name, eng in engines.items():
+            time.sleep(0.05)  # let the previous engine's worker threads stop spinning
+            t = eng.time_steps(steps) if isinstance(eng, LlamaDecoder) else bench_quant.time_steps(eng, steps)
+            times[name].append(t)
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f}" for k, v in times.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"model": str(model), "context": context, "rounds": rounds, "steps": steps, "threads": threads,
+            "median_ms": {k: v * 1e3 for k, v in med.items()},
+            "rounds_ms": {k: [x * 1e3 for x in v] for k, v in times.items()},
+            "gguf_mb": {v: files[v].stat().st_size / 1e6 for v in llama_variants}}
+
+
+def print_table(res: dict) -> None:
+    med = res["median_ms"]
+    print(f"\nbatch 1, context ~{res['context']}, {res['threads']} threads: median per-token decode over "
+          f"{res['rounds']} alternating rounds of {res['steps']} tokens")
+    print(f"| tokenloom | ms | llama.cpp | ms | llama.cpp / tokenloom |\n|---|---|---|---|---|")
+    for ours, theirs in OURS_TO_BITS.items():
+        a, b = med.get(f"tokenloom {ours}"), med.get(f"llama.cpp {theirs}")
+        ratio = f"{b / a:.2f}x" if a and b else ""
+        print(f"| {ours} | {a and f'{a:.1f}' or '-'} | {theirs} | {b and f'{b:.1f}' or '-'} | {ratio} |")
+    print("(ratio > 1: tokenloom's step is faster)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF-format checkpoint directory (default: make-model qwen2.5-0.5b)")
+    ap.add_argument("--work", default="/tmp/tokenloom-bench-llamacpp", help="sdist, converter and GGUF files")
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-variants", default="F32,BF16,Q8_0,Q4_0")
+    ap.add_argument("--ours", default="fp32,bf16,int8,int4")
+    ap.add_argument("--json", default="bench_llamacpp.json")
+    a = ap.parse_args()
+    ensure_bindings()
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    res = run(bench_quant.model_dir(a.model), work, a.llama_variants.split(","), a.ours.split(","), a.context,
+              a.rounds, a.steps, a.threads)
+    print_table(res)
+    Path(a.json).write_text(json.dumps(res, indent=2))
+    print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()
