@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import json
 import os
 import statistics
@@ -61,6 +62,13 @@ def ensure_bindings() -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-binary", "llama-cpp-python", "llama-cpp-python"],
                    env=env, check=True)
     import llama_cpp  # noqa: F401
+
+
+def ensure_converter_deps() -> None:
+    """The converter imports sentencepiece (even for BPE tokenizers) and reads safetensors."""
+    missing = [m for m in ("sentencepiece", "safetensors") if importlib.util.find_spec(m) is None]
+    if missing:
+        subprocess.run([sys.executable, "-m", "pip", "install", *missing], check=True)
 
 
 def llama_cpp_source(work: Path) -> Path:
@@ -125,6 +133,7 @@ def quantize(inp: Path, out: Path, ftype_name: str, threads: int) -> None:
 def gguf_files(model: Path, work: Path, variants: list[str], threads: int) -> dict[str, Path]:
     """GGUF file per llama.cpp variant, converted once per checkpoint directory."""
     src = llama_cpp_source(work)
+    ensure_converter_deps()
     out_dir = work / "gguf" / model.resolve().name
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {v: out_dir / f"model-{v}.gguf" for v in variants}
