@@ -12,7 +12,7 @@ Not part of CI and not imported by the tests. What it does, each step skipped wh
 2. Converts the checkpoint to GGUF with llama.cpp's own converter (`convert_hf_to_gguf.py` from
    the bindings' source distribution, `vendor/llama.cpp`, fetched with `pip download`): F32 and
    BF16 directly, Q8_0 and Q4_0 with llama.cpp's quantizer (`llama_cpp.llama_model_quantize`,
-   default settings, from the F32 file). A checkpoint whose tokenizer the converter does not
+   default settings unless --pure, from the F32 file). A checkpoint whose tokenizer the converter does not
    know (the random-weight `make-model` checkpoints have tokenloom's own BPE) is given the
    `qwen2` pre-tokenizer name; the benchmark feeds token ids, so that name changes nothing timed.
 3. Loads every variant of both engines at once, prefills the same `context`-token prompt in
@@ -45,8 +45,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_quant  # noqa: E402  (scripts/bench_quant.py: checkpoint, prefilled engines, step timing)
 
-CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF"
+_COMMON_CMAKE = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF"
+# /proc/cpuinfo flag -> ggml's cmake option, for an x86 build of what this CPU has.
+_X86_FEATURES = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2", "avx_vnni": "AVX_VNNI",
+                 "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI",
+                 "avx512_bf16": "AVX512_BF16"}
 OURS_TO_BITS = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}  # equal bits per weight (about)
+
+
+def cmake_args() -> str:
+    """CMAKE_ARGS for a build tuned to this CPU.
+
+    On x86 Linux the features /proc/cpuinfo lists are named one by one, with AMX always off:
+    a VM may report AMX without letting processes use its tile registers, and the
+    GGML_NATIVE=ON build (-march=native) then dies with an invalid opcode at its first
+    `tilezero` (seen on the development VM with Q4_0/Q8_0 weights). Elsewhere: GGML_NATIVE=ON.
+    """
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")).split(":", 1)[1].split()
+    except (OSError, StopIteration):
+        return f"-DGGML_NATIVE=ON {_COMMON_CMAKE}"
+    on = " ".join(f"-DGGML_{opt}={'ON' if flag in flags else 'OFF'}" for flag, opt in _X86_FEATURES.items())
+    return f"-DGGML_NATIVE=OFF {on} -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF {_COMMON_CMAKE}"
 
 
 def ensure_bindings() -> None:
@@ -56,7 +77,7 @@ def ensure_bindings() -> None:
         return
     except ImportError:
         pass
-    env = dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS", CMAKE_ARGS),
+    env = dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS") or cmake_args(),
                CMAKE_BUILD_PARALLEL_LEVEL=os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2)))
     print(f"building llama-cpp-python from source (CMAKE_ARGS={env['CMAKE_ARGS']!r}); this takes minutes", flush=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-binary", "llama-cpp-python", "llama-cpp-python"],
@@ -119,24 +140,28 @@ def convert(model: Path, src: Path, out: Path, outtype: str) -> None:
                     "--outtype", outtype], check=True)
 
 
-def quantize(inp: Path, out: Path, ftype_name: str, threads: int) -> None:
+def quantize(inp: Path, out: Path, ftype_name: str, threads: int, pure: bool) -> None:
+    """llama.cpp's quantizer. By default it keeps some tensors at more bits (for Q4_0 the
+    output / tied embedding matrix as Q6_K, or Q8_0 where a row is not a multiple of 256);
+    `pure` stores every matrix in `ftype_name`."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}")
+    params.pure = pure
     params.nthread = threads
     rc = llama_cpp.llama_model_quantize(str(inp).encode(), str(out).encode(), ctypes.byref(params))
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize {inp} -> {ftype_name} failed with {rc}")
 
 
-def gguf_files(model: Path, work: Path, variants: list[str], threads: int) -> dict[str, Path]:
+def gguf_files(model: Path, work: Path, variants: list[str], threads: int, pure: bool) -> dict[str, Path]:
     """GGUF file per llama.cpp variant, converted once per checkpoint directory."""
     src = llama_cpp_source(work)
     ensure_converter_deps()
     out_dir = work / "gguf" / model.resolve().name
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = {v: out_dir / f"model-{v}.gguf" for v in variants}
+    files = {v: out_dir / f"model-{v}{'-pure' if pure and v not in ('F32', 'BF16') else ''}.gguf" for v in variants}
     f32 = out_dir / "model-F32.gguf"
     for v in variants:
         if files[v].exists():
@@ -146,7 +171,7 @@ def gguf_files(model: Path, work: Path, variants: list[str], threads: int) -> di
         else:  # quantized by llama.cpp's own quantizer, from full precision
             if not f32.exists():
                 convert(model, src, f32, "f32")
-            quantize(f32, files[v], v, threads)
+            quantize(f32, files[v], v, threads, pure)
         print(f"wrote {files[v]} ({files[v].stat().st_size / 1e6:.0f} MB)", flush=True)
     return files
 
@@ -180,11 +205,11 @@ class LlamaDecoder:
 
 
 def run(model: Path, work: Path, llama_variants: list[str], ours: list[str], context: int, rounds: int,
-        steps: int, threads: int) -> dict:
+        steps: int, threads: int, pure: bool = False) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    files = gguf_files(model, work, llama_variants, threads)
+    files = gguf_files(model, work, llama_variants, threads, pure)
     prompt = [5 + (j * 13) % 3000 for j in range(context)]  # bench_quant.prefilled's first request
     total = rounds * steps + 8
     engines: dict[str, object] = {}
@@ -200,7 +225,7 @@ def run(model: Path, work: Path, llama_variants: list[str], ours: list[str], con
             times[name].append(t)
         print(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f}" for k, v in times.items()), flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"model": str(model), "context": context, "rounds": rounds, "steps": steps, "threads": threads,
+    return {"model": str(model), "pure": pure, "context": context, "rounds": rounds, "steps": steps, "threads": threads,
             "median_ms": {k: v * 1e3 for k, v in med.items()},
             "rounds_ms": {k: [x * 1e3 for x in v] for k, v in times.items()},
             "gguf_mb": {v: files[v].stat().st_size / 1e6 for v in llama_variants}}
@@ -210,7 +235,7 @@ def print_table(res: dict) -> None:
     med = res["median_ms"]
     print(f"\nbatch 1, context ~{res['context']}, {res['threads']} threads: median per-token decode over "
           f"{res['rounds']} alternating rounds of {res['steps']} tokens")
-    print(f"| tokenloom | ms | llama.cpp | ms | llama.cpp / tokenloom |\n|---|---|---|---|---|")
+    print("| tokenloom | ms | llama.cpp | ms | llama.cpp / tokenloom |\n|---|---|---|---|---|")
     for ours, theirs in OURS_TO_BITS.items():
         a, b = med.get(f"tokenloom {ours}"), med.get(f"llama.cpp {theirs}")
         ratio = f"{b / a:.2f}x" if a and b else ""
@@ -228,16 +253,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-variants", default="F32,BF16,Q8_0,Q4_0")
     ap.add_argument("--ours", default="fp32,bf16,int8,int4")
-    ap.add_argument("--json", default="bench_llamacpp.json")
+    ap.add_argument("--pure", action="store_true", help="llama.cpp's quantizer keeps no tensor at more bits")
+    ap.add_argument("--json", default=None, help="result file (default: WORK/result.json)")
     a = ap.parse_args()
     ensure_bindings()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     res = run(bench_quant.model_dir(a.model), work, a.llama_variants.split(","), a.ours.split(","), a.context,
-              a.rounds, a.steps, a.threads)
+              a.rounds, a.steps, a.threads, a.pure)
     print_table(res)
-    Path(a.json).write_text(json.dumps(res, indent=2))
-    print(f"wrote {a.json}")
+    out = Path(a.json) if a.json else work / "result.json"
+    out.write_text(json.dumps(res, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
