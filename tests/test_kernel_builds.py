@@ -85,6 +85,7 @@ def test_a_build_is_announced_keyed_in_its_own_directory_and_reused(tmp_path, mo
     assert len(list(cache.iterdir())) == 2
 
 
+@pytest.mark.timeout(300)  # the regression is a wait that never ends: fail it in minutes
 @pytest.mark.skipif(not has_toolchain, reason="needs a C++ toolchain with ninja")
 def test_a_build_killed_half_way_does_not_block_the_next(tmp_path, monkeypatch):
     """A process killed mid-build (Ctrl-C, a timeout) leaves torch's `lock` file behind; the
