@@ -41,6 +41,15 @@ namespace {
 
 constexpr int64_t W = 32;    // columns per panel
 constexpr int64_t KC = 128;  // k per dequantized block (a multiple of both group sizes, 32 and 128)
+// How far ahead of its reads a thread prefetches its weight stream.  A thread's panels are one
+// contiguous run of memory, so "ahead" is simply further along it.  Widening the weights keeps
+// the core busy, and without prefetches the hardware prefetchers do not run far enough ahead
+// for the stream to overlap that work: reads then take turns with arithmetic instead of running
+// beside it (docs/quantization.md).
+constexpr int64_t kPrefetchBytes = 2048;
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes + b, _MM_HINT_T0);
+}
 
 #ifdef __AVX512F__
 using vf = __m512;
@@ -114,6 +123,7 @@ struct BufSource {
   const float* w;
   vf s[NV];
   void group(int64_t) {}
+  void prefetch(int64_t, int64_t) const {}
   void get(int64_t k, vf* out) const {
     for (int j = 0; j < NV; ++j) out[j] = vload(w + k * W + j * VL);
   }
@@ -128,6 +138,8 @@ struct Int8Source {
     for (int j = 0; j < NV; ++j) s[j] = vload(scales + j * VL);
   }
   void group(int64_t) {}
+  // The stream kPrefetchBytes past the weights of k .. k + n - 1.
+  void prefetch(int64_t k, int64_t n) const { prefetch_lines(q + k * W, n * W); }
   void get(int64_t k, vf* out) const { widen_int8(q + k * W, out); }
 };
 
@@ -143,6 +155,7 @@ struct Int4Source {
     const uint16_t* g = sc + (k / G) * W;
     for (int j = 0; j < NV; ++j) s[j] = vload_bf16(g + j * VL);
   }
+  void prefetch(int64_t k, int64_t n) const { prefetch_lines(q + k * (W / 2), n * (W / 2)); }
   void get(int64_t k, vf* out) const { widen_int4(q + k * (W / 2), out); }
 };
 
@@ -162,6 +175,7 @@ inline void micro(const float* x, int64_t ldx, Src& src, int64_t kc, int64_t G, 
     const int64_t g1 = std::min(kc, g0 + G);
     int64_t k = g0;
     for (; k + S <= g1; k += S) {
+      src.prefetch(k, S);
 #pragma GCC unroll 4
       for (int s = 0; s < S; ++s) {
         vf wv[NV];
@@ -227,6 +241,7 @@ template <typename Src>
 void dequant_block(Src& src, int64_t kc, int64_t G, float* buf) {
   for (int64_t g0 = 0; g0 < kc; g0 += G) {
     src.group(g0);
+    src.prefetch(g0, std::min(kc, g0 + G) - g0);
     for (int64_t k = g0; k < std::min(kc, g0 + G); ++k) {
       vf wv[NV];
       src.get(k, wv);
