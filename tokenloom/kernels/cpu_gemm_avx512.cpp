@@ -40,8 +40,8 @@ constexpr int64_t MC = 240;  // m-block: activations of one k-block (240 x 128 x
 constexpr int64_t kDirectRows = 16;
 // From this many rows each k-block's first micro-tile prefetches the block after it: there
 // the kernel is FMA-bound and would stall on every new block (32 rows: 497 GF/s with, 282
-// without); at one row it is a plain stream that the hardware prefetchers serve better alone
-// (82 GB/s without, 77-78 with).
+// without).  One row prefetches its stream a short way ahead instead (panel_linear.h
+// `kStreamPrefetchBytes`); prefetching the whole next block there was slower.
 constexpr int64_t kPrefetchRows = 2;
 
 // y[0:R, NP halves of a panel] (+)= x[0:kc, 0:R] * panel[0:kc]; S interleaved accumulator
@@ -138,7 +138,8 @@ void gemm(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, con
           const float* b = (bias && k0 + kc == K) ? bias + p * LDW : nullptr;
           const float* w = wp + (p * K + k0) * LDW;
           // Prefetched by the first micro-tile, which stalls on these weights otherwise.
-          const float* next = prefetch ? tokenloom::next_weights(wp, p, p1, k0, kc, K, LDW) : nullptr;
+          const float* next = prefetch ? tokenloom::next_weights(wp, p, p1, k0, kc, K, LDW)
+                                 : w + tokenloom::kStreamPrefetchBytes / sizeof(*w);
           for (int64_t m = m0; m < m1; m += MR) {
             const int64_t r = std::min(MR, m1 - m);
             const float* xt = xp + m * K + (DIRECT ? k0 : k0 * r);

@@ -32,8 +32,8 @@ constexpr int64_t LDW = 2;    // vectors per k-pair of a panel (32 columns; kern
 constexpr int64_t MR = 12;    // rows per micro-tile: 2 x 12 accumulators + 2 weight vectors of 32 zmm registers
 constexpr int64_t KC2 = 128;  // k-pairs per block: 16 KB of a panel, reused from L1 by every micro-tile
 // From this many rows each k-block's first micro-tile prefetches the block after it (the
-// kernel is then bound by the dot products, and would stall on every new block); one row is
-// a plain stream that the hardware prefetchers serve better alone (as in the fp32 kernel).
+// kernel is then bound by the dot products, and would stall on every new block); one row
+// prefetches its stream a short way ahead instead (panel_linear.h `kStreamPrefetchBytes`).
 constexpr int64_t kPrefetchRows = 2;
 constexpr int64_t MC = 240;   // m-block: activations of one k-block (240 x 128 pairs x 4 B) stay in L2
 
@@ -150,7 +150,8 @@ void gemm(const uint32_t* xp, int64_t M, int64_t K2, const __m512bh* wp, int64_t
           const int64_t kc = std::min(KC2, K2 - k0);
           const float* b = (bias && k0 + kc == K2) ? bias + p * W : nullptr;
           const __m512bh* w = wp + (p * K2 + k0) * LDW;
-          const __m512bh* next = prefetch ? tokenloom::next_weights(wp, p, p1, k0, kc, K2, LDW) : nullptr;
+          const __m512bh* next = prefetch ? tokenloom::next_weights(wp, p, p1, k0, kc, K2, LDW)
+                                 : w + tokenloom::kStreamPrefetchBytes / sizeof(*w);
           for (int64_t m = m0; m < m1; m += MR) {
             const int64_t r = std::min(MR, m1 - m);
             const uint32_t* xt = xp + m * K2 + k0 * r;

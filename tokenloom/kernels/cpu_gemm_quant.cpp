@@ -20,6 +20,8 @@
 // * more rows (batched decode, prefill): each block of KC k is first dequantized into a
 //   16 KB float32 buffer (in L1), which every 12-row tile then reads like the fp32 kernel's
 //   panel, so the widening is paid once per weight, not once per tile.
+// Either way each thread prefetches its weight stream a short way ahead of its reads
+// (`prefetch`, panel_linear.h), so the reads overlap the widening.
 // Both compute the product of x with the dequantized float32 weights above (the PyTorch
 // reference in model/quantization.py), up to float32 summation order.
 //
@@ -31,6 +33,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "panel_linear.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -41,15 +44,6 @@ namespace {
 
 constexpr int64_t W = 32;    // columns per panel
 constexpr int64_t KC = 128;  // k per dequantized block (a multiple of both group sizes, 32 and 128)
-// How far ahead of its reads a thread prefetches its weight stream.  A thread's panels are one
-// contiguous run of memory, so "ahead" is simply further along it.  Widening the weights keeps
-// the core busy, and without prefetches the hardware prefetchers do not run far enough ahead
-// for the stream to overlap that work: reads then take turns with arithmetic instead of running
-// beside it (docs/quantization.md).
-constexpr int64_t kPrefetchBytes = 2048;
-inline void prefetch_lines(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes + b, _MM_HINT_T0);
-}
 
 #ifdef __AVX512F__
 using vf = __m512;
@@ -138,8 +132,8 @@ struct Int8Source {
     for (int j = 0; j < NV; ++j) s[j] = vload(scales + j * VL);
   }
   void group(int64_t) {}
-  // The stream kPrefetchBytes past the weights of k .. k + n - 1.
-  void prefetch(int64_t k, int64_t n) const { prefetch_lines(q + k * W, n * W); }
+  // The stream ahead of the weights of k .. k + n - 1 (panel_linear.h).
+  void prefetch(int64_t k, int64_t n) const { tokenloom::prefetch_stream(q + k * W, n * W); }
   void get(int64_t k, vf* out) const { widen_int8(q + k * W, out); }
 };
 
@@ -155,7 +149,7 @@ struct Int4Source {
     const uint16_t* g = sc + (k / G) * W;
     for (int j = 0; j < NV; ++j) s[j] = vload_bf16(g + j * VL);
   }
-  void prefetch(int64_t k, int64_t n) const { prefetch_lines(q + k * (W / 2), n * (W / 2)); }
+  void prefetch(int64_t k, int64_t n) const { tokenloom::prefetch_stream(q + k * (W / 2), n * (W / 2)); }
   void get(int64_t k, vf* out) const { widen_int4(q + k * (W / 2), out); }
 };
 

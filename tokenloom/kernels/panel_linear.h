@@ -43,6 +43,19 @@ inline LinearCall begin_linear(const at::Tensor& x, int64_t K, int64_t n, int64_
   return c;
 }
 
+// At one row a GEMM streams each weight once and does little with it, and the hardware
+// prefetchers alone do not run far enough ahead: reads then take turns with the arithmetic
+// instead of overlapping it (docs/quantization.md, "Prefetching").  So every kernel prefetches
+// its stream this far ahead of its reads; a thread's run of panels is contiguous, so "ahead"
+// is simply further along it, across panel ends too.
+constexpr int64_t kStreamPrefetchBytes = 2048;
+
+// Prefetch the `bytes` that lie kStreamPrefetchBytes past `p`, one line at a time.
+inline void prefetch_stream(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64)
+    _mm_prefetch(static_cast<const char*>(p) + kStreamPrefetchBytes + b, _MM_HINT_T0);
+}
+
 // The two AVX-512 GEMMs walk each thread's run of panels [p0, p1) k-block by k-block; the
 // weights a thread reads after the block at k-offset k0 (kc long) of panel p: the rest of the
 // panel, else the next panel's start, else nothing.  `ldw` is one k's elements in a panel, `K`
