@@ -18,7 +18,8 @@ stock kernels stream them poorly at decode's shapes:
 * `cpu_fused.cpp`: the decoder layer's element-wise ops as one op and one pass each, for
   float32 and bfloat16 (the `cpu` ops backend, model/ops.py): RMSNorm (with the residual add before it, or
   not), rotary embedding (also straight from the qkv output into the KV cache), SiLU(gate)
-  * up; and the greedy argmax over the vocabulary (`argmax_rows`).
+  * up; the greedy argmax over the vocabulary (`argmax_rows`); and `stream_read`, a plain
+  parallel read of a buffer, the rate specs/microbench.py reports as the memory roof.
 * `cpu_gemm_quant.cpp`: the same GEMM for weight-only int8 / int4 weights (model/quantization.py),
   in 32-column panels (`pack_int8`, `pack_int4`), widened to float32 as they stream; built
   twice, with AVX-512 and with AVX2 (`quant_ops`).
@@ -222,6 +223,10 @@ def load() -> bool:
     def _(x):
         return x.new_empty((x.shape[0],), dtype=torch.long)
 
+    @torch.library.register_fake("tokenloom_cpu::stream_read")
+    def _(x):
+        return x.new_empty((), dtype=torch.long)
+
     return True
 
 
@@ -369,6 +374,16 @@ def mask_logits_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     bits = bitmask.to(device=logits.device, dtype=torch.int32)
     allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(bits.shape[0], -1)[:, :logits.shape[1]]
     return logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+def stream_read(x: torch.Tensor) -> torch.Tensor | None:
+    """The sum of every byte of CPU tensor `x` as unsigned values (int64, 0-dim; equal to
+    `x.view(torch.uint8).sum()`), computed by reading `x` once with our kernel's streaming
+    loop (`cpu_fused.cpp`): what `specs.microbench.measure_bandwidth` times.  None where the
+    kernels cannot run here."""
+    if x.device.type != "cpu" or not load():
+        return None
+    return torch.ops.tokenloom_cpu.stream_read(x)
 
 
 @functools.cache

@@ -7,6 +7,8 @@
 // the extra passes over [32, 2 x 4864] activations do.  Here each is one op and one pass
 // per row, rows split over the threads only when there are enough of them to pay for it.
 //
+// Also here: `stream_read`, a bare read of a buffer, the rate the local roofline reports.
+//
 // Arithmetic follows the Hugging Face reference order: RMSNorm is w * (x * rsqrt(mean(x^2)
 // + eps)) in float32, SiLU is x * sigmoid(x).
 
@@ -20,7 +22,9 @@
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
+#include "panel_linear.h"
 #include "simd_avx2.h"
 
 namespace {
@@ -440,12 +444,53 @@ at::Tensor mask_logits_(at::Tensor logits, const at::Tensor& bitmask) {
   return logits;
 }
 
+// The sum of every byte of x (as unsigned 0..255), int64: a read of the whole buffer that the
+// compiler cannot drop, and nothing written.  The local roofline (specs/microbench.py) times it
+// for the rate a decode step's weight stream can reach: like the GEMMs at one row, each thread
+// reads one contiguous run with 256-bit loads, prefetching kStreamPrefetchBytes ahead
+// (panel_linear.h).  _mm256_sad_epu8 against zero adds 32 bytes into four 64-bit lanes, so
+// the checksum is exact and order-free: it equals x.view(uint8).sum().
+at::Tensor stream_read(const at::Tensor& x) {
+  const at::Tensor xc = x.contiguous();
+  const uint8_t* base = static_cast<const uint8_t*>(xc.data_ptr());
+  const int64_t nbytes = static_cast<int64_t>(xc.nbytes());
+  const int64_t nvec = nbytes / 32;
+  // A thread only where it gets at least 256 KiB: below that waking it costs more than it reads.
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nbytes >> 18));
+  std::vector<int64_t> partial(threads, 0);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const __m256i* p = reinterpret_cast<const __m256i*>(base) + nvec * t / threads;
+      const __m256i* stop = reinterpret_cast<const __m256i*>(base) + nvec * (t + 1) / threads;
+      const __m256i zero = _mm256_setzero_si256();
+      __m256i a0 = zero, a1 = zero, a2 = zero, a3 = zero;
+      for (; p + 4 <= stop; p += 4) {  // 128 bytes, two cache lines, a step
+        tokenloom::prefetch_stream(p, 128);
+        a0 = _mm256_add_epi64(a0, _mm256_sad_epu8(_mm256_loadu_si256(p), zero));
+        a1 = _mm256_add_epi64(a1, _mm256_sad_epu8(_mm256_loadu_si256(p + 1), zero));
+        a2 = _mm256_add_epi64(a2, _mm256_sad_epu8(_mm256_loadu_si256(p + 2), zero));
+        a3 = _mm256_add_epi64(a3, _mm256_sad_epu8(_mm256_loadu_si256(p + 3), zero));
+      }
+      for (; p < stop; ++p) a0 = _mm256_add_epi64(a0, _mm256_sad_epu8(_mm256_loadu_si256(p), zero));
+      alignas(32) int64_t lanes[4];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
+                         _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3)));
+      partial[t] = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    }
+  });
+  int64_t total = 0;
+  for (int64_t v : partial) total += v;
+  for (int64_t b = nvec * 32; b < nbytes; ++b) total += base[b];  // the last < 32 bytes
+  return at::full({}, total, xc.options().dtype(at::kLong));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("stream_read(Tensor x) -> Tensor");
   m.def("mask_logits_(Tensor(a!) logits, Tensor bitmask) -> Tensor(a!)");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope(Tensor q, Tensor k, Tensor positions, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
@@ -458,6 +503,7 @@ TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("stream_read", &stream_read);
   m.impl("mask_logits_", &mask_logits_);
   m.impl("rope", &rope);
   m.impl("rope_write_kv", &rope_write_kv);
