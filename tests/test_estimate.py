@@ -212,23 +212,61 @@ def test_catalog_complete_and_cited() -> None:
 # ---------------------------------------------------------------- microbenchmarks
 def test_microbench_functions_measure_something() -> None:
     assert microbench.measure_bandwidth(nbytes=4 * 2**20, repeats=2) > 1e8
+    assert microbench.measure_copy_bandwidth(nbytes=4 * 2**20, repeats=2) > 1e8
+    llc = microbench.last_level_cache_bytes()
+    assert llc is None or llc > 0
+    assert microbench.default_buffer_bytes() >= min(2**30, microbench._memory_bytes("cpu") // 8)
     assert microbench.measure_matmul_flops("float32", n=64, repeats=2) > 1e6
     assert 0 < microbench.measure_op_overhead(num_ops=50, repeats=2) < 1e-2
+
+
+def test_bandwidth_without_our_kernel_reads_through_torch(monkeypatch) -> None:
+    from tokenloom.kernels import cpu as cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "stream_read", lambda x: None)  # as where the kernels cannot build
+    assert microbench.measure_bandwidth(nbytes=2 * 2**20 + 12, repeats=2) > 1e8
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 31, 33, 4096 + 7, 3 * 2**18 + 1000 * 32 + 5, 2**21 + 64])
+def test_stream_read_sums_every_byte(nbytes: int, monkeypatch) -> None:
+    import torch
+
+    from tokenloom.kernels import cpu as cpu_kernels
+
+    if not cpu_kernels.load():
+        pytest.skip("our CPU kernels do not build here")
+    # Three threads: the per-thread runs split a vector count that is not a multiple of them.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        g = torch.Generator().manual_seed(nbytes)
+        x = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+        got = cpu_kernels.stream_read(x)
+        assert got.dtype == torch.long and got.dim() == 0 and int(got) == int(x.sum())
+        if nbytes % 4 == 0 and nbytes:  # any dtype: its bytes; a strided view: its elements' bytes
+            f = x.view(torch.float32)
+            assert int(cpu_kernels.stream_read(f)) == int(x.sum())
+            assert int(cpu_kernels.stream_read(f[::3])) == int(f[::3].contiguous().view(torch.uint8).sum())
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_local_measurements_are_cached(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path))
     calls = []
     monkeypatch.setattr(microbench, "measure_bandwidth", lambda **kw: calls.append("bw") or 2e10)
+    monkeypatch.setattr(microbench, "measure_copy_bandwidth", lambda **kw: calls.append("copy") or 1.5e10)
     monkeypatch.setattr(microbench, "measure_matmul_flops", lambda name, **kw: 1e11)
     monkeypatch.setattr(microbench, "measure_op_overhead", lambda **kw: 5e-6)
     hw = get_hardware("local")
     assert hw.measured and hw.mem_bandwidth == 2e10 and hw.peak_flops["bfloat16"] == 1e11
-    assert calls == ["bw"]
-    assert get_hardware("local").mem_bandwidth == 2e10 and calls == ["bw"]  # from the cache file
+    assert calls == ["bw", "copy"]
+    assert get_hardware("local").mem_bandwidth == 2e10 and calls == ["bw", "copy"]  # from the cache file
+    record = microbench.measure_local()  # the read rate is the roof, the copy rate kept beside it
+    assert (record["mem_bandwidth"], record["copy_bandwidth"]) == (2e10, 1.5e10)
     assert (tmp_path / "microbench.json").is_file()
     get_hardware("local", refresh_local=True)
-    assert calls == ["bw", "bw"]
+    assert calls == ["bw", "copy", "bw", "copy"]
     spec = ModelSpec.from_config(TOY_CONFIG)
     assert CostModel(spec, hw, "float32").overhead_s == pytest.approx(5e-6 * spec.eager_ops_per_step)
 

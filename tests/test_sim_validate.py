@@ -289,7 +289,7 @@ def _fake_local_caches(tmp_path, monkeypatch, model_dir: str) -> Calibration:
     mb = {"key": key, "device_name": "test cpu", "memory_bytes": 2**34, "mem_bandwidth": 10e9,
           "matmul_flops": {"float16": 1e10, "bfloat16": 1e10, "float32": 5e10}, "op_overhead_s": 1e-5}
     (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / "microbench.json").write_text(json.dumps({"version": 1, "entries": {key: mb}}))
+    (tmp_path / "cache" / "microbench.json").write_text(json.dumps({"version": microbench._CACHE_VERSION, "entries": {key: mb}}))
     spec = load_model_spec(model_dir)
     cal = Calibration(bandwidth=5e9, flop_rate=2e10, attn_flop_rate=1e10, gather_rate=1e9, overhead_s=0.002,
                       per_seq_overhead_s=1e-4, microbench_bandwidth=10e9, microbench_flop_rate=5e10)

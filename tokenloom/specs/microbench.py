@@ -5,9 +5,15 @@ how fast matmuls do FLOPs -- plus how long the framework takes just to *launch* 
 step's many small ops.  Datasheets give the first two for GPUs; for the machine we are
 actually on we measure all three:
 
-* `measure_bandwidth()`   large tensor copy, (bytes read + bytes written) / time -- the
-                          STREAM "copy" convention.  Decode streams weights once per step,
-                          so this is the rate a memory-bound step can hope for.
+* `measure_bandwidth()`   bytes read / time of one parallel read of a buffer several times
+                          the last-level cache (our `stream_read` kernel on CPU, read the way
+                          the decode GEMMs read their weights).  A decode step only *reads* its
+                          weights, once per step, so this is the rate a memory-bound step can
+                          hope for.  On GPUs it stays the copy below.
+* `measure_copy_bandwidth()` large tensor copy, (bytes read + bytes written) / time -- the
+                          STREAM "copy" convention; recorded for information.  Writes cost a
+                          CPU more than reads (each written line is first read in, then
+                          evicted), so on CPUs copy understates what a read-only stream gets.
 * `measure_matmul_flops()` square matmul, 2*n^3 / time, sized up until one call takes long
                           enough to time reliably.
 * `measure_step_overhead()` wall time of a sequence of trivial (1-element) torch ops.  In
@@ -42,7 +48,7 @@ from tokenloom.specs.host import cpu_model_name
 MiB = 2**20
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _CACHE_FILE = "microbench.json"
-_CACHE_VERSION = 2  # bump when a measurement's method changes so old caches are ignored
+_CACHE_VERSION = 3  # bump when a measurement's method changes so old caches are ignored
 
 
 # ---------------------------------------------------------------- timing helpers
@@ -76,18 +82,69 @@ def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(_DTYPES)}") from None
 
 
-# ---------------------------------------------------------------- the three measurements
-def measure_bandwidth(nbytes: int | None = None, repeats: int = 5, device: str = "cpu") -> float:
-    """Memory bandwidth in bytes/s: 2 * nbytes / (time of one `dst.copy_(src)`).
+# ---------------------------------------------------------------- the measurements
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache, in bytes, from sysfs (cpu0's cache indexes); None if unreadable."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+        except OSError:
+            continue
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes) if sizes else None
 
-    The buffer (default 256 MiB on CPU, 1 GiB on GPU) must dwarf the last-level cache,
-    or we would measure the cache instead of DRAM.  Write-allocate traffic is not counted,
-    as in STREAM, so this is the rate software sees, not the bus maximum.
+
+def default_buffer_bytes(device: str = "cpu") -> int:
+    """The bandwidth tests' buffer: 1 GiB on GPU; on CPU max(1 GiB, 4 x the last-level cache),
+    so DRAM, not the cache, is measured (this VM's L3 is 300 MB), but at most 1/8 of memory
+    (the copy holds two such buffers)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return 1024 * MiB
+    size = max(1024 * MiB, 4 * (last_level_cache_bytes() or 0))
+    return min(size, _memory_bytes(device) // 8)
+
+
+def measure_bandwidth(nbytes: int | None = None, repeats: int = 5, device: str = "cpu") -> float:
+    """Memory read bandwidth in bytes/s: nbytes / (time of one read of an nbytes buffer).
+
+    On CPU the read is our `stream_read` kernel (kernels/cpu_fused.cpp): every thread reads
+    one contiguous run with 256-bit loads and prefetches ahead, as the one-row GEMMs stream
+    weights, and adds the bytes up so the reads cannot be optimized away.  Where it cannot
+    run, torch.mv over the buffer as a matrix (also read-only, and what a decode GEMV does).
+    The default buffer (`default_buffer_bytes`) dwarfs the last-level cache.  On GPU this is
+    the copy rate (`measure_copy_bandwidth`), as before.
     """
     dev = torch.device(device)
-    if nbytes is None:
-        nbytes = 1024 * MiB if dev.type == "cuda" else 256 * MiB
-    n = max(1, nbytes // 4)
+    if dev.type == "cuda":
+        return measure_copy_bandwidth(nbytes, repeats, device)
+    from tokenloom.kernels import cpu as cpu_kernels
+
+    n = max(1, (nbytes if nbytes is not None else default_buffer_bytes(device)) // 4)
+    # Filled, not just allocated: untouched pages all map the one zero page, which caches.
+    buf = torch.ones(n, dtype=torch.float32, device=dev)
+    if cpu_kernels.stream_read(buf[:1]) is not None:
+        t = _median_time(lambda: cpu_kernels.stream_read(buf), dev, repeats)
+        return n * 4 / t
+    cols = min(n, 1024)
+    mat = buf[: n // cols * cols].view(-1, cols)
+    vec = torch.ones(cols, dtype=torch.float32, device=dev)
+    t = _median_time(lambda: torch.mv(mat, vec), dev, repeats)
+    return mat.numel() * 4 / t
+
+
+def measure_copy_bandwidth(nbytes: int | None = None, repeats: int = 5, device: str = "cpu") -> float:
+    """Copy bandwidth in bytes/s: 2 * nbytes / (time of one `dst.copy_(src)`).
+
+    The STREAM "copy" convention: write-allocate traffic is not counted, so this is the rate
+    software sees, not the bus maximum.  Buffers of `default_buffer_bytes` unless given.
+    """
+    dev = torch.device(device)
+    n = max(1, (nbytes if nbytes is not None else default_buffer_bytes(device)) // 4)
     src = torch.ones(n, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)
     t = _median_time(lambda: dst.copy_(src), dev, repeats)
@@ -215,7 +272,8 @@ def measure_local(refresh: bool = False, device: str = "cpu") -> dict:
     """All local roofline figures as a dict, measured once per cache key and then cached.
 
     Keys: key, device_name, torch_threads, torch_version, measured_at, memory_bytes,
-    mem_bandwidth (B/s), matmul_flops {dtype: FLOP/s}, op_overhead_s.
+    mem_bandwidth (read, B/s: the roof), copy_bandwidth (copy, B/s: for information),
+    matmul_flops {dtype: FLOP/s}, op_overhead_s.
     """
     key = cache_key(device)
     path = cache_dir() / _CACHE_FILE
@@ -231,6 +289,7 @@ def measure_local(refresh: bool = False, device: str = "cpu") -> dict:
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "memory_bytes": _memory_bytes(device),
         "mem_bandwidth": measure_bandwidth(device=device),
+        "copy_bandwidth": measure_copy_bandwidth(device=device),
         "matmul_flops": {name: measure_matmul_flops(name, device=device) for name in _DTYPES},
         "op_overhead_s": measure_op_overhead(device=device),
     }
