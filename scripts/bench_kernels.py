@@ -6,8 +6,8 @@
   9728x896, down 896x4864; 1.43 GB in fp32, more than any cache) at each row count, through
   our kernel for this CPU (`cpu.linear_op`) from 2 MiB pages (as the engine stores them, see
   kernels/hugepages.py), the same from a copy in 4 KiB pages, and oneDNN's packed GEMM; at one
-  row also per matrix shape, beside a copy-bandwidth reading.  Then the bf16 kernel over the
-  same matrices (on CPUs with AVX512-BF16) at 1 and 32 rows.
+  row also per matrix shape, beside the memory roof's read rate and a copy rate.  Then the
+  bf16 kernel over the same matrices (on CPUs with AVX512-BF16) at 1 and 32 rows.
 * Decode attention: 32 requests of Qwen2.5-0.5B's heads (2 KV heads x 7 query heads, head_dim
   64) over 128 / 512 / 2048 tokens of context in shuffled 16-token blocks, the AVX2 build
   against the AVX-512 build (where the CPU has it).
@@ -29,7 +29,7 @@ import torch
 
 from tokenloom.kernels import cpu
 from tokenloom.kernels import glibc_heap
-from tokenloom.specs.microbench import measure_bandwidth
+from tokenloom.specs.microbench import measure_bandwidth, measure_copy_bandwidth
 from tokenloom.model.packed_linear import _pack
 
 LAYER_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # (N, K) per layer
@@ -77,7 +77,7 @@ def bench_gemm(rows: list[int], repeats: int) -> None:
         t = _median_rounds({"ours": lambda: run(ours), "4k": lambda: run(small_pages), "oneDNN": run_onednn}, repeats)
         unit = (lambda s: f"{nbytes / s / 1e9:6.1f} GB/s") if m == 1 else (lambda s: f"{flops / s / 1e9:6.0f} GF/s")
         print(f"  {m:4d} rows: ours {unit(t['ours'])} (4 KiB pages {unit(t['4k'])})   oneDNN {unit(t['oneDNN'])}")
-        if m == 1:  # which matrices stream at the copy rate, next to a copy reading of the same moment
+        if m == 1:  # which matrices stream at the read rate, next to read and copy readings of the same moment
             shapes = {}
             for p, n in ours:
                 shapes.setdefault((n, p.shape[1]), []).append(p)
@@ -88,7 +88,8 @@ def bench_gemm(rows: list[int], repeats: int) -> None:
             flat = torch.ones(nbytes // 4)  # the same bytes read by PyTorch's vectorized sum, nothing written
             t_read = _median_rounds({"sum": flat.sum}, repeats)["sum"]
             del flat
-            print(f"        by matrix (x{LAYERS}): {per}; copy {measure_bandwidth() / 1e9:.1f} GB/s, "
+            print(f"        by matrix (x{LAYERS}): {per}; read (stream_read) {measure_bandwidth() / 1e9:.1f} GB/s, "
+                  f"copy {measure_copy_bandwidth() / 1e9:.1f} GB/s, "
                   f"plain read (torch.sum) {nbytes / t_read / 1e9:.1f} GB/s")
     del ours, small_pages, onednn
     if cpu.bf16_enabled():  # the bf16 kernel over the same matrices, half the bytes

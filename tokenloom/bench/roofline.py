@@ -14,8 +14,13 @@ lengths, read off its step events:
     step at the roof         = max(memory, compute roof time) / step duration
     engine overhead          = step duration - forward time   (scheduling, bookkeeping)
 
+The bandwidth is the rate a parallel *read* of a buffer well beyond the last-level cache
+reaches (`measure_bandwidth`), because a decode step only reads its weights; a copy's rate
+(reads plus writes) is lower on CPUs and would put the memory roof below what the engine's
+own GEMMs stream.
+
 A shared machine's bandwidth and FLOP/s drift while the benchmark runs (on the VMs this
-was developed on, copy bandwidth flips between ~47 and ~75 GB/s from one second to the
+was developed on, copy bandwidth flipped between ~47 and ~75 GB/s from one second to the
 next), so both are measured again around every point and each point is set against the
 mean of the measurements just before and just after it.  When those two disagree by more
 than 10% the machine changed state during the point, and it is timed again (`--max-tries`).

@@ -139,7 +139,7 @@ class Calibration:
         gather = "negligible" if math.isinf(self.gather_rate) else f"{self.gather_rate / 1e9:.2f} GB/s"
         other = "max" if self.overlap == "sum" else "sum"
         return [
-            f"weight streaming {self.bandwidth / 1e9:.2f} GB/s ({self.mem_efficiency:.2f} x microbench copy "
+            f"weight streaming {self.bandwidth / 1e9:.2f} GB/s ({self.mem_efficiency:.2f} x microbench read "
             f"{self.microbench_bandwidth / 1e9:.2f} GB/s)",
             f"GEMMs {self.flop_rate / 1e9:.1f} GFLOP/s over many rows ({self.compute_efficiency:.2f} x microbench "
             f"matmul {self.microbench_flop_rate / 1e9:.1f} GFLOP/s), half that at {self.gemm_half_rows:g} rows; "
