@@ -109,6 +109,15 @@ def default_buffer_bytes(device: str = "cpu") -> int:
     return min(size, _memory_bytes(device) // 8)
 
 
+def _filled_buffer(n: int, dev: torch.device) -> torch.Tensor:
+    """n float32 ones, on CPU in 2 MiB pages as the engine keeps its weights (kernels/hugepages.py):
+    in 4 KiB pages a stream pays a TLB miss every 4 KiB and reads measurably slower.  Filled,
+    not just allocated: untouched pages all map the one zero page, which stays in cache."""
+    from tokenloom.kernels import hugepages
+
+    return hugepages.empty(n, torch.float32, dev).fill_(1.0)
+
+
 def measure_bandwidth(nbytes: int | None = None, repeats: int = 5, device: str = "cpu") -> float:
     """Memory read bandwidth in bytes/s: nbytes / (time of one read of an nbytes buffer).
 
@@ -116,8 +125,8 @@ def measure_bandwidth(nbytes: int | None = None, repeats: int = 5, device: str =
     one contiguous run with 256-bit loads and prefetches ahead, as the one-row GEMMs stream
     weights, and adds the bytes up so the reads cannot be optimized away.  Where it cannot
     run, torch.mv over the buffer as a matrix (also read-only, and what a decode GEMV does).
-    The default buffer (`default_buffer_bytes`) dwarfs the last-level cache.  On GPU this is
-    the copy rate (`measure_copy_bandwidth`), as before.
+    The default buffer (`default_buffer_bytes`, in 2 MiB pages) dwarfs the last-level cache.
+    On GPU this is the copy rate (`measure_copy_bandwidth`), as before.
     """
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -125,8 +134,7 @@ def measure_bandwidth(nbytes: int | None = None, repeats: int = 5, device: str =
     from tokenloom.kernels import cpu as cpu_kernels
 
     n = max(1, (nbytes if nbytes is not None else default_buffer_bytes(device)) // 4)
-    # Filled, not just allocated: untouched pages all map the one zero page, which caches.
-    buf = torch.ones(n, dtype=torch.float32, device=dev)
+    buf = _filled_buffer(n, dev)
     if cpu_kernels.stream_read(buf[:1]) is not None:
         t = _median_time(lambda: cpu_kernels.stream_read(buf), dev, repeats)
         return n * 4 / t
@@ -145,8 +153,8 @@ def measure_copy_bandwidth(nbytes: int | None = None, repeats: int = 5, device: 
     """
     dev = torch.device(device)
     n = max(1, (nbytes if nbytes is not None else default_buffer_bytes(device)) // 4)
-    src = torch.ones(n, dtype=torch.float32, device=dev)
-    dst = torch.empty_like(src)
+    src = _filled_buffer(n, dev)
+    dst = _filled_buffer(n, dev)
     t = _median_time(lambda: dst.copy_(src), dev, repeats)
     return 2 * n * 4 / t
 
