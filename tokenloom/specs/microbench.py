@@ -111,7 +111,7 @@ def default_buffer_bytes(device: str = "cpu") -> int:
 
 def _filled_buffer(n: int, dev: torch.device) -> torch.Tensor:
     """n float32 ones, on CPU in 2 MiB pages as the engine keeps its weights (kernels/hugepages.py):
-    in 4 KiB pages a stream pays a TLB miss every 4 KiB and reads measurably slower.  Filled,
+    in 4 KiB pages a stream pays a TLB miss every 4 KiB, which the engine's weights do not.  Filled,
     not just allocated: untouched pages all map the one zero page, which stays in cache."""
     from tokenloom.kernels import hugepages
 
