@@ -3,6 +3,7 @@
     python scripts/bench_spec_decode.py                      # the bundled model, batch 1
     python scripts/bench_spec_decode.py --batch-sizes 1 2 4 8 16 --rounds 3
     python scripts/bench_spec_decode.py --model /path/to/hf-dir --dtype bfloat16
+    python scripts/bench_spec_decode.py --model /tmp/tokenloom-copy-model   # scripts/make_copy_model.py
 
 Two engines are loaded once (speculation off / on) and timed alternately, round after round
 (the order flips every round); the figure is the median over rounds of output tokens / wall
@@ -10,12 +11,16 @@ seconds of `LLM.generate` over the workload's prompts, `batch` prompts at a time
 outputs of the two engines are compared token for token: the script exits non-zero if they
 differ.
 
-Workloads:
-  copy    code from this repository's own sources (real Python, not in the bundled model's
-          training set), followed by a line that starts it again: "...\\n\\n# the same code
-          again:\\n<its first line>" -- a continuation that can be served from the prompt.
+Workloads (the prompts are built with scripts/copy_task.py, as the copy model's training rows):
+  copy    a ~120-token snippet of this repository's own sources (real Python, in neither
+          model's training data), then "\\n\\n# the same code again:\\n" and the snippet's first
+          line (no newline): a model that copies continues with the rest of the snippet.
+  edit    the snippet, "\\n\\n# edited:\\n", then its first quarter of lines with the last of
+          them replaced by a line from elsewhere: a copier continues with the unchanged rest.
   random  uniformly random token ids (nothing to look up: the cost of trying).
-Both run with ignore_eos and a fixed max_tokens, so both engines emit the same token count.
+The bundled model does not copy; `python scripts/make_copy_model.py` fine-tunes it into one
+that does (pass its --out directory as --model).
+All run with ignore_eos and a fixed max_tokens, so both engines emit the same token count.
 Acceptance (drafted / accepted tokens, mean tokens per verifying step) is read from the step
 events.  docs/speculative-decoding.md has the figures and what they mean.
 """
@@ -32,28 +37,44 @@ from pathlib import Path
 
 from tokenloom import LLM, SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from copy_task import BENCH_SEPARATOR, cue_prompt, snippet_lines  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ["tokenloom/core/kv_cache.py", "tokenloom/core/scheduler.py", "tokenloom/runner/sampler.py",
            "tokenloom/engine/output_processor.py", "tokenloom/config.py", "tokenloom/request.py"]
 
 
+def _snippets(tokenizer, n: int, snippet_tokens: int, rng: random.Random) -> list[list[str]]:
+    """n snippets of about snippet_tokens tokens of whole lines of this repository's sources."""
+    out: list[list[str]] = []
+    while len(out) < n:
+        text = (ROOT / rng.choice(SOURCES)).read_text()
+        lines = snippet_lines(text, rng, snippet_tokens, encode=tokenizer.encode)
+        if len(lines) >= 4:
+            out.append(lines)
+    return out
+
+
 def copy_prompts(tokenizer, n: int, snippet_tokens: int, seed: int) -> list[list[int]]:
-    """n prompts: a snippet of real source, then a marker and the snippet's first line."""
+    """n prompts: a snippet of real source, a marker, and the snippet's first line again."""
     rng = random.Random(seed)
-    prompts = []
-    while len(prompts) < n:
-        lines = (ROOT / rng.choice(SOURCES)).read_text().splitlines()
-        start = rng.randrange(0, max(1, len(lines) - 40))
-        chunk: list[str] = []
-        for line in lines[start:]:
-            chunk.append(line)
-            if len(tokenizer.encode("\n".join(chunk))) >= snippet_tokens:
-                break
-        if not chunk or not chunk[0].strip():
-            continue
-        text = "\n".join(chunk) + "\n\n# the same code again:\n" + chunk[0] + "\n"
-        prompts.append(tokenizer.encode(text))
-    return prompts
+    return [tokenizer.encode(cue_prompt(lines, BENCH_SEPARATOR, 1)[0])
+            for lines in _snippets(tokenizer, n, snippet_tokens, rng)]
+
+
+def edit_prompts(tokenizer, n: int, snippet_tokens: int, seed: int) -> list[list[int]]:
+    """n prompts: a snippet, "# edited:", then its first lines again with the last of them
+    changed (a line from another snippet): a continuation that copies after an edit."""
+    rng = random.Random(seed)
+    out = []
+    for lines in _snippets(tokenizer, n, snippet_tokens, rng):
+        cut = max(2, len(lines) // 4)
+        donor = rng.choice([ln for ln in (ROOT / rng.choice(SOURCES)).read_text().splitlines() if ln.strip()])
+        head = list(lines[:cut])
+        head[-1] = head[-1][: len(head[-1]) - len(head[-1].lstrip())] + donor.strip()  # same indentation
+        out.append(tokenizer.encode("\n".join(lines) + "\n\n# edited:\n" + "\n".join(head)))
+    return out
 
 
 def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -84,7 +105,7 @@ def main() -> int:
     ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
                     '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 1024}',
                     help="the 'on' engine's config (batch-size cut-off lifted so a sweep measures every size)")
-    ap.add_argument("--workloads", nargs="+", default=["copy", "random"], choices=["copy", "random"])
+    ap.add_argument("--workloads", nargs="+", default=["copy", "edit", "random"], choices=["copy", "edit", "random"])
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
     ap.add_argument("--num-prompts", type=int, default=4, help="prompts per workload (per batch size: at least it)")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -107,6 +128,7 @@ def main() -> int:
         for batch in args.batch_sizes:
             n = max(args.num_prompts, batch)
             prompts = (copy_prompts(tok, n, args.snippet_tokens, seed=0) if wl == "copy"
+                       else edit_prompts(tok, n, args.snippet_tokens, seed=0) if wl == "edit"
                        else random_prompts(vocab, n, args.snippet_tokens, seed=0))
             run(off, prompts[:batch], sp, batch)  # warm both engines on this shape
             run(on, prompts[:batch], sp, batch)
