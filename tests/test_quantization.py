@@ -29,12 +29,20 @@ from tokenloom.model.quantization import (SCHEMES, PanelQuantized, TorchQuantize
 NAMES = sorted(SCHEMES)
 
 
+AVX512 = {"avx512f", "avx512bw", "avx512vl"}
+VNNI = AVX512 | {"avx512_vnni", "avx512vbmi"}
+
+
 def _builds() -> list[str]:
-    """The kernel builds this CPU runs: AVX2 wherever the kernels build, AVX-512 where present."""
-    if not {"avx2", "fma"} <= cpu_kernels._cpu_flags():
+    """The kernel builds this CPU runs: AVX2 wherever the kernels build, AVX-512 where present,
+    and ("auto") the AVX-512 build with VNNI's integer dot products for decode rows."""
+    flags = cpu_kernels._cpu_flags()
+    if not {"avx2", "fma"} <= flags:
         return []
     out = ["avx2"]
-    if {"avx512f", "avx512bw", "avx512vl"} <= cpu_kernels._cpu_flags():
+    if AVX512 <= flags:
+        out.append("avx512")
+    if VNNI <= flags:
         out.append("auto")
     return out
 
@@ -59,7 +67,9 @@ def test_kernel_builds_where_the_cpu_has_the_instructions(monkeypatch):
     monkeypatch.delenv("TOKENLOOM_CPU_QUANT", raising=False)
     cpu_kernels.quant_ops.cache_clear()
     ops = cpu_kernels.quant_ops()
-    if {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"} <= flags:
+    if {"avx2", "fma"} | VNNI <= flags:
+        assert ops is torch.ops.tokenloom_q512v
+    elif {"avx2", "fma"} | AVX512 <= flags:
         assert ops is torch.ops.tokenloom_q512
     elif {"avx2", "fma"} <= flags:
         assert ops is torch.ops.tokenloom_q256
@@ -132,6 +142,36 @@ def test_kernel_multiplies_by_the_dequantized_weight(kernel_build, name, n, k):
     y = ours.matmul(xb, None)
     assert y.shape == (2, 5, n) and y.dtype == torch.bfloat16
     torch.testing.assert_close(y, generic.matmul(xb, None), atol=1e-2 * deq.abs().max().item() * math.sqrt(k), rtol=1e-2)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_rows_keep_activation_precision_across_magnitudes(kernel_build, name):
+    """Decode rows (1-4) on the VNNI build multiply by activations split into three byte limbs
+    per block of 32 (kernels/quant_vnni.h): each activation is kept to 2^-21 of its block's
+    largest, far below bfloat16's own rounding, even beside an outlier 10^4 times larger."""
+    g = torch.Generator().manual_seed(11)
+    n, k = 96, 512
+    w = torch.randn(n, k, generator=g)
+    scheme = parse_scheme(name)
+    ours = PanelQuantized(w, scheme)
+    deq = TorchQuantized(w, scheme).dequantize().double()
+    for m in (1, 2, 3, 4):
+        x = torch.randn(m, k, generator=g) * torch.logspace(-3, 1, k, dtype=torch.float32)
+        x[:, 5] = 1e4  # an outlier channel, as LLM activations have
+        blockmax = x.abs().view(m, -1, 32).amax(-1).repeat_interleave(32, dim=1).double()
+        bound = (blockmax * 2.0**-21) @ deq.abs().t() + 1e-6 * (x.double().abs() @ deq.abs().t())
+        err = (ours.matmul(x, None).double() - x.double() @ deq.t()).abs()
+        assert (err <= bound).all(), (err / bound).max()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_rows_propagate_inf_and_nan(kernel_build, name):
+    ours = PanelQuantized(torch.randn(64, 256, generator=torch.Generator().manual_seed(5)), parse_scheme(name))
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, 256)
+        x[1, 40] = bad
+        y = ours.matmul(x, None)
+        assert torch.isfinite(y[0]).all() and not torch.isfinite(y[1]).any()
 
 
 @pytest.mark.parametrize("name", NAMES)

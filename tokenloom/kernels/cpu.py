@@ -265,9 +265,12 @@ def quant_ops():
     flags = _cpu_flags()
     if choice == "0" or not {"avx2", "fma"} <= flags:
         return None
-    if choice != "avx2" and {"avx512f", "avx512bw", "avx512vl"} <= flags:
-        if _build("tokenloom_cpu_quant512", ["cpu_gemm_quant.cpp"],
-                  ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]):
+    avx512 = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]
+    if choice == "auto" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"} <= flags:
+        if _build("tokenloom_cpu_quant512v", ["cpu_gemm_quant.cpp"], [*avx512, "-mavx512vnni", "-mavx512vbmi"]):
+            return _register_fake_quant("tokenloom_q512v")
+    if choice in ("auto", "avx512") and {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        if _build("tokenloom_cpu_quant512", ["cpu_gemm_quant.cpp"], avx512):
             return _register_fake_quant("tokenloom_q512")
     if _build("tokenloom_cpu_quant256", ["cpu_gemm_quant.cpp"], ["-mavx2", "-mfma"]):
         return _register_fake_quant("tokenloom_q256")

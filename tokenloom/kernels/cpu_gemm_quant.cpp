@@ -35,6 +35,10 @@
 
 #include "panel_linear.h"
 #include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define TOKENLOOM_QUANT_VNNI 1
+#include "quant_vnni.h"
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -316,6 +320,18 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
   if (c.M > 0) {
     const int8_t* qp = q.data_ptr<int8_t>();
     const float* sp = s.data_ptr<float>();
+#ifdef TOKENLOOM_QUANT_VNNI
+    tokenloom::vnni::Limbs xl;
+    if (c.M <= kFusedRows && K % tokenloom::vnni::XB == 0 && tokenloom::vnni::split(c.x2.data_ptr<float>(), c.M, K, xl)) {
+      float* y = c.y.data_ptr<float>();
+      at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p)
+          tokenloom::vnni::panel(xl, c.M, tokenloom::vnni::Int8Quad(qp + p * K * W), K, K, sp + p * W, nullptr,
+                                 y + p * W, P * W, c.bias_ptr ? c.bias_ptr + p * W : nullptr);
+      });
+      return finish(c, x, n);
+    }
+#endif
     gemm(c.x2.data_ptr<float>(), c.M, K, P, KC, c.bias_ptr, c.y.data_ptr<float>(),
          [&](int64_t p, int64_t k0) { return Int8Source(qp + (p * K + k0) * W, sp + p * W); });
   }
@@ -342,6 +358,18 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
     const uint8_t* qp = q.data_ptr<uint8_t>();
     const uint16_t* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>());
     const int64_t ng = Kp / group;
+#ifdef TOKENLOOM_QUANT_VNNI
+    tokenloom::vnni::Limbs xl;
+    if (c.M <= kFusedRows && tokenloom::vnni::split(c.x2.data_ptr<float>(), c.M, Kp, xl)) {
+      float* y = c.y.data_ptr<float>();
+      at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p)
+          tokenloom::vnni::panel(xl, c.M, tokenloom::vnni::Int4Quad(qp + p * Kp * (W / 2)), Kp, group, nullptr,
+                                 sp + p * ng * W, y + p * W, P * W, c.bias_ptr ? c.bias_ptr + p * W : nullptr);
+      });
+      return finish(c, x, n);
+    }
+#endif
     gemm(c.x2.data_ptr<float>(), c.M, Kp, P, group, c.bias_ptr, c.y.data_ptr<float>(), [&](int64_t p, int64_t k0) {
       Int4Source src;
       src.q = qp + (p * Kp + k0) * (W / 2);
@@ -355,7 +383,9 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
 
 }  // namespace
 
-#ifdef __AVX512F__
+#if defined(TOKENLOOM_QUANT_VNNI)
+#define TOKENLOOM_QNS tokenloom_q512v
+#elif defined(__AVX512F__)
 #define TOKENLOOM_QNS tokenloom_q512
 #else
 #define TOKENLOOM_QNS tokenloom_q256

@@ -1,0 +1,214 @@
+// Decode rows of the quantized GEMM (cpu_gemm_quant.cpp) by integer dot products, for CPUs
+// with AVX512-VNNI and AVX512-VBMI.
+//
+// Widening each weight to float32 costs three instructions per 16 weights, which at one row
+// keeps the core busier than the memory stream it reads.  `vpdpbusd` instead multiplies 64
+// unsigned bytes by 64 signed bytes and adds each four products into a 32-bit lane: one
+// instruction per 64 weights.  It needs both sides as bytes, so each block of 32 activations
+// is written as three signed bytes per value ("limbs") on a power-of-two unit D of the block:
+//
+//     x ~= D * (a + b / 128 + c / 16384),   D = 2^(floor(log2 max|x|) - 6),  a, b, c in -127..127
+//
+// a = trunc(x / D), b = trunc of the remainder times 128, c = the rest rounded.  Every step but
+// the last rounding is exact, so the error is at most 2^-21 of the block's largest value; a
+// bfloat16 activation within 2^13 of its block's largest is represented exactly.  The
+// activations are not quantized in the usual sense: their precision stays above bfloat16's.
+// The weights are read as unsigned bytes (int8 + 128; int4 nibbles are stored as q + 8), so
+// each limb's sum over a block times that bias starts the block's accumulator negative and the
+// integer sums come out as the signed dot products.  Each block's three sums are combined in
+// float32 and scaled by D; the weight scales are applied as in the float32 path.
+//
+// The packed layouts are the float32 path's; four k of a panel are turned into one 32-bit lane
+// per column by byte permutes (`Int8Quad`, `Int4Quad`).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "panel_linear.h"
+
+namespace tokenloom::vnni {
+
+constexpr int64_t XB = 32;    // activations per block (one unit D)
+constexpr int kLimbs = 3;
+constexpr int64_t kPanel = 32;  // columns per panel
+
+// Every row's activations as limbs: per row and block, the three limbs' 32 bytes each, the
+// block's unit and each limb's sum over the block.
+struct Limbs {
+  int64_t blocks = 0;
+  std::vector<int8_t> q;     // [rows][blocks][3][32]
+  std::vector<float> unit;   // [rows][blocks]
+  std::vector<int32_t> sum;  // [rows][blocks][3]
+
+  const int8_t* limbs(int64_t row, int64_t blk) const { return q.data() + ((row * blocks + blk) * kLimbs) * XB; }
+  float d(int64_t row, int64_t blk) const { return unit[row * blocks + blk]; }
+  int32_t s(int64_t row, int64_t blk, int l) const { return sum[(row * blocks + blk) * kLimbs + l]; }
+};
+
+// Split rows x[M, K] (K a multiple of 32) into limbs.  False if some value is not finite: the
+// caller then takes the float32 path, which propagates infinities and NaNs.
+inline bool split(const float* x, int64_t M, int64_t K, Limbs& out) {
+  out.blocks = K / XB;
+  out.q.resize(M * K * kLimbs);
+  out.unit.resize(M * out.blocks);
+  out.sum.resize(M * out.blocks * kLimbs);
+  const __m512 k128 = _mm512_set1_ps(128.0f);
+  const __m512i lim = _mm512_set1_epi32(127);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < out.blocks; ++b) {
+      const float* xb = x + r * K + b * XB;
+      const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
+      const __m512 a0 = _mm512_abs_ps(v[0]), a1 = _mm512_abs_ps(v[1]);
+      const __m512 big = _mm512_set1_ps(3.4028235e38f);  // above it: inf; unordered: NaN
+      if (_mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, big, _CMP_NLE_UQ)) return false;
+      const float m = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+      const int e = m > 0 ? std::max(std::ilogb(m) - 6, -126) : 0;
+      const float unit = std::ldexp(1.0f, e);
+      const __m512 inv = _mm512_set1_ps(std::ldexp(1.0f, -e));
+      const int64_t i = r * out.blocks + b;
+      out.unit[i] = unit;
+      int8_t* q = out.q.data() + i * kLimbs * XB;
+      __m512i s[kLimbs] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+      for (int h = 0; h < 2; ++h) {
+        const __m512 t = _mm512_mul_ps(v[h], inv);  // |t| < 128
+        const __m512i a = _mm512_cvttps_epi32(t);
+        const __m512 r1 = _mm512_mul_ps(_mm512_sub_ps(t, _mm512_cvtepi32_ps(a)), k128);
+        const __m512i bl = _mm512_cvttps_epi32(r1);
+        const __m512 r2 = _mm512_mul_ps(_mm512_sub_ps(r1, _mm512_cvtepi32_ps(bl)), k128);
+        const __m512i c = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(r2), lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+        const __m512i limb[kLimbs] = {a, bl, c};
+        for (int l = 0; l < kLimbs; ++l) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + l * XB + h * 16), _mm512_cvtepi32_epi8(limb[l]));
+          s[l] = _mm512_add_epi32(s[l], limb[l]);
+        }
+      }
+      for (int l = 0; l < kLimbs; ++l) out.sum[i * kLimbs + l] = _mm512_reduce_add_epi32(s[l]);
+    }
+  return true;
+}
+
+// Byte indices that gather four k of 16 columns into one 32-bit lane per column.
+inline __m512i quad_index(int (*at)(int c, int t), int c0) {
+  alignas(64) int8_t idx[64];
+  for (int c = 0; c < 16; ++c)
+    for (int t = 0; t < 4; ++t) idx[4 * c + t] = static_cast<int8_t>(at(c0 + c, t));
+  return _mm512_load_si512(idx);
+}
+
+// int8 panel ([K, 32] bytes from the block's k on): k .. k+3 are two 64-byte loads (two k
+// each); a two-source byte permute per 16 columns, then + 128 (sign bit flipped).
+struct Int8Quad {
+  static constexpr int kBias = 128;
+  static constexpr int64_t kBytesPerK = kPanel;
+  const int8_t* q;
+  __m512i idx[2];
+  explicit Int8Quad(const int8_t* q_) : q(q_) {
+    auto at = [](int c, int t) { return t < 2 ? 32 * t + c : 64 + 32 * (t - 2) + c; };
+    idx[0] = quad_index(at, 0);
+    idx[1] = quad_index(at, 16);
+  }
+  void get4(int64_t k, __m512i* out) const {
+    const __m512i v0 = _mm512_loadu_si512(q + k * kPanel), v1 = _mm512_loadu_si512(q + k * kPanel + 64);
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int j = 0; j < 2; ++j) out[j] = _mm512_xor_si512(_mm512_permutex2var_epi8(v0, idx[j], v1), flip);
+  }
+};
+
+// int4 panel ([Kp, 16] bytes: column c low nibble, c + 16 high): k .. k+3 are one 64-byte
+// load; each half's nibbles masked out, then a byte permute.
+struct Int4Quad {
+  static constexpr int kBias = 8;
+  static constexpr int64_t kBytesPerK = kPanel / 2;
+  const uint8_t* q;
+  __m512i idx;
+  explicit Int4Quad(const uint8_t* q_) : q(q_) {
+    idx = quad_index([](int c, int t) { return 16 * t + c; }, 0);
+  }
+  void get4(int64_t k, __m512i* out) const {
+    const __m512i v = _mm512_loadu_si512(q + k * kBytesPerK);
+    const __m512i m15 = _mm512_set1_epi8(15);
+    out[0] = _mm512_permutexvar_epi8(idx, _mm512_and_si512(v, m15));
+    out[1] = _mm512_permutexvar_epi8(idx, _mm512_and_si512(_mm512_srli_epi16(v, 4), m15));
+  }
+};
+
+// y[row0 .. row0+R, one panel] = x . panel over all K (+ bias).  Weight scales: `col_scales`
+// (int8: one per column, applied at the end) or `group_scales` (int4: bfloat16 [K / G, 32],
+// applied to each group's sums).
+template <int R, typename Quad>
+inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int64_t G, const float* col_scales,
+                  const uint16_t* group_scales, float* y, int64_t ldy, const float* bias) {
+  const __m512 c1 = _mm512_set1_ps(1.0f / 128), c2 = _mm512_set1_ps(1.0f / 16384);
+  __m512 tot[R][2];
+  for (int i = 0; i < R; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < K; g0 += G) {
+    __m512 gacc[R][2];
+    for (int i = 0; i < R; ++i) gacc[i][0] = gacc[i][1] = _mm512_setzero_ps();
+    for (int64_t b0 = g0; b0 < g0 + G; b0 += XB) {
+      const int64_t blk = b0 / XB;
+      __m512i acc[R][kLimbs][2];
+      const int8_t* lp[R];
+      for (int i = 0; i < R; ++i) {
+        lp[i] = xl.limbs(row0 + i, blk);
+        for (int l = 0; l < kLimbs; ++l)
+          acc[i][l][0] = acc[i][l][1] = _mm512_set1_epi32(-Quad::kBias * xl.s(row0 + i, blk, l));
+      }
+#pragma GCC unroll 8
+      for (int64_t k = 0; k < XB; k += 4) {
+        prefetch_stream(src.q + (b0 + k) * Quad::kBytesPerK, 4 * Quad::kBytesPerK);
+        __m512i wv[2];
+        src.get4(b0 + k, wv);
+#pragma GCC unroll 2
+        for (int i = 0; i < R; ++i)
+#pragma GCC unroll 3
+          for (int l = 0; l < kLimbs; ++l) {
+            const __m512i a = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(lp[i] + l * XB + k));
+            acc[i][l][0] = _mm512_dpbusd_epi32(acc[i][l][0], wv[0], a);
+            acc[i][l][1] = _mm512_dpbusd_epi32(acc[i][l][1], wv[1], a);
+          }
+      }
+      for (int i = 0; i < R; ++i) {
+        const __m512 d = _mm512_set1_ps(xl.d(row0 + i, blk));
+        for (int j = 0; j < 2; ++j) {
+          const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][2][j]), c2,
+                                           _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][1][j]), c1,
+                                                           _mm512_cvtepi32_ps(acc[i][0][j])));
+          gacc[i][j] = _mm512_fmadd_ps(f, d, gacc[i][j]);
+        }
+      }
+    }
+    if (group_scales) {
+      const uint16_t* gs = group_scales + (g0 / G) * kPanel;
+      for (int j = 0; j < 2; ++j) {
+        const __m512 s = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gs + 16 * j))), 16));
+        for (int i = 0; i < R; ++i) tot[i][j] = _mm512_fmadd_ps(gacc[i][j], s, tot[i][j]);
+      }
+    } else {
+      for (int i = 0; i < R; ++i)
+        for (int j = 0; j < 2; ++j) tot[i][j] = _mm512_add_ps(tot[i][j], gacc[i][j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 2; ++j) {
+      __m512 v = col_scales ? _mm512_mul_ps(tot[i][j], _mm512_loadu_ps(col_scales + 16 * j)) : tot[i][j];
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
+      _mm512_storeu_ps(y + i * ldy + 16 * j, v);
+    }
+}
+
+// All rows (two at a time) of one panel.
+template <typename Quad>
+inline void panel(const Limbs& xl, int64_t M, const Quad& src, int64_t K, int64_t G, const float* col_scales,
+                  const uint16_t* group_scales, float* y, int64_t ldy, const float* bias) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) micro<2>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, bias);
+  if (m < M) micro<1>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, bias);
+}
+
+}  // namespace tokenloom::vnni
