@@ -305,6 +305,47 @@ at::Tensor finish(const Call& c, const at::Tensor& x, int64_t n) {
   return y.view(sizes).to(x.scalar_type());
 }
 
+#ifdef TOKENLOOM_QUANT_VNNI
+// Decode rows by integer dot products (quant_vnni.h), x read and y written in x's own dtype
+// (float32 or bfloat16), so no conversion runs around the kernel.  `run(p, limbs, M, y, ldy,
+// ncols, bias)` does panel p.  Nothing where that path does not apply: more rows, a K that is
+// not whole blocks, another dtype, or a value that is not finite (the float32 path propagates it).
+template <typename Run>
+c10::optional<at::Tensor> decode_vnni(const at::Tensor& x, int64_t Kp, int64_t P, int64_t n,
+                                      const c10::optional<at::Tensor>& bias, Run run) {
+  namespace v = tokenloom::vnni;
+  const int64_t K = x.size(-1);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (K == 0 || Kp % v::XB != 0 || (!bf16 && x.scalar_type() != at::kFloat)) return c10::nullopt;
+  const int64_t M = x.numel() / K;
+  if (M == 0 || M > kFusedRows) return c10::nullopt;
+  const auto x2 = x.reshape({M, K}).contiguous();
+  v::Limbs xl;
+  if (!(bf16 ? v::split(reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()), M, K, Kp, xl)
+             : v::split(x2.data_ptr<float>(), M, K, Kp, xl)))
+    return c10::nullopt;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() >= P * W, "bias must be padded to the panels");
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  at::Tensor y = at::empty(sizes, x.options());
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* bp = b.defined() ? b.data_ptr<float>() + p * W : nullptr;
+      const int64_t ncols = std::min(W, n - p * W);
+      if (bf16)
+        run(p, xl, M, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + p * W, n, ncols, bp);
+      else
+        run(p, xl, M, y.data_ptr<float>() + p * W, n, ncols, bp);
+    }
+  });
+  return y;
+}
+#endif
+
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t n,
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "quantized linear runs on CPU");
@@ -316,22 +357,18 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(P * W >= n, "n exceeds the packed panels");
   const auto q = qweight.contiguous();
   const auto s = scales.contiguous();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+#ifdef TOKENLOOM_QUANT_VNNI
+  auto y = decode_vnni(x, K, P, n, bias, [&](int64_t p, const tokenloom::vnni::Limbs& xl, int64_t M, auto* yp,
+                                            int64_t ldy, int64_t ncols, const float* bp) {
+    tokenloom::vnni::panel(xl, M, tokenloom::vnni::Int8Quad(qp + p * K * W), K, K, sp + p * W, nullptr, yp, ldy,
+                           ncols, bp);
+  });
+  if (y.has_value()) return *y;
+#endif
   Call c = begin(x, K, P, bias);
   if (c.M > 0) {
-    const int8_t* qp = q.data_ptr<int8_t>();
-    const float* sp = s.data_ptr<float>();
-#ifdef TOKENLOOM_QUANT_VNNI
-    tokenloom::vnni::Limbs xl;
-    if (c.M <= kFusedRows && K % tokenloom::vnni::XB == 0 && tokenloom::vnni::split(c.x2.data_ptr<float>(), c.M, K, xl)) {
-      float* y = c.y.data_ptr<float>();
-      at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-        for (int64_t p = p0; p < p1; ++p)
-          tokenloom::vnni::panel(xl, c.M, tokenloom::vnni::Int8Quad(qp + p * K * W), K, K, sp + p * W, nullptr,
-                                 y + p * W, P * W, c.bias_ptr ? c.bias_ptr + p * W : nullptr);
-      });
-      return finish(c, x, n);
-    }
-#endif
     gemm(c.x2.data_ptr<float>(), c.M, K, P, KC, c.bias_ptr, c.y.data_ptr<float>(),
          [&](int64_t p, int64_t k0) { return Int8Source(qp + (p * K + k0) * W, sp + p * W); });
   }
@@ -353,23 +390,19 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(P * W >= n, "n exceeds the packed panels");
   const auto q = qweight.contiguous();
   const auto s = scales.contiguous();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>());
+  const int64_t ng = Kp / group;
+#ifdef TOKENLOOM_QUANT_VNNI
+  auto y = decode_vnni(x, Kp, P, n, bias, [&](int64_t p, const tokenloom::vnni::Limbs& xl, int64_t M, auto* yp,
+                                             int64_t ldy, int64_t ncols, const float* bp) {
+    tokenloom::vnni::panel(xl, M, tokenloom::vnni::Int4Quad(qp + p * Kp * (W / 2)), Kp, group, nullptr,
+                           sp + p * ng * W, yp, ldy, ncols, bp);
+  });
+  if (y.has_value()) return *y;
+#endif
   Call c = begin(x, Kp, P, bias);
   if (c.M > 0) {
-    const uint8_t* qp = q.data_ptr<uint8_t>();
-    const uint16_t* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>());
-    const int64_t ng = Kp / group;
-#ifdef TOKENLOOM_QUANT_VNNI
-    tokenloom::vnni::Limbs xl;
-    if (c.M <= kFusedRows && tokenloom::vnni::split(c.x2.data_ptr<float>(), c.M, Kp, xl)) {
-      float* y = c.y.data_ptr<float>();
-      at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-        for (int64_t p = p0; p < p1; ++p)
-          tokenloom::vnni::panel(xl, c.M, tokenloom::vnni::Int4Quad(qp + p * Kp * (W / 2)), Kp, group, nullptr,
-                                 sp + p * ng * W, y + p * W, P * W, c.bias_ptr ? c.bias_ptr + p * W : nullptr);
-      });
-      return finish(c, x, n);
-    }
-#endif
     gemm(c.x2.data_ptr<float>(), c.M, Kp, P, group, c.bias_ptr, c.y.data_ptr<float>(), [&](int64_t p, int64_t k0) {
       Int4Source src;
       src.q = qp + (p * Kp + k0) * (W / 2);

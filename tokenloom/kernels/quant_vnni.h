@@ -50,19 +50,47 @@ struct Limbs {
   int32_t s(int64_t row, int64_t blk, int l) const { return sum[(row * blocks + blk) * kLimbs + l]; }
 };
 
-// Split rows x[M, K] (K a multiple of 32) into limbs.  False if some value is not finite: the
-// caller then takes the float32 path, which propagates infinities and NaNs.
-inline bool split(const float* x, int64_t M, int64_t K, Limbs& out) {
-  out.blocks = K / XB;
-  out.q.resize(M * K * kLimbs);
+// 16 activations from k on, as float32; past `valid` of them, zeros.
+inline __m512 load16(const float* p, int64_t valid) {
+  return valid >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << std::max<int64_t>(valid, 0)) - 1), p);
+}
+inline __m512 load16(const uint16_t* p, int64_t valid) {  // bfloat16
+  const __m256i h = valid >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << std::max<int64_t>(valid, 0)) - 1), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// 16 float32 sums to y: all, or the first `cols`; as float32, or rounded to bfloat16 (to
+// nearest even, NaN kept a NaN, as PyTorch's conversion).
+inline void store16(float* p, __m512 v, int64_t cols) {
+  if (cols >= 16) _mm512_storeu_ps(p, v);
+  else if (cols > 0) _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << cols) - 1), v);
+}
+inline void store16(uint16_t* p, __m512 v, int64_t cols) {
+  if (cols <= 0) return;
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(p, static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1), _mm512_cvtepi32_epi16(r));
+}
+
+// Split rows x[M, K] (float32 or bfloat16, row stride K) into limbs over Kp >= K activations
+// (whole blocks; those past K are zero).  False if some value is not finite: the caller then
+// takes the float32 path, which propagates infinities and NaNs.
+template <typename T>
+inline bool split(const T* x, int64_t M, int64_t K, int64_t Kp, Limbs& out) {
+  out.blocks = Kp / XB;
+  out.q.resize(M * Kp * kLimbs);
   out.unit.resize(M * out.blocks);
   out.sum.resize(M * out.blocks * kLimbs);
   const __m512 k128 = _mm512_set1_ps(128.0f);
   const __m512i lim = _mm512_set1_epi32(127);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < out.blocks; ++b) {
-      const float* xb = x + r * K + b * XB;
-      const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
+      const T* xb = x + r * K + b * XB;
+      const int64_t valid = K - b * XB;
+      const __m512 v[2] = {load16(xb, valid), load16(xb + 16, valid - 16)};
       const __m512 a0 = _mm512_abs_ps(v[0]), a1 = _mm512_abs_ps(v[1]);
       const __m512 big = _mm512_set1_ps(3.4028235e38f);  // above it: inf; unordered: NaN
       if (_mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, big, _CMP_NLE_UQ)) return false;
@@ -140,9 +168,9 @@ struct Int4Quad {
 // y[row0 .. row0+R, one panel] = x . panel over all K (+ bias).  Weight scales: `col_scales`
 // (int8: one per column, applied at the end) or `group_scales` (int4: bfloat16 [K / G, 32],
 // applied to each group's sums).
-template <int R, typename Quad>
+template <int R, typename Quad, typename Out>
 inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int64_t G, const float* col_scales,
-                  const uint16_t* group_scales, float* y, int64_t ldy, const float* bias) {
+                  const uint16_t* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
   const __m512 c1 = _mm512_set1_ps(1.0f / 128), c2 = _mm512_set1_ps(1.0f / 16384);
   __m512 tot[R][2];
   for (int i = 0; i < R; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
@@ -198,17 +226,17 @@ inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int
     for (int j = 0; j < 2; ++j) {
       __m512 v = col_scales ? _mm512_mul_ps(tot[i][j], _mm512_loadu_ps(col_scales + 16 * j)) : tot[i][j];
       if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
-      _mm512_storeu_ps(y + i * ldy + 16 * j, v);
+      store16(y + i * ldy + 16 * j, v, ncols - 16 * j);
     }
 }
 
-// All rows (two at a time) of one panel.
-template <typename Quad>
+// All rows (two at a time) of one panel: y[0:M, 0:ncols] with row stride ldy.
+template <typename Quad, typename Out>
 inline void panel(const Limbs& xl, int64_t M, const Quad& src, int64_t K, int64_t G, const float* col_scales,
-                  const uint16_t* group_scales, float* y, int64_t ldy, const float* bias) {
+                  const uint16_t* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
   int64_t m = 0;
-  for (; m + 2 <= M; m += 2) micro<2>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, bias);
-  if (m < M) micro<1>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, bias);
+  for (; m + 2 <= M; m += 2) micro<2>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
+  if (m < M) micro<1>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
 }
 
 }  // namespace tokenloom::vnni
