@@ -55,7 +55,12 @@ inline void micro(const uint32_t* x, const __m512bh* w, int64_t kc, float* y, in
       __m512bh wv[NP];
 #pragma GCC unroll 2
       for (int j = 0; j < NP; ++j) {
-        if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + (k + s) * LDW + j), _MM_HINT_T0);
+        if (pf) {
+          if (R == 1)  // one row: pf is kStreamPrefetchBytes ahead of w; the far prefetch too
+            _mm_prefetch(reinterpret_cast<const char*>(pf + (k + s) * LDW + j) + (tokenloom::kStreamPrefetchFarBytes -
+                                                                    tokenloom::kStreamPrefetchBytes), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(pf + (k + s) * LDW + j), _MM_HINT_T0);
+        }
         wv[j] = (__m512bh)_mm512_loadu_si512(w + (k + s) * LDW + j);  // loadu: a view may be unaligned
       }
 #pragma GCC unroll 12

@@ -46,14 +46,21 @@ inline LinearCall begin_linear(const at::Tensor& x, int64_t K, int64_t n, int64_
 // At one row a GEMM streams each weight once and does little with it, and the hardware
 // prefetchers alone do not run far enough ahead: reads then take turns with the arithmetic
 // instead of overlapping it (docs/quantization.md, "Prefetching").  So every kernel prefetches
-// its stream this far ahead of its reads; a thread's run of panels is contiguous, so "ahead"
-// is simply further along it, across panel ends too.
-constexpr int64_t kStreamPrefetchBytes = 2048;
+// its stream at two distances: near into L1, and further into L2, which can keep more lines in
+// flight than L1's fill buffers.  A thread's run of panels is contiguous, so "ahead" is simply
+// further along it, across panel ends too.
+constexpr int64_t kStreamPrefetchBytes = 2048;     // into L1
+constexpr int64_t kStreamPrefetchFarBytes = 8192;  // into L2
 
-// Prefetch the `bytes` that lie kStreamPrefetchBytes past `p`, one line at a time.
+// One line of the stream at `p`: prefetch both distances ahead of it.
+inline void prefetch_line(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + kStreamPrefetchBytes, _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(p) + kStreamPrefetchFarBytes, _MM_HINT_T1);
+}
+
+// The same for `bytes` of the stream from `p`, one line at a time.
 inline void prefetch_stream(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64)
-    _mm_prefetch(static_cast<const char*>(p) + kStreamPrefetchBytes + b, _MM_HINT_T0);
+  for (int64_t b = 0; b < bytes; b += 64) prefetch_line(static_cast<const char*>(p) + b);
 }
 
 // The two AVX-512 GEMMs walk each thread's run of panels [p0, p1) k-block by k-block; the
