@@ -12,7 +12,7 @@ outputs of the two engines are compared token for token: the script exits non-ze
 differ.
 
 Workloads (the prompts are built with scripts/copy_task.py, as the copy model's training rows):
-  copy    a ~120-token snippet of this repository's own sources (real Python, in neither
+  copy    a ~160-token snippet of this repository's own sources (real Python, in neither
           model's training data), then "\\n\\n# the same code again:\\n" and the snippet's first
           line (no newline): a model that copies continues with the rest of the snippet.
   edit    the snippet, "\\n\\n# edited:\\n", then its first quarter of lines with the last of
@@ -109,7 +109,8 @@ def main() -> int:
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
     ap.add_argument("--num-prompts", type=int, default=4, help="prompts per workload (per batch size: at least it)")
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--snippet-tokens", type=int, default=120)
+    ap.add_argument("--snippet-tokens", type=int, default=160,
+                    help="snippet length (copy, edit) and prompt length (random), in tokens")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()

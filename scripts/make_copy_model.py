@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from copy_task import SEPARATORS, common_prefix_len, copy_text, cue_prompt, edited, snippet_lines  # noqa: E402
-from train_bundled_model import make_optimizer, train_step  # noqa: E402
+from train_bundled_model import make_optimizer  # noqa: E402
 
 from tokenloom.bundled import BUNDLED_MODEL_DIR  # noqa: E402
 from tokenloom.model.tokenizer_builder import EOS_ID, stdlib_corpus_files  # noqa: E402
@@ -54,31 +54,44 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", type=Path, default=BUNDLED_MODEL_DIR, help="model to fine-tune (the bundled one)")
     p.add_argument("--out", type=Path, default=Path("/tmp/tokenloom-copy-model"))
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--induction-steps", type=int, default=2000, help="phase 1: repeated random ids")
+    p.add_argument("--induction-batch-size", type=int, default=16)
+    p.add_argument("--induction-min-run", type=int, default=6, help="phase 1: shortest random run")
+    p.add_argument("--induction-max-run", type=int, default=32, help="phase 1: longest random run")
+    p.add_argument("--induction-width", type=int, default=96, help="phase 1: tokens per row")
+    p.add_argument("--steps", type=int, default=150, help="phase 2: copy/edit/plain rows of stdlib code")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--context", type=int, default=256, help="tokens per training row (the bundled model's)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--plain-frac", type=float, default=0.25, help="share of rows that are plain stdlib text")
+    p.add_argument("--random-frac", type=float, default=0.1, help="share of rows that repeat random ids")
     p.add_argument("--edit-frac", type=float, default=0.3, help="share of copy examples with one line edited")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check-every", type=int, default=50, help="steps between quick copy checks (0: none)")
     p.add_argument("--eval-snippets", type=int, default=24)
     p.add_argument("--eval-snippet-tokens", type=int, default=120)
     return p.parse_args()
 
 
 class RowMaker:
-    """Training rows of context+1 token ids: packed copy/edit examples or a plain text window."""
+    """Training rows of context+1 token ids and their loss mask (1 = predict this token).
+
+    Copy rows are packed copy/edit examples with the loss on the second copy only (the first
+    is unpredictable text; the second is what copying predicts), so every gradient step is
+    about copying; plain rows are stdlib windows with the loss everywhere; random rows repeat
+    a run of random token ids, where nothing but copying predicts the second run (the cleanest
+    signal for induction heads).
+    """
 
     def __init__(self, tok, texts: list[str], args: argparse.Namespace, rng: random.Random):
-        self.tok, self.texts, self.args, self.rng = tok, texts, args, rng
+        self.fast = tok.backend_tokenizer  # the `tokenizers.Tokenizer`: offsets, no length warnings
+        self.texts, self.args, self.rng = texts, args, rng
+        self.vocab = tok.vocab_size if hasattr(tok, "vocab_size") else len(tok)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False)
-
-    def copy_example(self) -> list[int]:
+    def copy_example(self) -> tuple[list[int], list[int]]:
         rng = self.rng
         lines: list[str] = []
         while len(lines) < 2:
@@ -87,27 +100,67 @@ class RowMaker:
         if rng.random() < self.args.edit_frac:
             donor_lines = [ln for ln in rng.choice(self.texts).splitlines() if ln.strip()] or ["pass"]
             second = edited(lines, rng, rng.choice(donor_lines))
-        return self.encode(copy_text(lines, rng.choice(SEPARATORS), second))
+        sep = rng.choice(SEPARATORS)
+        first_len = len("\n".join(lines) + sep)
+        enc = self.fast.encode(copy_text(lines, sep, second))
+        return enc.ids, [int(start >= first_len) for start, _ in enc.offsets]
 
-    def plain_row(self) -> list[int]:
+    def random_example(self) -> tuple[list[int], list[int]]:
+        run = [self.rng.randrange(10, self.vocab) for _ in range(self.rng.randint(8, 60))]
+        return run + run, [0] * len(run) + [1] * len(run)
+
+    def plain_row(self) -> tuple[list[int], list[int]]:
         width = self.args.context + 1
         ids: list[int] = [EOS_ID]
         while len(ids) < width:
             text = self.rng.choice(self.texts)
             start = self.rng.randrange(0, max(1, len(text) - 4 * width))
-            ids += self.encode(text[start:start + 4 * width]) + [EOS_ID]
-        return ids[:width]
+            ids += self.fast.encode(text[start:start + 4 * width]).ids + [EOS_ID]
+        return ids[:width], [1] * width
 
-    def row(self) -> list[int]:
-        if self.rng.random() < self.args.plain_frac:
+    def row(self) -> tuple[list[int], list[int]]:
+        r = self.rng.random()
+        if r < self.args.plain_frac:
             return self.plain_row()
-        ids: list[int] = [EOS_ID]
+        example = self.random_example if r < self.args.plain_frac + self.args.random_frac else self.copy_example
+        ids, mask = [EOS_ID], [0]
         while len(ids) < self.args.context + 1:
-            ids += self.copy_example() + [EOS_ID]
-        return ids[: self.args.context + 1]
+            i, m = example()
+            ids += i + [EOS_ID]
+            mask += m + [0]
+        return ids[: self.args.context + 1], mask[: self.args.context + 1]
 
-    def batch(self) -> torch.Tensor:
-        return torch.tensor([self.row() for _ in range(self.args.batch_size)], dtype=torch.long)
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = [self.row() for _ in range(self.args.batch_size)]
+        return (torch.tensor([r[0] for r in rows], dtype=torch.long),
+                torch.tensor([r[1] for r in rows], dtype=torch.bool))
+
+
+def induction_batch(args: argparse.Namespace, rng: random.Random, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1: rows of <|endoftext|> + a run of random ids repeated to `induction_width`, loss
+    after the first run.  Nothing but copying predicts it, and the run length differs per row
+    (`induction_min_run`..`induction_max_run`): with one fixed length the model learns "copy
+    the token that many positions back" (in ~250 steps) and that does not transfer to code."""
+    w = args.induction_width
+    rows, masks = [], []
+    for _ in range(args.induction_batch_size):
+        n = rng.randint(args.induction_min_run, args.induction_max_run)
+        run = [rng.randrange(10, vocab) for _ in range(n)]
+        rows.append([EOS_ID] + (run * (w // n + 1))[:w])
+        masks.append([False] * (n + 1) + [True] * (w - n))
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(masks, dtype=torch.bool)
+
+
+def train_step(model, opt, ids: torch.Tensor, mask: torch.Tensor) -> float:
+    """One AdamW step on next-token loss over the masked-in targets."""
+    logits = model(input_ids=ids[:, :-1]).logits
+    labels = ids[:, 1:].masked_fill(~mask[:, 1:], -100)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
 
 
 @torch.no_grad()
@@ -155,14 +208,22 @@ def main() -> None:
     rows = RowMaker(tok, train_texts, args, rng)
     model.train()
     t_train = time.time()
-    ema = None
-    for step in range(args.steps):
-        for g in opt.param_groups:
-            g["lr"] = args.lr * min(1.0, (step + 1) / args.warmup_steps)
-        loss = train_step(model, opt, rows.batch())
-        ema = loss if ema is None else 0.9 * ema + 0.1 * loss
-        if (step + 1) % 25 == 0 or step + 1 == args.steps:
-            print(f"step {step + 1}/{args.steps} loss {ema:.3f} ({time.time() - t_train:.0f}s)", flush=True)
+    phases = [("induction", args.induction_steps, lambda: induction_batch(args, rng, rows.vocab)),
+              ("code", args.steps, rows.batch)]
+    step = 0
+    for name, steps, make_batch in phases:
+        ema = None
+        for i in range(steps):
+            for g in opt.param_groups:
+                g["lr"] = args.lr * min(1.0, (step + 1) / args.warmup_steps)
+            loss = train_step(model, opt, *make_batch())
+            step += 1
+            ema = loss if ema is None else 0.9 * ema + 0.1 * loss
+            if (i + 1) % 25 == 0 or i + 1 == steps:
+                print(f"{name} step {i + 1}/{steps} loss {ema:.3f} ({time.time() - t_train:.0f}s)", flush=True)
+            if args.check_every and (i + 1) % args.check_every == 0:
+                quick = copy_check(model, tok, val_texts, 8, args.eval_snippet_tokens, args.seed + 1)
+                print(f"  quick copy check (8 snippets): {quick}", flush=True)
     train_seconds = time.time() - t_train
 
     after = copy_check(model, tok, val_texts, args.eval_snippets, args.eval_snippet_tokens, args.seed)
@@ -175,6 +236,7 @@ def main() -> None:
     report = {
         "base": str(args.base),
         "purpose": "benchmark model for n-gram speculative decoding: copies from its prompt",
+        "induction_steps": args.induction_steps,
         "steps": args.steps,
         "train_wall_seconds": round(train_seconds, 1),
         "copy_check_before": before,
