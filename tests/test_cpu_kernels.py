@@ -104,6 +104,28 @@ def test_bf16_pairs_kernel_matches_matmul(m, k, n, with_bias, seed):
     assert y32.dtype == torch.float32 and torch.equal(y32.bfloat16(), y)
 
 
+@pytest.mark.parametrize("kernel", ["bf16", "avx512"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel):
+    """Batch invariance: row i of an M-row call is bit for bit row i of a 1-row call, for any
+    M.  Speculative decoding relies on it: a verifying step multiplies k + 1 rows where plain
+    decode multiplies one, and greedy output must not change (in bfloat16 two logits can tie,
+    and a different summation order picks the other)."""
+    if kernel == "bf16" and not cpu_kernels.bf16_enabled() or kernel == "avx512" and not cpu_kernels.avx512_enabled():
+        pytest.skip(f"needs the {kernel} kernel")
+    g = torch.Generator().manual_seed(7)
+    n, k = 70, 1000
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(40, k, generator=g)
+    if kernel == "bf16":  # bfloat16 values, float32 x: the float32 sums come back unrounded
+        w, x = w.bfloat16(), x.bfloat16().float()
+        op, packed = torch.ops.tokenloom_bf16.linear, cpu_kernels.pack_pairs(w)
+    else:
+        op, packed = torch.ops.tokenloom_avx512.linear, cpu_kernels.pack(w, cpu_kernels.WIDE)
+    one = torch.cat([op(x[i:i + 1], packed, n, None) for i in range(len(x))])
+    for m in (2, 3, 5, 12, 13, 17, 40):
+        assert torch.equal(op(x[:m], packed, n, None), one[:m]), m
+
+
 def test_packed_rows_read_the_original_rows_of_the_pairs_layout():
     w = torch.randn(37, 11).bfloat16()
     packed = cpu_kernels.pack_pairs(w)

@@ -94,12 +94,14 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t kc, float
   tokenloom::store_tile<S, R, NP>(acc, y, ldy, accumulate, bias, ncols);
 }
 
+// Every row count sums in the same order (S = 1): a row's result does not depend on the rows
+// beside it (cpu_gemm_bf16.cpp says why that matters).
 template <int NP, bool DIRECT>
 void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t kc, float* y, int64_t ldy,
                 bool accumulate, const float* bias, int64_t ncols, const float* pf) {
   switch (rows) {
-    case 1: return micro<1, NP, 4 / NP, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 2: return micro<2, NP, 2 / NP, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 1: return micro<1, NP, 1, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 2: return micro<2, NP, 1, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
     case 3: return micro<3, NP, 1, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
     case 4: return micro<4, NP, 1, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);
     case 5: return micro<5, NP, 1, DIRECT>(x, ldx, w, kc, y, ldy, accumulate, bias, ncols, pf);

@@ -85,12 +85,16 @@ inline void micro(const uint32_t* x, const __m512bh* w, int64_t kc, float* y, in
   tokenloom::store_tile<S, R, NP>(acc, y, ldy, accumulate, bias, ncols);
 }
 
+// Every row count sums its products in the same order (S = 1, one chain per row and half), so
+// a row's result does not depend on how many rows share the call: a speculative verifying step
+// (k + 1 rows) then gives exactly what k + 1 one-row steps would.  Interleaving chains (S > 1)
+// at one or two rows was not measurably faster, the weight stream being the limit there.
 template <int NP>
 void micro_rows(int64_t rows, const uint32_t* x, const __m512bh* w, int64_t kc, float* y, int64_t ldy,
                 bool accumulate, const float* bias, int64_t ncols, const __m512bh* pf) {
   switch (rows) {
-    case 1: return micro<1, NP, 4 / NP>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 2: return micro<2, NP, 2 / NP>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 1: return micro<1, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    case 2: return micro<2, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
     case 3: return micro<3, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
     case 4: return micro<4, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
     case 5: return micro<5, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
