@@ -1,6 +1,7 @@
 """Where does one decode step's time go?  Profile N decode steps at batch B.
 
-    python scripts/profile_step.py --model DIR --batch-size 32 [--steps 3] [--context 64]
+    python scripts/profile_step.py --model DIR --batch-size 32 [--steps 3] [--context 64] [--dtype bfloat16]
+                                   [--quantization int4]
 
 Groups the torch profiler's self-CPU time into matmuls, attention (KV write, block
 gather, SDPA or our paged kernel), other model ops (norms, rotary, activation, embedding), and the engine
@@ -19,7 +20,8 @@ from tokenloom import LLM, SamplingParams
 
 GROUPS = {
     "matmul": ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::matmul", "aten::bmm",
-               "tokenloom_cpu::linear", "tokenloom_avx512::linear", "tokenloom_bf16::linear"),
+               "tokenloom_cpu::linear", "tokenloom_avx512::linear", "tokenloom_bf16::linear",
+               *(f"{ns}::linear_{b}" for ns in ("tokenloom_q512v", "tokenloom_q512", "tokenloom_q256") for b in ("int8", "int4"))),
     "attention": ("aten::index", "aten::index_copy_", "aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_efficient_attention",
                   "aten::_scaled_dot_product_flash_attention", "tokenloom_cpu::paged_decode_attention",
@@ -41,10 +43,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default=None, help="int8, int4 or int4-g128 (docs/quantization.md)")
     ap.add_argument("--top", type=int, default=10, help="ops to list")
     a = ap.parse_args()
     events = []
-    llm = LLM(a.model, dtype=a.dtype, max_model_len=1024, num_kv_blocks=(a.batch_size * 512) // 16 + 64,
+    llm = LLM(a.model, dtype=a.dtype, quantization=a.quantization, max_model_len=1024, num_kv_blocks=(a.batch_size * 512) // 16 + 64,
               observers=[events.append])
     eng = llm.llm_engine
     for i in range(a.batch_size):
