@@ -165,6 +165,21 @@ def test_decode_rows_keep_activation_precision_across_magnitudes(kernel_build, n
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_integer_path_rows_do_not_depend_on_the_rows_beside_them(kernel_build, name):
+    """On the VNNI build, up to 8 rows take the integer path, each row on its own arithmetic:
+    row i of an M-row call is bit for bit the 1-row call (a speculative verifying step of k + 1
+    rows must give what one-row steps give)."""
+    if cpu_kernels.quant_ops() is not getattr(torch.ops, "tokenloom_q512v", None):
+        pytest.skip("the integer path is the VNNI build's")
+    g = torch.Generator().manual_seed(13)
+    ours = PanelQuantized(torch.randn(80, 320, generator=g), parse_scheme(name))
+    x = torch.randn(8, 320, generator=g)  # float32 out: the sums unrounded
+    one = torch.cat([ours.matmul(x[i:i + 1], None) for i in range(8)])
+    for m in range(2, 9):
+        assert torch.equal(ours.matmul(x[:m], None), one[:m]), m
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_decode_rows_propagate_inf_and_nan(kernel_build, name):
     ours = PanelQuantized(torch.randn(64, 256, generator=torch.Generator().manual_seed(5)), parse_scheme(name))
     for bad in (float("nan"), float("inf")):

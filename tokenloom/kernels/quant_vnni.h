@@ -1,4 +1,4 @@
-// Decode rows of the quantized GEMM (cpu_gemm_quant.cpp) by integer dot products, for CPUs
+// Decode rows (up to 8) of the quantized GEMM (cpu_gemm_quant.cpp) by integer dot products, for CPUs
 // with AVX512-VNNI and AVX512-VBMI.
 //
 // Widening each weight to float32 costs three instructions per 16 weights, which at one row
