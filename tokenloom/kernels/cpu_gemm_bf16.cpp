@@ -133,12 +133,7 @@ void round_tile(const float* y, int64_t ldy, int64_t rows, int64_t cols, at::BFl
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t c = 0; c < cols; c += NR) {
       const __mmask16 m = static_cast<__mmask16>(cols - c >= NR ? 0xFFFF : (1u << (cols - c)) - 1);
-      const __m512 v = _mm512_maskz_loadu_ps(m, y + i * ldy + c);
-      const __m512i u = _mm512_castps_si512(v);
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
-      r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-      _mm256_mask_storeu_epi16(y16 + i * ldy + c, m, _mm512_cvtepi32_epi16(r));
+      _mm256_mask_storeu_epi16(y16 + i * ldy + c, m, tokenloom::round_to_bf16(_mm512_maskz_loadu_ps(m, y + i * ldy + c)));
     }
 }
 

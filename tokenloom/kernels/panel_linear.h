@@ -75,6 +75,16 @@ inline const T* next_weights(const T* wp, int64_t p, int64_t p1, int64_t k0, int
 }
 
 #ifdef __AVX512F__
+// 16 float32 values rounded to bfloat16 (to nearest even, a NaN kept a quiet NaN), exactly as
+// PyTorch's float -> bfloat16 conversion rounds.
+inline __m256i round_to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
 // The AVX-512 micro-kernels' epilogue (fp32 and bf16 GEMMs): each of R rows x NP 16-column
 // panels sums its S interleaved partial sums and is written to y, plus the previous k-blocks'
 // sums (`accumulate`) and, on the last k-block, the bias.  Only the last panel of an N that is

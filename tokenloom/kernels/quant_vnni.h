@@ -60,19 +60,15 @@ inline __m512 load16(const uint16_t* p, int64_t valid) {  // bfloat16
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// 16 float32 sums to y: all, or the first `cols`; as float32, or rounded to bfloat16 (to
-// nearest even, NaN kept a NaN, as PyTorch's conversion).
+// 16 float32 sums to y: all, or the first `cols`; as float32, or rounded to bfloat16
+// (panel_linear.h `round_to_bf16`).
 inline void store16(float* p, __m512 v, int64_t cols) {
   if (cols >= 16) _mm512_storeu_ps(p, v);
   else if (cols > 0) _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << cols) - 1), v);
 }
 inline void store16(uint16_t* p, __m512 v, int64_t cols) {
-  if (cols <= 0) return;
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_mask_storeu_epi16(p, static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1), _mm512_cvtepi32_epi16(r));
+  if (cols > 0)
+    _mm256_mask_storeu_epi16(p, static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1), round_to_bf16(v));
 }
 
 // Split rows x[M, K] (float32 or bfloat16, row stride K) into limbs over Kp >= K activations
