@@ -116,13 +116,16 @@ inline bool split(const T* x, int64_t M, int64_t K, int64_t Kp, Limbs& out) {
   return true;
 }
 
-// Byte indices that gather four k of 16 columns into one 32-bit lane per column.
-inline __m512i quad_index(int (*at)(int c, int t), int c0) {
+// Byte indices that gather four k of 16 columns into one 32-bit lane per column: byte 4c + t
+// of the result is byte at(c0 + c, t) of the source.  Built once per process (a table per use).
+struct QuadIndex {
   alignas(64) int8_t idx[64];
-  for (int c = 0; c < 16; ++c)
-    for (int t = 0; t < 4; ++t) idx[4 * c + t] = static_cast<int8_t>(at(c0 + c, t));
-  return _mm512_load_si512(idx);
-}
+  QuadIndex(int (*at)(int c, int t), int c0) {
+    for (int c = 0; c < 16; ++c)
+      for (int t = 0; t < 4; ++t) idx[4 * c + t] = static_cast<int8_t>(at(c0 + c, t));
+  }
+  __m512i load() const { return _mm512_load_si512(idx); }
+};
 
 // int8 panel ([K, 32] bytes from the block's k on): k .. k+3 are two 64-byte loads (two k
 // each); a two-source byte permute per 16 columns, then + 128 (sign bit flipped).
@@ -132,9 +135,11 @@ struct Int8Quad {
   const int8_t* q;
   __m512i idx[2];
   explicit Int8Quad(const int8_t* q_) : q(q_) {
-    auto at = [](int c, int t) { return t < 2 ? 32 * t + c : 64 + 32 * (t - 2) + c; };
-    idx[0] = quad_index(at, 0);
-    idx[1] = quad_index(at, 16);
+    // k and k+1 are the first 64-byte load, k+2 and k+3 the second (two-source index bit 6)
+    static int (*const at)(int, int) = [](int c, int t) { return t < 2 ? 32 * t + c : 64 + 32 * (t - 2) + c; };
+    static const QuadIndex lo(at, 0), hi(at, 16);
+    idx[0] = lo.load();
+    idx[1] = hi.load();
   }
   void get4(int64_t k, __m512i* out) const {
     const __m512i v0 = _mm512_loadu_si512(q + k * kPanel), v1 = _mm512_loadu_si512(q + k * kPanel + 64);
@@ -151,7 +156,8 @@ struct Int4Quad {
   const uint8_t* q;
   __m512i idx;
   explicit Int4Quad(const uint8_t* q_) : q(q_) {
-    idx = quad_index([](int c, int t) { return 16 * t + c; }, 0);
+    static const QuadIndex table([](int c, int t) { return 16 * t + c; }, 0);
+    idx = table.load();
   }
   void get4(int64_t k, __m512i* out) const {
     const __m512i v = _mm512_loadu_si512(q + k * kBytesPerK);
