@@ -254,10 +254,12 @@ def test_page_draws_steps_live_in_chromium(srv):
 
             sent = prompts("browser")
             run_requests(srv.base_url, sent)
-            # Columns are released over an update interval: wait for the picture to catch up.
+            # Columns are released over an update interval, and the last steps' events can reach
+            # the page after the requests have returned: wait for the picture to catch up.
             page.wait_for_function(
                 f"(() => {{ const b = document.getElementById('batch').dataset;"
                 f" return +b.rows >= {len(sent)} && +b.chunkCells >= 2 && +b.prefillCells >= {len(sent)}"
+                f" && +b.decodeCells >= {len(sent) * (MAX_TOKENS - 1)}"
                 f" && +b.columns === +document.getElementById('dash').dataset.stepsSeen; }})()", timeout=30_000)
             batch = {k: int(v) for k, v in page.eval_on_selector("#batch", "e => ({...e.dataset})").items()}
             step_after = int(page.get_attribute("#stat-step", "data-value"))
