@@ -147,7 +147,7 @@ def test_kernel_multiplies_by_the_dequantized_weight(kernel_build, name, n, k):
 @pytest.mark.parametrize("name", NAMES)
 def test_decode_rows_keep_activation_precision_across_magnitudes(kernel_build, name):
     """Decode rows (1-4) on the VNNI build multiply by activations split into three byte limbs
-    per block of 32 (kernels/quant_vnni.h): each activation is kept to 2^-21 of its block's
+    per block of 32 (kernels/quant_vnni.h): each activation is kept to 2^-20 of its block's
     largest, far below bfloat16's own rounding, even beside an outlier 10^4 times larger."""
     g = torch.Generator().manual_seed(11)
     n, k = 96, 512
@@ -159,7 +159,7 @@ def test_decode_rows_keep_activation_precision_across_magnitudes(kernel_build, n
         x = torch.randn(m, k, generator=g) * torch.logspace(-3, 1, k, dtype=torch.float32)
         x[:, 5] = 1e4  # an outlier channel, as LLM activations have
         blockmax = x.abs().view(m, -1, 32).amax(-1).repeat_interleave(32, dim=1).double()
-        bound = (blockmax * 2.0**-21) @ deq.abs().t() + 1e-6 * (x.double().abs() @ deq.abs().t())
+        bound = (blockmax * 2.0**-20) @ deq.abs().t() + 1e-6 * (x.double().abs() @ deq.abs().t())
         err = (ours.matmul(x, None).double() - x.double() @ deq.t()).abs()
         assert (err <= bound).all(), (err / bound).max()
 

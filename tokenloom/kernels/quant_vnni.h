@@ -9,8 +9,9 @@
 //
 //     x ~= D * (a + b / 128 + c / 16384),   D = 2^(floor(log2 max|x|) - 6),  a, b, c in -127..127
 //
-// a = trunc(x / D), b = trunc of the remainder times 128, c = the rest rounded.  Every step but
-// the last rounding is exact, so the error is at most 2^-21 of the block's largest value; a
+// a = trunc(x / D), b = trunc of the remainder times 128, c = the rest rounded (to -127..127).
+// Every step but that last rounding is exact, so the error is at most one unit of c,
+// D / 16384 <= 2^-20 of the block's largest value (half that unless c is clamped); a
 // bfloat16 activation within 2^13 of its block's largest is represented exactly.  The
 // activations are not quantized in the usual sense: their precision stays above bfloat16's.
 // The weights are read as unsigned bytes (int8 + 128; int4 nibbles are stored as q + 8), so
