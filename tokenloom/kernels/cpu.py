@@ -20,9 +20,10 @@ stock kernels stream them poorly at decode's shapes:
   not), rotary embedding (also straight from the qkv output into the KV cache), SiLU(gate)
   * up; the greedy argmax over the vocabulary (`argmax_rows`); and `stream_read`, a plain
   parallel read of a buffer, the rate specs/microbench.py reports as the memory roof.
-* `cpu_gemm_quant.cpp`: the same GEMM for weight-only int8 / int4 weights (model/quantization.py),
-  in 32-column panels (`pack_int8`, `pack_int4`), widened to float32 as they stream; built
-  twice, with AVX-512 and with AVX2 (`quant_ops`).
+* `cpu_gemm_quant.cpp`: the same GEMM for int8 / int4 weights (model/quantization.py), in
+  32-column panels (`pack_int8`, `pack_int4`), widened to float32 as they stream, or multiplied
+  by VNNI integer dot products for decode rows (`quant_vnni.h`); built three ways, AVX-512 with
+  VNNI + VBMI, AVX-512, AVX2 (`quant_ops`).
 * `cpu_attention.cpp`: decode attention reading the paged KV cache in place, instead of
   gathering it into a dense copy for SDPA.  Used on any CPU where the kernels build; the
   AVX-512 extension compiles the same source again with its 512-bit loop (`attention_op`).
@@ -258,9 +259,10 @@ def bf16_enabled() -> bool:
 
 @functools.cache
 def quant_ops():
-    """The op namespace of our quantized GEMM for this CPU: the AVX-512 build where the CPU has
-    AVX-512 (`TOKENLOOM_CPU_QUANT=avx2` forces the AVX2 build), else the AVX2 one; None where
-    neither builds or `TOKENLOOM_CPU_QUANT=0`."""
+    """The op namespace of our quantized GEMM for this CPU: the AVX-512 build with VNNI + VBMI
+    (integer dot products for decode rows) where the CPU has them, else the plain AVX-512 build,
+    else the AVX2 one (`TOKENLOOM_CPU_QUANT=avx512` or `=avx2` forces those); None where none
+    builds or `TOKENLOOM_CPU_QUANT=0`."""
     choice = os.environ.get("TOKENLOOM_CPU_QUANT", "auto")
     flags = _cpu_flags()
     if choice == "0" or not {"avx2", "fma"} <= flags:

@@ -447,8 +447,8 @@ at::Tensor mask_logits_(at::Tensor logits, const at::Tensor& bitmask) {
 // The sum of every byte of x (as unsigned 0..255), int64: a read of the whole buffer that the
 // compiler cannot drop, and nothing written.  The local roofline (specs/microbench.py) times it
 // for the rate a decode step's weight stream can reach: like the GEMMs at one row, each thread
-// reads one contiguous run with 256-bit loads, prefetching kStreamPrefetchBytes ahead
-// (panel_linear.h).  _mm256_sad_epu8 against zero adds 32 bytes into four 64-bit lanes, so
+// reads one contiguous run with 256-bit loads, prefetching it as they do
+// (panel_linear.h `prefetch_stream`).  _mm256_sad_epu8 against zero adds 32 bytes into four 64-bit lanes, so
 // the checksum is exact and order-free: it equals x.view(uint8).sum().
 at::Tensor stream_read(const at::Tensor& x) {
   const at::Tensor xc = x.contiguous();
