@@ -123,13 +123,13 @@ class CpuAttention(AttentionBackend):
     name = "cpu"
 
     def __init__(self, decode_op: Callable, sliding_window: int | None):
-        self._op = decode_op
+        self.decode_op = decode_op  # (q, k_cache, v_cache, block_tables, context_lens, scale) -> out
         self.decode_masks = sliding_window is not None  # the kernel has no window: SDPA then
 
     def decode(self, q, k_cache, v_cache, meta, scale):
         if meta.decode_mask is not None:
             return _sdpa_decode(q, k_cache, v_cache, meta, scale)
-        return self._op(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        return self.decode_op(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
 
 
 class TritonAttention(AttentionBackend):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tokenloom.model.attention import AttentionMetadata, paged_attention
+from tokenloom.model.flat_decode import FlatDecode
 from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from tokenloom.model.ops import TORCH, Ops, rotate
 
@@ -124,6 +125,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         with torch.device("cpu"):  # real tables even when the rest is built on the meta device
             self.rope = RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling)
+        self.flat: FlatDecode | None = None  # set_ops builds it where it applies
 
     def forward(
         self,
@@ -132,6 +134,8 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.flat is not None and self.flat.applies(input_ids, meta):
+            return self.flat.forward(input_ids, positions, kv_caches, meta)
         x, residual = self.embed_tokens(input_ids), None
         cs = self.rope.at(positions, x.dtype)
         for layer, (kc, vc) in zip(self.layers, kv_caches):
@@ -181,6 +185,9 @@ class CausalLM(nn.Module):
         for m in self.modules():
             if hasattr(m, "ops"):
                 m.ops = ops
+        # decode-only CPU steps without the module machinery (model/flat_decode.py); built
+        # here, after loading and packing, from the modules as they now are
+        self.flat = FlatDecode.build(self, ops)
 
     def _tie_through_panels(self) -> None:
         """Tied embeddings packed once, into the panels the lm_head streams; the embedding

@@ -87,6 +87,11 @@ class PackedLinear(nn.Module):
         # Eager: call oneDNN directly; the custom op's dispatch would add ~10 us per linear.
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
+    def as_function(self):
+        """forward as a plain function of x (model/flat_decode.py): no module dispatch per call."""
+        op, weight, bias = torch.ops.mkldnn._linear_pointwise, self.weight, self.bias
+        return lambda x: op(x, weight, bias, "none", [], "")
+
 
 class PanelLinear(nn.Module):
     """y = x W^T + b through our kernel, W held in column panels: `cpu_kernels.pack_for`
@@ -114,6 +119,11 @@ class PanelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self.weight, self.out_features, self.bias)
+
+    def as_function(self):
+        """forward as a plain function of x (model/flat_decode.py): no module dispatch per call."""
+        op, weight, n, bias = self._op, self.weight, self.out_features, self.bias
+        return lambda x: op(x, weight, n, bias)
 
 
 class PanelEmbedding(nn.Module):

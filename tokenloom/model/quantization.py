@@ -27,6 +27,8 @@ lookup dequantizes only the rows it gathers (`QuantEmbedding`).  Figures: docs/q
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -99,6 +101,10 @@ class QuantizedMatrix(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def matmul_function(self, bias: torch.Tensor | None):
+        """x -> matmul(x, bias) as a plain function (model/flat_decode.py)."""
+        return functools.partial(self.matmul, bias=bias)
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows `ids` of the dequantized matrix."""
         raise NotImplementedError
@@ -167,6 +173,12 @@ class PanelQuantized(QuantizedMatrix):
             return self._op(x, self.qweight, self.scales, self.out_features, bias)
         return self._op(x, self.qweight, self.scales, self.out_features, self.scheme.group, bias)
 
+    def matmul_function(self, bias: torch.Tensor | None):
+        op, q, s, n, g = self._op, self.qweight, self.scales, self.out_features, self.scheme.group
+        if self.scheme.bits == 8:
+            return lambda x: op(x, q, s, n, bias)
+        return lambda x: op(x, q, s, n, g, bias)
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.qweight.shape[-1] * (2 if self.scheme.bits == 4 else 1)  # 32 columns a panel
         p, c = ids // w, ids % w
@@ -193,6 +205,10 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matrix.matmul(x, self.bias)
+
+    def as_function(self):
+        """forward as a plain function of x (model/flat_decode.py): no module dispatch per call."""
+        return self.matrix.matmul_function(self.bias)
 
 
 class QuantEmbedding(nn.Module):
