@@ -10,7 +10,9 @@ Without --model, a random-weight checkpoint of the Qwen2.5-0.5B shape is written
 alternate between the engines, each timing `steps` decode steps (eng.step(), the whole step:
 scheduling, model, sampling), so a noisy neighbour slows every variant of a round alike.
 Printed: the median step time per variant and batch size, and the ratios to bf16 and fp32
-measured in the same run (docs/quantization.md).
+measured in the same run (docs/quantization.md).  A variant named `NAME/modules` (e.g.
+`--variants int4,int4/modules`) is NAME with its decode steps through the model's module tree
+instead of the flat loop (model/flat_decode.py): the loop's saving, in the same rounds.
 
 --kernels times the GEMMs of one step alone (our bf16 kernel vs the int8 / int4 kernels).
 --quality adds the bundled model's held-out bits per byte (its whole validation split,
@@ -80,7 +82,12 @@ def time_steps(llm, steps: int) -> float:
 def bench_speed(path: Path, variants: list[str], batches: list[int], context: int, rounds: int, steps: int) -> dict:
     results: dict[tuple[str, int], float] = {}
     for b in batches:
-        engines = {v: prefilled(path, b, context, rounds * steps + 2, **VARIANTS[v]) for v in variants}
+        engines = {}
+        for v in variants:
+            name, _, how = v.partition("/")
+            engines[v] = prefilled(path, b, context, rounds * steps + 2, **VARIANTS[name])
+            if how == "modules":  # the same engine, its decode steps through the module tree
+                engines[v].llm_engine.runner.model.flat = None
         times: dict[str, list[float]] = {v: [] for v in variants}
         for _ in range(rounds):
             for v in variants:
@@ -93,7 +100,7 @@ def bench_speed(path: Path, variants: list[str], batches: list[int], context: in
             ms = results[v, b] * 1e3
             rel = "".join(f"  {results[r, b] / results[v, b]:5.2f}x vs {r}" for r in ("bf16", "fp32")
                           if (r, b) in results and r != v)
-            print(f"  {v:10s} {ms:8.1f} ms{rel}")
+            print(f"  {v:14s} {ms:8.1f} ms{rel}")
     return results
 
 
@@ -213,8 +220,9 @@ def main() -> None:
     if a.kernels:
         bench_kernels([int(b) for b in a.batch_sizes.split(",")], a.rounds)
     if a.quality:
-        bench_quality(variants)
-        bench_logprobs(variants)
+        named = [v for v in variants if "/" not in v]
+        bench_quality(named)
+        bench_logprobs(named)
 
 
 if __name__ == "__main__":
