@@ -20,7 +20,7 @@ from tokenloom import LLM, SamplingParams
 
 GROUPS = {
     "matmul": ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise", "aten::matmul", "aten::bmm",
-               "tokenloom_cpu::linear", "tokenloom_avx512::linear", "tokenloom_bf16::linear",
+               "tokenloom_cpu::linear", "tokenloom_avx512::linear", "tokenloom_bf16::linear", "tokenloom_bf16::linear_fma",
                *(f"{ns}::linear_{b}" for ns in ("tokenloom_q512v", "tokenloom_q512", "tokenloom_q256") for b in ("int8", "int4"))),
     "attention": ("aten::index", "aten::index_copy_", "aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_efficient_attention",

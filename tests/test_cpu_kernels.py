@@ -85,45 +85,72 @@ needs_bf16 = pytest.mark.skipif(not cpu_kernels.bf16_enabled(), reason="needs AV
     n=st.integers(1, 70),  # whole 32-column panels, a last one of <= 16 columns (one half), a ragged one
     with_bias=st.booleans(),
     seed=st.integers(0, 2**16),
+    way=st.sampled_from(["linear", "linear_fma"]),
 )
-@example(m=1, k=896, n=40, with_bias=True, seed=0)  # one row: its pairs read in place
-@example(m=1, k=895, n=17, with_bias=False, seed=0)  # one row with odd k: packed with a zero partner
-def test_bf16_pairs_kernel_matches_matmul(m, k, n, with_bias, seed):
+@example(m=1, k=896, n=40, with_bias=True, seed=0, way="linear")  # one row: its pairs read in place
+@example(m=1, k=895, n=17, with_bias=False, seed=0, way="linear")  # one row with odd k: packed with a zero partner
+@example(m=1, k=895, n=17, with_bias=False, seed=0, way="linear_fma")
+def test_bf16_pairs_kernel_matches_matmul(m, k, n, with_bias, seed, way):
+    """Both ways of multiplying the pairs panels: the dot-product instruction (`linear`) and
+    float32 FMAs on the widened weights (`linear_fma`)."""
+    op = getattr(torch.ops.tokenloom_bf16, way)
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(m, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g) if with_bias else None
-    y = torch.ops.tokenloom_bf16.linear(x, cpu_kernels.pack_pairs(w), n, cpu_kernels.pad_bias(bias, n))
+    y = op(x, cpu_kernels.pack_pairs(w), n, cpu_kernels.pad_bias(bias, n))
     ref = x.float() @ w.float().t() + (0 if bias is None else bias)  # bf16 products are exact in fp32
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     scale = float(ref.abs().max()) if ref.numel() else 0.0
     assert torch.allclose(y.float(), ref, atol=1e-2 * (1 + scale), rtol=1e-2)  # the output is rounded to bf16
     # the kernel's own rounding of its float32 sums is PyTorch's: a float32 x (the same values)
     # gets the float32 sums back, and rounding those gives y bit for bit
-    y32 = torch.ops.tokenloom_bf16.linear(x.float(), cpu_kernels.pack_pairs(w), n, cpu_kernels.pad_bias(bias, n))
+    y32 = op(x.float(), cpu_kernels.pack_pairs(w), n, cpu_kernels.pad_bias(bias, n))
     assert y32.dtype == torch.float32 and torch.equal(y32.bfloat16(), y)
 
 
-@pytest.mark.parametrize("kernel", ["bf16", "avx512"])
+@pytest.mark.parametrize("kernel", ["bf16", "bf16_fma", "avx512"])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel):
     """Batch invariance: row i of an M-row call is bit for bit row i of a 1-row call, for any
     M.  Speculative decoding relies on it: a verifying step multiplies k + 1 rows where plain
     decode multiplies one, and greedy output must not change (in bfloat16 two logits can tie,
     and a different summation order picks the other)."""
-    if kernel == "bf16" and not cpu_kernels.bf16_enabled() or kernel == "avx512" and not cpu_kernels.avx512_enabled():
+    if kernel.startswith("bf16") and not cpu_kernels.bf16_enabled() or kernel == "avx512" and not cpu_kernels.avx512_enabled():
         pytest.skip(f"needs the {kernel} kernel")
     g = torch.Generator().manual_seed(7)
     n, k = 70, 1000
     w = torch.randn(n, k, generator=g)
     x = torch.randn(40, k, generator=g)
-    if kernel == "bf16":  # bfloat16 values, float32 x: the float32 sums come back unrounded
+    if kernel.startswith("bf16"):  # bfloat16 values, float32 x: the float32 sums come back unrounded
         w, x = w.bfloat16(), x.bfloat16().float()
-        op, packed = torch.ops.tokenloom_bf16.linear, cpu_kernels.pack_pairs(w)
+        op = torch.ops.tokenloom_bf16.linear_fma if kernel == "bf16_fma" else torch.ops.tokenloom_bf16.linear
+        packed = cpu_kernels.pack_pairs(w)
     else:
         op, packed = torch.ops.tokenloom_avx512.linear, cpu_kernels.pack(w, cpu_kernels.WIDE)
     one = torch.cat([op(x[i:i + 1], packed, n, None) for i in range(len(x))])
     for m in (2, 3, 5, 12, 13, 17, 40):
         assert torch.equal(op(x[:m], packed, n, None), one[:m]), m
+
+
+@needs_bf16
+def test_bf16_way_is_chosen_by_measured_rates(monkeypatch):
+    """`bf16_dot` takes the FMA way only where it measured clearly faster, and the GEMM op
+    follows the choice; the variable forces either."""
+    dp, fma = torch.ops.tokenloom_bf16.dot_rates().tolist()
+    assert dp > 1e9 and fma > 1e9  # multiply-adds per second of one core: both ran
+    cpu_kernels.bf16_dot.cache_clear()
+    try:
+        assert cpu_kernels.bf16_dot() in ("dpbf16", "fma")
+        for forced in ("dpbf16", "fma"):
+            monkeypatch.setenv("TOKENLOOM_BF16_DOT", forced)
+            cpu_kernels.bf16_dot.cache_clear()
+            assert cpu_kernels.bf16_dot() == forced
+            packed = cpu_kernels.pack_pairs(torch.ones(32, 4).bfloat16())
+            want = torch.ops.tokenloom_bf16.linear_fma if forced == "fma" else torch.ops.tokenloom_bf16.linear
+            assert cpu_kernels.linear_op(packed) is want
+    finally:
+        monkeypatch.delenv("TOKENLOOM_BF16_DOT", raising=False)
+        cpu_kernels.bf16_dot.cache_clear()
 
 
 def test_packed_rows_read_the_original_rows_of_the_pairs_layout():

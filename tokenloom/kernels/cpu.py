@@ -14,7 +14,9 @@ stock kernels stream them poorly at decode's shapes:
   decode's row counts and loses ~5-10% at prefill's.
 * `cpu_gemm_bf16.cpp`: the same GEMM for bf16 weights on CPUs with AVX512-BF16, in the
   layout its dot-product instruction reads (`pack_pairs`); also its own extension.
-  Used for bf16 on those CPUs, where it streams faster than oneDNN's bf16 GEMV.
+  Used for bf16 on those CPUs, where it streams faster than oneDNN's bf16 GEMV.  Where the
+  CPU's bf16 dot product runs far below its float32 FMA rate, the same panels are widened to
+  float32 in registers and multiplied by FMAs instead (`bf16_dot`, measured once).
 * `cpu_fused.cpp`: the decoder layer's element-wise ops as one op and one pass each, for
   float32 and bfloat16 (the `cpu` ops backend, model/ops.py): RMSNorm (with the residual add before it, or
   not), rotary embedding (also straight from the qkv output into the KV cache), SiLU(gate)
@@ -37,6 +39,7 @@ checkouts and virtual environments never rebuild each other's kernels, and one t
 never loads a stale build.  A line on stderr says when a build starts and how long it took.
 Anything that fails (no compiler, not x86) leaves PyTorch's kernels in charge.
 `TOKENLOOM_CPU_GEMM=own|onednn` overrides the GEMM choice (tests force each),
+`TOKENLOOM_BF16_DOT=dpbf16|fma` the bf16 GEMM's way of multiplying,
 `TOKENLOOM_CPU_ATTENTION=0` turns the attention kernel off (`=avx2`: its AVX2 build even on
 AVX-512 CPUs), `TOKENLOOM_CPU_FUSED=0` the fused element-wise ops.
 """
@@ -254,7 +257,27 @@ def bf16_enabled() -> bool:
                   ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]):
         return False
     _register_fake_linear("tokenloom_bf16::linear")
+    _register_fake_linear("tokenloom_bf16::linear_fma")
     return True
+
+
+# The float32-FMA way is taken when it multiplies-adds at least this much faster than vdpbf16ps.
+BF16_FMA_MARGIN = 1.25
+
+
+@functools.cache
+def bf16_dot() -> str:
+    """How the bf16 GEMM multiplies its panels in this process: "dpbf16" (AVX512-BF16's dot
+    product) or "fma" (the weights widened to float32 in registers, float32 FMAs), for every
+    row count alike.  `TOKENLOOM_BF16_DOT=dpbf16|fma` forces one; otherwise both are timed
+    once on one core (`tokenloom_bf16::dot_rates`, a few milliseconds) and "fma" is chosen
+    where it is `BF16_FMA_MARGIN` faster: on CPUs whose dot product runs far below their FMA
+    rate (docs/performance.md, "bf16 on CPUs with a slow dot product")."""
+    forced = os.environ.get("TOKENLOOM_BF16_DOT", "auto")
+    if forced in ("dpbf16", "fma"):
+        return forced
+    dp, fma = torch.ops.tokenloom_bf16.dot_rates().tolist()
+    return "fma" if fma >= BF16_FMA_MARGIN * dp else "dpbf16"
 
 
 @functools.cache
@@ -440,7 +463,7 @@ def linear_op(packed: torch.Tensor):
     """The op that multiplies by `packed`: its layout says which kernel it was packed for
     (k-pairs: the bf16 kernel; 32-column panels: the AVX-512 one; 16-column: the AVX2 one)."""
     if packed.dim() == 4:
-        return torch.ops.tokenloom_bf16.linear
+        return torch.ops.tokenloom_bf16.linear_fma if bf16_dot() == "fma" else torch.ops.tokenloom_bf16.linear
     if packed.shape[-1] == WIDE:
         return torch.ops.tokenloom_avx512.linear
     return torch.ops.tokenloom_cpu.linear

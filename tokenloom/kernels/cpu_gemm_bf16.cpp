@@ -11,6 +11,14 @@
 // Products of bf16 values are exact in float32 and accumulation is float32, as in oneDNN's
 // bf16 matmul.
 //
+// Some CPUs with AVX512-BF16 run that instruction far below their float32 FMA rate (the Xeon
+// VM of docs/performance.md: ~0.45 dot products a cycle against ~2 FMAs, so 14 against 32
+// multiply-adds a cycle).  There the same panels are multiplied the other way (`linear_fma`):
+// each 64-byte vector is widened in registers into its even-k and odd-k float32 halves (a
+// shift and a mask: a bf16 value is the top half of a float32) and multiplied by float32 FMAs,
+// the activations packed as float32 pairs.  kernels/cpu.py `bf16_dot` measures both once and
+// picks one for the process; every row count then takes the same one.
+//
 // Built as its own extension with AVX-512 flags (kernels/cpu.py loads it only where the CPU
 // has avx512_bf16), so the AVX2 kernels never contain AVX-512 instructions.
 
@@ -22,8 +30,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -85,26 +95,65 @@ inline void micro(const uint32_t* x, const __m512bh* w, int64_t kc, float* y, in
   tokenloom::store_tile<S, R, NP>(acc, y, ldy, accumulate, bias, ncols);
 }
 
+// `micro` computed with float32 FMAs: x is [kc][R][2] float32 pairs; each k-pair's weight
+// vector gives its even-k values (shifted up 16 bits) and odd-k values (low half masked off),
+// and each row's sum takes the even product, then the odd one.
+template <int R, int NP>
+inline void micro_fma(const float* x, const __m512bh* w, int64_t kc, float* y, int64_t ldy, bool accumulate,
+                      const float* bias, int64_t ncols, const __m512bh* pf) {
+  __m512 acc[1][R][NP];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NP; ++j) acc[0][i][j] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512 even[NP], odd[NP];
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) {
+      if (pf) {
+        if (R == 1)
+          _mm_prefetch(reinterpret_cast<const char*>(pf + k * LDW + j) + (tokenloom::kStreamPrefetchFarBytes -
+                                                                tokenloom::kStreamPrefetchBytes), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(pf + k * LDW + j), _MM_HINT_T0);
+      }
+      const __m512i v = _mm512_loadu_si512(w + k * LDW + j);
+      even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      odd[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < R; ++i) {
+      const __m512 a = _mm512_set1_ps(x[(k * R + i) * 2]), b = _mm512_set1_ps(x[(k * R + i) * 2 + 1]);
+#pragma GCC unroll 2
+      for (int j = 0; j < NP; ++j) acc[0][i][j] = _mm512_fmadd_ps(b, odd[j], _mm512_fmadd_ps(a, even[j], acc[0][i][j]));
+    }
+  }
+  tokenloom::store_tile<1, R, NP>(acc, y, ldy, accumulate, bias, ncols);
+}
+
+// One micro-tile of R rows through either kernel (kFma: x is float32 pairs, else bf16 pairs).
+template <bool kFma, int R, int NP>
+inline void tile(const void* x, const __m512bh* w, int64_t kc, float* y, int64_t ldy, bool accumulate,
+                 const float* bias, int64_t ncols, const __m512bh* pf) {
+  if constexpr (kFma)
+    micro_fma<R, NP>(static_cast<const float*>(x), w, kc, y, ldy, accumulate, bias, ncols, pf);
+  else
+    micro<R, NP, 1>(static_cast<const uint32_t*>(x), w, kc, y, ldy, accumulate, bias, ncols, pf);
+}
+
 // Every row count sums its products in the same order (S = 1, one chain per row and half), so
 // a row's result does not depend on how many rows share the call: a speculative verifying step
 // (k + 1 rows) then gives exactly what k + 1 one-row steps would.  Interleaving chains (S > 1)
 // at one or two rows was not measurably faster, the weight stream being the limit there.
-template <int NP>
-void micro_rows(int64_t rows, const uint32_t* x, const __m512bh* w, int64_t kc, float* y, int64_t ldy,
+template <bool kFma, int NP>
+void micro_rows(int64_t rows, const void* x, const __m512bh* w, int64_t kc, float* y, int64_t ldy,
                 bool accumulate, const float* bias, int64_t ncols, const __m512bh* pf) {
   switch (rows) {
-    case 1: return micro<1, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 2: return micro<2, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 3: return micro<3, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 4: return micro<4, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 5: return micro<5, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 6: return micro<6, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 7: return micro<7, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 8: return micro<8, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 9: return micro<9, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 10: return micro<10, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    case 11: return micro<11, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
-    default: return micro<12, NP, 1>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+#define TOKENLOOM_ROWS(r) \
+    case r: return tile<kFma, r, NP>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
+    TOKENLOOM_ROWS(1) TOKENLOOM_ROWS(2) TOKENLOOM_ROWS(3) TOKENLOOM_ROWS(4) TOKENLOOM_ROWS(5)
+    TOKENLOOM_ROWS(6) TOKENLOOM_ROWS(7) TOKENLOOM_ROWS(8) TOKENLOOM_ROWS(9) TOKENLOOM_ROWS(10)
+    TOKENLOOM_ROWS(11)
+#undef TOKENLOOM_ROWS
+    default: return tile<kFma, 12, NP>(x, w, kc, y, ldy, accumulate, bias, ncols, pf);
   }
 }
 
@@ -127,6 +176,26 @@ void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t K2, uint32_t* ou
   });
 }
 
+// The same tiles for `micro_fma`: [K2, rows, 2] float32 pairs.
+void pack_rows_f32(const uint16_t* x, int64_t M, int64_t K, int64_t K2, float* out) {
+  const int64_t tiles = (M + MR - 1) / MR;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = std::min(MR, M - t * MR);
+      float* dst = out + t * MR * K2 * 2;
+      for (int64_t i = 0; i < r; ++i) {
+        const uint16_t* src = x + (t * MR + i) * K;
+        for (int64_t k = 0; k < 2 * K2; ++k) {
+          const uint32_t bits = k < K ? static_cast<uint32_t>(src[k]) << 16 : 0;
+          float v;
+          std::memcpy(&v, &bits, sizeof v);
+          dst[((k / 2) * r + i) * 2 + k % 2] = v;
+        }
+      }
+    }
+  });
+}
+
 // rows x cols of float32 y (row stride ldy) rounded to bfloat16 into y16, to nearest even with
 // NaN kept a quiet NaN, exactly as PyTorch's float -> bfloat16 conversion does.
 void round_tile(const float* y, int64_t ldy, int64_t rows, int64_t cols, at::BFloat16* y16) {
@@ -139,8 +208,11 @@ void round_tile(const float* y, int64_t ldy, int64_t rows, int64_t cols, at::BFl
 
 // y16, when given, receives y rounded to bfloat16 tile by tile as each is finished (still in
 // cache), instead of in a separate pass over y afterwards.
-void gemm(const uint32_t* xp, int64_t M, int64_t K2, const __m512bh* wp, int64_t N, const float* bias, float* y,
+template <bool kFma>
+void gemm(const void* xp, int64_t M, int64_t K2, const __m512bh* wp, int64_t N, const float* bias, float* y,
           at::BFloat16* y16) {
+  // activations per row and k-pair: one bf16 pair (4 bytes), or two float32 (8)
+  const int64_t xb = kFma ? 8 : 4;
   const int64_t W = NR * LDW;  // columns per panel
   const int64_t panels = (N + W - 1) / W;
   const bool prefetch = M >= kPrefetchRows;
@@ -158,13 +230,13 @@ void gemm(const uint32_t* xp, int64_t M, int64_t K2, const __m512bh* wp, int64_t
                                  : w + tokenloom::kStreamPrefetchBytes / sizeof(*w);
           for (int64_t m = m0; m < m1; m += MR) {
             const int64_t r = std::min(MR, m1 - m);
-            const uint32_t* xt = xp + m * K2 + k0 * r;
+            const void* xt = static_cast<const char*>(xp) + (m * K2 + k0 * r) * xb;
             float* yt = y + m * N + p * W;
             const __m512bh* pf = m == m0 ? next : nullptr;
             if (ncols > NR)
-              micro_rows<2>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
+              micro_rows<kFma, 2>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
             else  // a last panel of at most 16 columns: its zero half is not multiplied
-              micro_rows<1>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
+              micro_rows<kFma, 1>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
             if (y16 && k0 + kc == K2) round_tile(yt, N, r, ncols, y16 + m * N + p * W);
           }
         }
@@ -174,6 +246,8 @@ void gemm(const uint32_t* xp, int64_t M, int64_t K2, const __m512bh* wp, int64_t
 }
 
 // weight_packed: [ceil(N/32), ceil(K/2), 32, 2] bfloat16; bias: None or float32 [ceil(N/32) * 32].
+// kFma: multiply by float32 FMAs on the widened weights (`micro_fma`), else by vdpbf16ps.
+template <bool kFma>
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight_packed, int64_t n,
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight_packed.device().is_cpu(), "tokenloom_bf16::linear runs on CPU");
@@ -191,26 +265,64 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight_packed, int
   if (c.M > 0) {
     const auto* x16 = reinterpret_cast<const uint16_t*>(c.x2.data_ptr<at::BFloat16>());
     at::Tensor xp;
-    const uint32_t* xpp;
-    if (c.M == 1 && K % 2 == 0) {  // one row's (x[k], x[k+1]) pairs are its own bytes, in order
-      xpp = reinterpret_cast<const uint32_t*>(x16);
+    const void* xpp;
+    if (kFma) {
+      xp = at::empty({c.M * K2 * 2}, c.x2.options().dtype(at::kFloat));
+      pack_rows_f32(x16, c.M, K, K2, xp.data_ptr<float>());
+      xpp = xp.data_ptr<float>();
+    } else if (c.M == 1 && K % 2 == 0) {  // one row's (x[k], x[k+1]) pairs are its own bytes, in order
+      xpp = x16;
     } else {
       xp = at::empty({c.M * K2}, c.x2.options().dtype(at::kInt));
       pack_rows(x16, c.M, K, K2, reinterpret_cast<uint32_t*>(xp.data_ptr<int32_t>()));
-      xpp = reinterpret_cast<const uint32_t*>(xp.data_ptr<int32_t>());
+      xpp = xp.data_ptr<int32_t>();
     }
-    gemm(xpp, c.M, K2, reinterpret_cast<const __m512bh*>(wp.data_ptr<at::BFloat16>()), n, c.bias_ptr,
-         c.y.data_ptr<float>(), bf16_out ? y16.data_ptr<at::BFloat16>() : nullptr);
+    gemm<kFma>(xpp, c.M, K2, reinterpret_cast<const __m512bh*>(wp.data_ptr<at::BFloat16>()), n, c.bias_ptr,
+               c.y.data_ptr<float>(), bf16_out ? y16.data_ptr<at::BFloat16>() : nullptr);
   }
   return bf16_out ? y16.view(c.out_sizes) : c.result(x);
+}
+
+// Multiply-adds per second of one core through each way, a full 12-row tile over a block of
+// weights held in L1 (no memory in the way): [vdpbf16ps, float32 FMAs].  What `bf16_dot`
+// (kernels/cpu.py) chooses by.
+at::Tensor dot_rates() {
+  constexpr int64_t kc = 64;  // k-pairs: 8 KB of weights
+  std::vector<__m512bh> w(kc * LDW);
+  for (auto& v : w) v = (__m512bh)_mm512_set1_epi32(0x3f803f80);  // pairs of 1.0
+  std::vector<uint32_t> x16(kc * MR, 0x3f803f80u);
+  std::vector<float> x32(kc * MR * 2, 1.0f), y(MR * NR * LDW);
+  const double macs = double(kc) * 2 * MR * NR * LDW;
+  double best[2] = {0.0, 0.0};
+  for (int round = 0; round < 3; ++round)
+    for (int way = 0; way < 2; ++way) {
+      const int reps = 2000;
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int r = 0; r < reps; ++r) {
+        if (way == 0)
+          micro<MR, 2, 1>(x16.data(), w.data(), kc, y.data(), NR * LDW, false, nullptr, NR * LDW, nullptr);
+        else
+          micro_fma<MR, 2>(x32.data(), w.data(), kc, y.data(), NR * LDW, false, nullptr, NR * LDW, nullptr);
+        asm volatile("" : : "r"(y.data()) : "memory");
+      }
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      best[way] = std::max(best[way], macs * reps / s);
+    }
+  auto out = at::empty({2}, at::kDouble);
+  out[0] = best[0];
+  out[1] = best[1];
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(tokenloom_bf16, m) {
   m.def("linear(Tensor x, Tensor weight_packed, int n, Tensor? bias) -> Tensor");
+  m.def("linear_fma(Tensor x, Tensor weight_packed, int n, Tensor? bias) -> Tensor");
+  m.def("dot_rates() -> Tensor", &dot_rates);  // no tensor arguments: one kernel for every key
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_bf16, CPU, m) {
-  m.impl("linear", &linear_bf16);
+  m.impl("linear", &linear_bf16<false>);
+  m.impl("linear_fma", &linear_bf16<true>);
 }
