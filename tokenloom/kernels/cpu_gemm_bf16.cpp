@@ -176,20 +176,24 @@ void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t K2, uint32_t* ou
   });
 }
 
-// The same tiles for `micro_fma`: [K2, rows, 2] float32 pairs.
+// The same tiles for `micro_fma`: [K2, rows, 2] float32 pairs (a bf16 value's bits, shifted up,
+// are its float32 value's).  A one-row tile is the row itself, widened in order.
 void pack_rows_f32(const uint16_t* x, int64_t M, int64_t K, int64_t K2, float* out) {
   const int64_t tiles = (M + MR - 1) / MR;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = std::min(MR, M - t * MR);
-      float* dst = out + t * MR * K2 * 2;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(out) + t * MR * K2 * 2;
       for (int64_t i = 0; i < r; ++i) {
         const uint16_t* src = x + (t * MR + i) * K;
-        for (int64_t k = 0; k < 2 * K2; ++k) {
-          const uint32_t bits = k < K ? static_cast<uint32_t>(src[k]) << 16 : 0;
-          float v;
-          std::memcpy(&v, &bits, sizeof v);
-          dst[((k / 2) * r + i) * 2 + k % 2] = v;
+        if (r == 1) {
+          for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<uint32_t>(src[k]) << 16;
+          if (K % 2) dst[K] = 0;  // an odd K's zero partner
+          continue;
+        }
+        for (int64_t j = 0; j < K2; ++j) {
+          dst[(j * r + i) * 2] = static_cast<uint32_t>(src[2 * j]) << 16;
+          dst[(j * r + i) * 2 + 1] = 2 * j + 1 < K ? static_cast<uint32_t>(src[2 * j + 1]) << 16 : 0;
         }
       }
     }
