@@ -48,7 +48,7 @@ def linear_function(m: nn.Module) -> Linear | None:
 
 @dataclass(frozen=True)
 class FlatLayer:
-    """What one decoder layer's decode step reads: norm weights, the four linears, head counts."""
+    """What one decoder layer's decode step reads: its two norm weights and four linears."""
 
     input_norm: torch.Tensor
     qkv: Linear
