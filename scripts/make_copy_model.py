@@ -80,17 +80,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--embed-std", type=float, default=0.0625,
+                   help="init std of the (tied) embeddings: ~unit-norm rows, so logits can be confident early")
+    p.add_argument("--induction-steps", type=int, default=1500, help="phase 1: short rows of random runs only")
+    p.add_argument("--induction-context", type=int, default=48)
+    p.add_argument("--induction-batch-size", type=int, default=32)
+    p.add_argument("--induction-max-run", type=int, default=16)
+    p.add_argument("--steps", type=int, default=600, help="phase 2: the mixture of random, copy and plain rows")
     p.add_argument("--batch-size", type=int, default=12)
-    p.add_argument("--context", type=int, default=256, help="tokens per training row")
+    p.add_argument("--context", type=int, default=256, help="tokens per training row (phase 2)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--random-frac", type=float, default=0.4, help="share of rows of repeated random runs")
     p.add_argument("--plain-frac", type=float, default=0.2, help="share of rows of plain stdlib text")
     p.add_argument("--edit-frac", type=float, default=0.3, help="share of copy examples with one line edited")
-    p.add_argument("--min-run", type=int, default=4, help="shortest random run")
-    p.add_argument("--max-run", type=int, default=64, help="longest random run")
+    p.add_argument("--min-run", type=int, default=3, help="shortest random run")
+    p.add_argument("--max-run", type=int, default=64, help="longest random run (phase 2)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check-every", type=int, default=250, help="steps between quick copy checks (0: none)")
@@ -108,7 +114,11 @@ def build_model(args: argparse.Namespace, vocab: int) -> LlamaForCausalLM:
         head_dim=args.head_dim, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
         tie_word_embeddings=True, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
     )
-    return LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    # With the default 0.02 a row's norm is ~0.3, so a tied head's logits start within a few
+    # nats of each other and copying cannot pay off much until they grow.
+    torch.nn.init.normal_(model.model.embed_tokens.weight, 0.0, args.embed_std)
+    return model
 
 
 class RowMaker:
@@ -123,7 +133,7 @@ class RowMaker:
     def random_example(self) -> tuple[list[int], list[int]]:
         """noise + run + run: loss on the repeat after its first token (what copying predicts)."""
         rng = self.rng
-        noise = [rng.randrange(FIRST_ORDINARY_ID, self.vocab) for _ in range(rng.randint(0, 24))]
+        noise = [rng.randrange(FIRST_ORDINARY_ID, self.vocab) for _ in range(rng.randint(0, self.args.max_run))]
         run = [rng.randrange(FIRST_ORDINARY_ID, self.vocab) for _ in range(rng.randint(self.args.min_run,
                                                                                           self.args.max_run))]
         return noise + run + run, [0] * (len(noise) + len(run) + 1) + [1] * (len(run) - 1)
@@ -183,11 +193,20 @@ def make_optimizer(model, args: argparse.Namespace) -> torch.optim.AdamW:
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
-    """Linear warmup, then cosine decay to 10% of --lr at the last step."""
+    """Linear warmup, --lr through phase 1, then cosine decay over phase 2 to 10% of --lr."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
-    t = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    if step < args.induction_steps:
+        return args.lr
+    t = (step - args.induction_steps) / max(1, args.steps)
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
+
+
+def induction_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Phase 1's row settings: random rows only, short rows, short runs, bigger batches."""
+    return argparse.Namespace(**{**vars(args), "random_frac": 1.0, "plain_frac": 0.0,
+                                 "context": args.induction_context, "batch_size": args.induction_batch_size,
+                                 "max_run": args.induction_max_run})
 
 
 def train_step(model, opt, ids: torch.Tensor, mask: torch.Tensor) -> float:
@@ -251,23 +270,27 @@ def main() -> None:
           f"{len(train_texts)} train / {len(val_texts)} held-out files", flush=True)
 
     opt = make_optimizer(model, args)
-    rows = RowMaker(tok, train_texts, args, rng)
+    phases = [("induction", args.induction_steps, RowMaker(tok, train_texts, induction_args(args), rng)),
+              ("mixture", args.steps, RowMaker(tok, train_texts, args, rng))]
     model.train()
     t0 = time.time()
-    ema = None
     checks = []
-    for step in range(args.steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args)
-        loss = train_step(model, opt, *rows.batch())
-        ema = loss if ema is None else 0.95 * ema + 0.05 * loss
-        if (step + 1) % 25 == 0 or step + 1 == args.steps:
-            print(f"step {step + 1}/{args.steps} loss {ema:.3f} lr {lr_at(step, args):.2e} "
-                  f"({time.time() - t0:.0f}s)", flush=True)
-        if args.check_every and (step + 1) % args.check_every == 0 and step + 1 < args.steps:
-            quick = copy_check(model, tok, val_texts, 8, args.eval_snippet_tokens, args.seed + 1)
-            checks.append({"step": step + 1, **quick})
-            print(f"  quick copy check: {quick}", flush=True)
+    step = 0
+    for name, steps, rows in phases:
+        ema = None
+        for i in range(steps):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, args)
+            loss = train_step(model, opt, *rows.batch())
+            step += 1
+            ema = loss if ema is None else 0.95 * ema + 0.05 * loss
+            if (i + 1) % 25 == 0 or i + 1 == steps:
+                print(f"{name} step {i + 1}/{steps} loss {ema:.3f} lr {lr_at(step - 1, args):.2e} "
+                      f"({time.time() - t0:.0f}s)", flush=True)
+            if args.check_every and (i + 1) % args.check_every == 0 and i + 1 < steps:
+                quick = copy_check(model, tok, val_texts, 8, args.eval_snippet_tokens, args.seed + 1)
+                checks.append({"phase": name, "step": i + 1, "loss_ema": round(ema, 3), **quick})
+                print(f"  quick copy check: {quick}", flush=True)
     train_seconds = time.time() - t0
 
     after = copy_check(model, tok, val_texts, args.eval_snippets, args.eval_snippet_tokens, args.seed)

@@ -83,10 +83,11 @@ def test_rows_have_the_width_and_the_mixture() -> None:
     assert kinds["plain"] and kinds["packed"]
 
 
-def test_lr_warms_up_then_decays_to_a_tenth() -> None:
-    args = mcm.parse_args(["--steps", "100", "--warmup-steps", "10", "--lr", "1e-3"])
+def test_lr_warms_up_holds_then_decays_to_a_tenth() -> None:
+    args = mcm.parse_args(["--induction-steps", "50", "--steps", "50", "--warmup-steps", "10", "--lr", "1e-3"])
     assert mcm.lr_at(0, args) == 1e-4 and abs(mcm.lr_at(9, args) - 1e-3) < 1e-12
-    assert mcm.lr_at(50, args) < mcm.lr_at(20, args) and abs(mcm.lr_at(100, args) - 1e-4) < 1e-12
+    assert mcm.lr_at(49, args) == 1e-3  # constant through phase 1
+    assert mcm.lr_at(75, args) < mcm.lr_at(60, args) and abs(mcm.lr_at(100, args) - 1e-4) < 1e-12
 
 
 def test_fresh_model_saves_as_a_loadable_checkpoint(tmp_path: Path) -> None:
