@@ -3,35 +3,38 @@
 copies from its prompt, for benchmarking n-gram speculative decoding.
 
 Why by hand: `scripts/make_copy_model.py` trains such a model from scratch and, in the CPU
-time tried (docs/speculative-decoding.md), its loss on repeated random runs plateaus before
-copying appears.  The circuit it has to find is small and well understood, so this script
-writes it into an ordinary LlamaForCausalLM checkpoint (transformers' LlamaConfig +
-save_pretrained, the bundled tokenizer beside it); tokenloom and transformers load and run it
-as any model, with nothing special-cased.  It is a benchmark model: it copies, and where
-there is nothing to copy its output means nothing.
+time tried (its docstring), the loss on repeated random runs plateaus before copying appears.
+The circuit it has to find is small and well understood, so this script writes it into an
+ordinary LlamaForCausalLM checkpoint (transformers' LlamaConfig + save_pretrained, the bundled
+tokenizer beside it); tokenloom and transformers load and run it as any model, nothing
+special-cased.  It is a benchmark model: it copies; where there is nothing to copy its output
+means nothing.
 
-The circuit (hidden 256, 2 heads of 128 per layer, MLPs zero, tied embeddings):
+The circuit (hidden 256, heads of 128, MLPs zero, tied embeddings, rope_theta 1e30):
   * embeddings: token t is a random unit code r_t in dims A (48 dims), plus a constant 1 in
-    one dim K that gives attention a content-free direction;
-  * layer 0, two previous-token heads: query and key come only from K, so their score
-    depends only on the distance; the key is pre-rotated by RoPE's angles for 1 (head 0) or
-    2 (head 1) positions, so the score peaks at that distance.  Only RoPE's high-frequency
-    pairs are used.  The heads copy r of the attended token into dims B (previous token)
-    and C (the one before);
-  * layer 1, an induction head: query = (r_now, r_prev), key = (r_prev, r_prevprev), so
-    position j scores high where the two tokens before j equal the last two tokens; it
-    copies r_j (the token that followed them) into A with gain `--gain`.  Query and key use
-    RoPE's lowest-frequency pairs, which `rope_theta` 1e20 makes rotate by < 0.25 rad over
-    512 positions, so matching is by content;
+    one dim K, a content-free direction for attention to build positions from;
+  * layer 0, BACK = 16 previous-token heads: head i's query and key come only from K, so its
+    score depends only on the distance; the key is pre-rotated by RoPE's angles for i + 1
+    positions, so the score peaks there (only RoPE's fast pairs are used).  Head i copies
+    the first MATCH = 7 dims of the attended token's code into its own slot: each position
+    now holds short codes of the 16 tokens before it;
+  * layer 1, one induction head: the query holds the codes of the last 16 tokens (the current
+    one and 15 before it), the key at j those of the 16 tokens before j, weighted 16..1 from
+    the nearest: j scores by how long a suffix of the text so far ends just before it, the
+    nearest tokens weighing most, and the head copies r_j (the token that followed) into A
+    with gain `--gain`.  Query and key use RoPE's slowest pairs, which turn < 0.25 rad over
+    512 positions, so the match is by content;
   * the final norm keeps A only, and the tied head scores every token by r_t against it: the
     copied token wins.
-Where the last bigram occurs several times, the head averages the tokens that followed, and
-the largest share wins; where it does not occur, the output is arbitrary.
+With a 4-token match the check below reproduced 2 of 16 held-out snippets whole (repeated
+short runs in code, such as `",\n            "`, sent it elsewhere); 16 tokens settle most.
+Where the text so far occurs nowhere before, the output is arbitrary.
 
 The check printed (the same as make_copy_model.py's, on the held-out stdlib split): prompt =
-snippet + "\\n\\n" + its first third of lines; greedy continuation vs the rest of the snippet.
+snippet + "\n\n" + its first third of lines; greedy continuation vs the rest of the snippet
+(figures: docs/speculative-decoding.md, "A model that really copies").
 
-  python scripts/wire_copy_model.py --out /tmp/tokenloom-copy-model
+  python scripts/wire_copy_model.py --out /tmp/tokenloom-copy-model     # ~1 minute, mostly the check
 """
 
 from __future__ import annotations
@@ -55,8 +58,8 @@ from tokenloom.bundled import BUNDLED_MODEL_DIR  # noqa: E402
 from tokenloom.model.tokenizer_builder import BOS_ID, EOS_ID, PAD_ID, stdlib_corpus_files  # noqa: E402
 
 HIDDEN, HEAD_DIM, CODE = 256, 128, 48
-BACK, MATCH = 6, 18  # the match compares the last BACK tokens, MATCH dims of each one's code
-HEADS = 8  # layer 0 uses BACK (transformers wants hidden % heads == 0), layer 1 one
+BACK, MATCH = 16, 7  # the match compares the last BACK tokens, MATCH dims of each one's code
+HEADS = BACK  # layer 0 uses all of them, layer 1 one (transformers wants hidden % heads == 0)
 WEIGHTS = tuple(float(BACK - i) for i in range(BACK))  # the current token weighs most
 # Residual dims: A the token's code; BACK_DIMS[i] the first MATCH dims of the code of the token
 # i + 1 back (written by layer 0's head i); K a constant.
