@@ -3,7 +3,7 @@
     python scripts/bench_spec_decode.py                      # the bundled model, batch 1
     python scripts/bench_spec_decode.py --batch-sizes 1 2 4 8 16 --rounds 3
     python scripts/bench_spec_decode.py --model /path/to/hf-dir --dtype bfloat16
-    python scripts/bench_spec_decode.py --model /tmp/tokenloom-copy-model   # scripts/make_copy_model.py
+    python scripts/bench_spec_decode.py --model /tmp/tokenloom-copy-model   # scripts/wire_copy_model.py
 
 Two engines are loaded once (speculation off / on) and timed alternately, round after round
 (the order flips every round); the figure is the median over rounds of output tokens / wall
@@ -18,8 +18,8 @@ Workloads (the prompts are built with scripts/copy_task.py, as the copy model's 
   edit    the snippet, "\\n\\n# edited:\\n", then its first quarter of lines with the last of
           them replaced by a line from elsewhere: a copier continues with the unchanged rest.
   random  uniformly random token ids (nothing to look up: the cost of trying).
-The bundled model does not copy; `python scripts/make_copy_model.py` fine-tunes it into one
-that does (pass its --out directory as --model).
+The bundled model does not copy; `python scripts/wire_copy_model.py` builds one that does
+(pass its --out directory as --model).  Note that a copier copies a `random` prompt too.
 All run with ignore_eos and a fixed max_tokens, so both engines emit the same token count.
 Acceptance (drafted / accepted tokens, mean tokens per verifying step) is read from the step
 events.  docs/speculative-decoding.md has the figures and what they mean.
