@@ -2,8 +2,9 @@
 
 Shared by `scripts/make_copy_model.py` (its training rows and the held-out copy check, which
 `scripts/wire_copy_model.py` reuses) and `scripts/bench_spec_decode.py` (the `copy` and `edit`
-workloads), so the benchmark asks the copy model the kind of question it is checked on.  Pure Python (no torch, no tokenizer):
-callers pass an `encode(text) -> list[int]` where a length in tokens is needed.
+workloads), so the benchmark asks the copy model the kind of question it is checked on.
+Pure Python (no torch, no tokenizer): callers pass an `encode(text) -> list[int]` where a
+length in tokens is needed.
 
 A *cue* prompt is `snippet + separator + the snippet's first lines`, ending without a newline
 so the continuation starts with "\\n" and tokenizes as it would inside the file; the expected

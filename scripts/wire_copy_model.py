@@ -40,7 +40,6 @@ snippet + "\n\n" + its first third of lines; greedy continuation vs the rest of 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 import sys
@@ -109,6 +108,7 @@ def distance_peak_margin(theta: torch.Tensor, pairs: list[int]) -> float:
 
 @torch.no_grad()
 def wire(args: argparse.Namespace, vocab: int) -> LlamaForCausalLM:
+    """The circuit of the module docstring in a fresh LlamaForCausalLM (every other weight 0)."""
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=HIDDEN, num_hidden_layers=2,
         num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=HEAD_DIM,
@@ -120,9 +120,9 @@ def wire(args: argparse.Namespace, vocab: int) -> LlamaForCausalLM:
         p.zero_()
     gen = torch.Generator().manual_seed(args.seed)
     # Unit codes whose first MATCH dims (what the match compares) have the same norm for all.
-    head = torch.randn(vocab, MATCH, generator=gen, dtype=torch.float64)
+    first = torch.randn(vocab, MATCH, generator=gen, dtype=torch.float64)
     tail = torch.randn(vocab, CODE - MATCH, generator=gen, dtype=torch.float64)
-    codes = torch.cat([head / head.norm(dim=1, keepdim=True) * math.sqrt(MATCH / CODE),
+    codes = torch.cat([first / first.norm(dim=1, keepdim=True) * math.sqrt(MATCH / CODE),
                        tail / tail.norm(dim=1, keepdim=True) * math.sqrt(1 - MATCH / CODE)], dim=1)
 
     emb = model.model.embed_tokens.weight
@@ -150,7 +150,7 @@ def wire(args: argparse.Namespace, vocab: int) -> LlamaForCausalLM:
         v[base:base + MATCH, A.start:A.start + MATCH] = torch.eye(MATCH) / s0
         o[dest, base:base + MATCH] = torch.eye(MATCH)
 
-    # Layer 1: the residual holds a unit code, BACK code heads of norm^2 MATCH/CODE and the
+    # Layer 1: the residual holds a unit code, BACK short codes of norm^2 MATCH/CODE and the
     # constant.
     l1 = model.model.layers[1]
     l1.input_layernorm.weight.fill_(1.0)
@@ -161,7 +161,8 @@ def wire(args: argparse.Namespace, vocab: int) -> LlamaForCausalLM:
     assert len(dims) >= BACK * MATCH, "not enough slow RoPE pairs for the match"
     # Query part i is the token i back from here (weight WEIGHTS[i]), key part i the token
     # i + 1 back from j: each matching token adds WEIGHTS[i] * match_scale to the logit of j,
-    # so j is where the longest suffix of the text so far occurred, and j's token follows it.
+    # so j is where the text so far is best matched (nearest tokens first), and the head
+    # copies j's token, the one that followed there.
     w = math.sqrt(args.match_scale * math.sqrt(HEAD_DIM) * CODE / MATCH) / s1
     q, k, v, o = (l1.self_attn.q_proj.weight, l1.self_attn.k_proj.weight,
                   l1.self_attn.v_proj.weight, l1.self_attn.o_proj.weight)
