@@ -11,9 +11,9 @@
 // Products of bf16 values are exact in float32 and accumulation is float32, as in oneDNN's
 // bf16 matmul.
 //
-// Some CPUs with AVX512-BF16 run that instruction far below their float32 FMA rate (the Xeon
-// VM of docs/performance.md: ~0.45 dot products a cycle against ~2 FMAs, so 14 against 32
-// multiply-adds a cycle).  There the same panels are multiplied the other way (`linear_fma`):
+// Some CPUs with AVX512-BF16 run that instruction far below their float32 FMA rate, so that
+// it multiplies-adds fewer values a cycle than FMAs do (docs/performance.md, "bf16 on CPUs with
+// a slow dot product").  There the same panels are multiplied the other way (`linear_fma`):
 // each 64-byte vector is widened in registers into its even-k and odd-k float32 halves (a
 // shift and a mask: a bf16 value is the top half of a float32) and multiplied by float32 FMAs,
 // the activations packed as float32 pairs.  kernels/cpu.py `bf16_dot` measures both once and
