@@ -314,10 +314,26 @@ def _register_fake_quant(ns: str):
     return getattr(torch.ops, ns)
 
 
-def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 [N, K] and float32 scales [N] -> ([ceil(N/32), K, 32] int8, float32 [ceil(N/32) * 32]),
-    the layout `cpu_gemm_quant.cpp` streams (`pack(q, WIDE)`); padded columns scale by 0."""
-    packed = pack(q, WIDE)
+def int8_quads() -> bool:
+    """Whether the quantized kernel in use reads int8 panels in k-quads (the VNNI build: its
+    integer dot products take four k of a column in one 32-bit lane)."""
+    ops = quant_ops()
+    return ops is not None and ops.name == "tokenloom_q512v"
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor, quads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [N, K] and float32 scales [N] -> (int8 panels, float32 [ceil(N/32) * 32]), the layout
+    `cpu_gemm_quant.cpp` streams; padded columns scale by 0.  Panels are [ceil(N/32), K, 32]
+    (`pack(q, WIDE)`), or with `quads` [ceil(N/32), ceil(K/4), 32, 4]: out[p, j, c, t] =
+    q[32p + c, 4j + t], K padded with zeros to whole quads."""
+    if quads:
+        n, k = q.shape
+        k4 = -(-k // 4) * 4
+        rows = pack(torch.nn.functional.pad(q, (0, k4 - k)) if k4 != k else q, WIDE)  # [P, k4, 32]
+        packed = hugepages.empty((rows.shape[0], k4 // 4, WIDE, 4), q.dtype, q.device)
+        packed.copy_(rows.view(rows.shape[0], k4 // 4, 4, WIDE).transpose(2, 3))
+    else:
+        packed = pack(q, WIDE)
     s = torch.zeros(packed.shape[0] * WIDE, dtype=torch.float32)
     s[: scale.numel()] = scale.float()
     return packed, s

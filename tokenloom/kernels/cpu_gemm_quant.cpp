@@ -130,9 +130,11 @@ struct BufSource {
 };
 
 // int8 weights of one panel from k0 on: q as float32; the column scales come after the sum.
+// In k-quads on the VNNI build ([.., 32, 4]: the layout its integer path reads), else k-major
+// ([.., 32]); 32 bytes a k either way.
 struct Int8Source {
   static constexpr int kScale = 1;
-  const int8_t* q;  // panel's k0 row: [.., 32]
+  const int8_t* q;  // panel's k0 row (k0 a multiple of 4 in quads)
   vf s[NV];
   Int8Source(const int8_t* q_, const float* scales) : q(q_) {
     for (int j = 0; j < NV; ++j) s[j] = vload(scales + j * VL);
@@ -140,7 +142,19 @@ struct Int8Source {
   void group(int64_t) {}
   // The stream ahead of the weights of k .. k + n - 1 (panel_linear.h).
   void prefetch(int64_t k, int64_t n) const { tokenloom::prefetch_stream(q + k * W, n * W); }
+#ifdef TOKENLOOM_QUANT_VNNI
+  // byte k % 4 of each column's lane, sign-extended: shifted to the top, then back down
+  void get(int64_t k, vf* out) const {
+    const int8_t* quad = q + (k / 4) * 4 * W;
+    const int up = 24 - 8 * static_cast<int>(k % 4);
+    for (int j = 0; j < NV; ++j) {
+      const __m512i v = _mm512_loadu_si512(quad + 64 * j);
+      out[j] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sll_epi32(v, _mm_cvtsi32_si128(up)), 24));
+    }
+  }
+#else
   void get(int64_t k, vf* out) const { widen_int8(q + k * W, out); }
+#endif
 };
 
 // int4 weights of one panel from k0 on (k0 a multiple of G): nib - 8; the group's scales
@@ -357,10 +371,18 @@ c10::optional<at::Tensor> decode_vnni(const at::Tensor& x, int64_t Kp, int64_t P
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t n,
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "quantized linear runs on CPU");
+#ifdef TOKENLOOM_QUANT_VNNI
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 4 && qweight.size(2) == W &&
+                  qweight.size(3) == 4,
+              "int8 weight must be packed in k-quads as [P, K / 4, 32, 4] int8 (kernels/cpu.py pack_int8)");
+  const int64_t P = qweight.size(0), K = qweight.size(1) * 4;  // K: padded to whole quads
+  TORCH_CHECK(x.size(-1) <= K && x.size(-1) > K - 4, "x has ", x.size(-1), " features, the weight ", K);
+#else
   TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 3 && qweight.size(2) == W,
               "int8 weight must be packed as [P, K, 32] int8");
   const int64_t P = qweight.size(0), K = qweight.size(1);
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+#endif
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == P * W, "int8 scales: float32 [P * 32]");
   TORCH_CHECK(P * W >= n, "n exceeds the packed panels");
   const auto q = qweight.contiguous();

@@ -160,7 +160,7 @@ class PanelQuantized(QuantizedMatrix):
         ops = cpu_kernels.quant_ops()
         assert ops is not None, "our quantized CPU kernel is not available here"
         if scheme.bits == 8:
-            packed, s = cpu_kernels.pack_int8(*quantize_int8(weight))
+            packed, s = cpu_kernels.pack_int8(*quantize_int8(weight), quads=cpu_kernels.int8_quads())
             self._op = ops.linear_int8
         else:
             packed, s = cpu_kernels.pack_int4(*quantize_int4(weight, scheme.group))
@@ -180,10 +180,12 @@ class PanelQuantized(QuantizedMatrix):
         return lambda x: op(x, q, s, n, g, bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        w = self.qweight.shape[-1] * (2 if self.scheme.bits == 4 else 1)  # 32 columns a panel
+        w = self.qweight.shape[2] * (2 if self.scheme.bits == 4 else 1)  # 32 columns a panel
         p, c = ids // w, ids % w
         if self.scheme.bits == 8:
-            return self.qweight[p, :, c].float() * self.scales[ids].float()[..., None]
+            q = self.qweight[p, :, c]  # [..., K] k-major, or [..., K / 4, 4] in k-quads
+            q = q.reshape(*ids.shape, -1)[..., : self.in_features]
+            return q.float() * self.scales[ids].float()[..., None]
         b = self.qweight[p, :, c % (w // 2)]  # [..., Kp]
         nib = torch.where((c >= w // 2)[..., None], b >> 4, b & 15).to(torch.int8) - 8
         s = self.scales[p, :, c].float()  # [..., Kp / G]
