@@ -8,6 +8,7 @@
 // sequential stream:
 //
 //   int8  [P, K, 32] int8; scales [P * 32] float32:  w[32p + c, k] = q[p, k, c] * s[32p + c]
+//         (the VNNI build: [P, K / 4, 32, 4] k-quads,  w[32p + c, k] = q[p, k / 4, c, k % 4] * s)
 //   int4  [P, Kp, 16] uint8, low nibble column c, high nibble column c + 16 (biased by 8);
 //         scales [P, Kp / G, 32] bfloat16:           w[32p + c, k] = (nib - 8) * s[p, k / G, c]
 //
