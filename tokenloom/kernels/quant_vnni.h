@@ -131,8 +131,9 @@ struct QuadIndex {
 
 // int8 panel in k-quads ([K / 4, 32, 4] bytes, kernels/cpu.py `pack_int8(quads=True)`): k .. k+3
 // of columns 0-15 are one 64-byte load, of columns 16-31 the next, already one 32-bit lane per
-// column; + 128 (sign bit flipped) makes them the unsigned operand.  (A two-source byte permute
-// from the k-major layout measured ~20% below the memory's read rate at one row.)
+// column; + 128 (sign bit flipped) makes them the unsigned operand.  (Permuting them out of the
+// k-major layout instead kept the one-row stream below the memory's read rate:
+// docs/quantization.md, "What kept int8 below the read rate".)
 struct Int8Quad {
   static constexpr int kBias = 128;
   static constexpr int64_t kBytesPerK = kPanel;
