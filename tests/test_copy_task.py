@@ -4,30 +4,16 @@ must really ask for a copy.  No training, no engine: text and the bundled tokeni
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from tokenloom.bundled import BUNDLED_MODEL_DIR
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from script_modules import SCRIPTS, load_script
 
-
-def _load(name: str):
-    """A script as a module (scripts/ is not a package; bench_spec_decode imports copy_task)."""
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(f"_scripts_{name}", SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-copy_task = _load("copy_task")
+copy_task = load_script("copy_task")
 
 SOURCE = (SCRIPTS.parent / "tokenloom" / "core" / "scheduler.py").read_text()
 
@@ -76,7 +62,7 @@ def test_bench_prompts_ask_for_a_copy() -> None:
     """`copy`: the text after the marker is the snippet's first line, and the snippet goes on
     from there; `edit`: the text after "# edited:" matches the snippet's start except its last
     line, and the snippet has unchanged lines left to copy."""
-    bench = _load("bench_spec_decode")
+    bench = load_script("bench_spec_decode")
     tok = AutoTokenizer.from_pretrained(BUNDLED_MODEL_DIR)
     for ids in bench.copy_prompts(tok, 4, 120, seed=0):
         text = tok.decode(ids)

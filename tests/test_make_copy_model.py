@@ -4,9 +4,7 @@ fresh model's config and save format (seconds)."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 from pathlib import Path
 
 import torch
@@ -15,12 +13,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tokenloom.bundled import BUNDLED_MODEL_DIR
 from tokenloom.model.tokenizer_builder import EOS_ID
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-_spec = importlib.util.spec_from_file_location("_scripts_make_copy_model", SCRIPTS / "make_copy_model.py")
-mcm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mcm)
+from script_modules import SCRIPTS, load_script
+
+mcm = load_script("make_copy_model")
 
 TEXTS = [(SCRIPTS.parent / "tokenloom" / p).read_text() for p in ("core/scheduler.py", "config.py", "request.py")]
 

@@ -5,8 +5,6 @@ snippet with the rest of it, and tokenloom's engine emits the same tokens as tra
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,12 +13,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tokenloom import LLM, SamplingParams
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-_spec = importlib.util.spec_from_file_location("_scripts_wire_copy_model", SCRIPTS / "wire_copy_model.py")
-wcm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(wcm)
+from script_modules import load_script
+
+wcm = load_script("wire_copy_model")
 
 # Python the model has never "seen" (it has seen nothing; its weights are set, not trained).
 SNIPPET = """def merge_intervals(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
