@@ -46,6 +46,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -118,9 +119,11 @@ constexpr int NV = W / VL;  // vectors per k of a panel
 // sums at the end), 2 = per group (applied to each group's sums); `group(k)` loads the scales
 // of the group that starts at block offset k into `s`.
 
-// Weights of a block, already float32 and scaled: [kc][32].
+// Weights of a block, already float32: [kc][32]; group scales applied, column scales (kS = 1)
+// left to the sums, as the block's source would.
+template <int kS>
 struct BufSource {
-  static constexpr int kScale = 0;
+  static constexpr int kScale = kS;
   const float* w;
   vf s[NV];
   void group(int64_t) {}
@@ -177,7 +180,7 @@ struct Int4Source {
 // y[0:R, 0:32] (+)= x[0:R, 0:kc] . w[0:kc]; S interleaved accumulator chains keep a single row
 // from waiting on FMA latency.  `G`: the source's group length (scales change at multiples).
 template <int R, int S, typename Src>
-inline void micro(const float* x, int64_t ldx, Src& src, int64_t kc, int64_t G, float* y, int64_t ldy,
+inline void micro(const float* x, int64_t ldx, int64_t ldk, Src& src, int64_t kc, int64_t G, float* y, int64_t ldy,
                   bool accumulate, const float* bias) {
   vf acc[S][R][NV], tot[R][NV];
   for (int i = 0; i < R; ++i)
@@ -197,7 +200,7 @@ inline void micro(const float* x, int64_t ldx, Src& src, int64_t kc, int64_t G, 
         src.get(k + s, wv);
 #pragma GCC unroll 12
         for (int i = 0; i < R; ++i) {
-          const vf a = vset1(x[i * ldx + k + s]);
+          const vf a = vset1(x[i * ldx + (k + s) * ldk]);
 #pragma GCC unroll 4
           for (int j = 0; j < NV; ++j) acc[s][i][j] = vfma(a, wv[j], acc[s][i][j]);
         }
@@ -207,7 +210,7 @@ inline void micro(const float* x, int64_t ldx, Src& src, int64_t kc, int64_t G, 
       vf wv[NV];
       src.get(k, wv);
       for (int i = 0; i < R; ++i) {
-        const vf a = vset1(x[i * ldx + k]);
+        const vf a = vset1(x[i * ldx + k * ldk]);
         for (int j = 0; j < NV; ++j) acc[0][i][j] = vfma(a, wv[j], acc[0][i][j]);
       }
     }
@@ -229,29 +232,30 @@ inline void micro(const float* x, int64_t ldx, Src& src, int64_t kc, int64_t G, 
 }
 
 template <typename Src>
-void micro_rows(int64_t rows, const float* x, int64_t ldx, Src& src, int64_t kc, int64_t G, float* y, int64_t ldy,
+void micro_rows(int64_t rows, const float* x, int64_t ldx, int64_t ldk, Src& src, int64_t kc, int64_t G, float* y, int64_t ldy,
                 bool accumulate, const float* bias) {
   switch (rows) {
-    case 1: return micro<1, 4, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
+    case 1: return micro<1, 4, Src>(x, ldx, ldk, src, kc, G, y, ldy, accumulate, bias);
 #ifdef __AVX512F__
-    case 2: return micro<2, 2, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
-    case 3: return micro<3, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
-    case 4: return micro<4, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
-    case 5: return micro<5, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
-    case 6: return micro<6, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
-    case 7: return micro<7, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
-    case 8: return micro<8, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
-    case 9: return micro<9, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
-    case 10: return micro<10, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
-    case 11: return micro<11, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
-    default: return micro<12, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
+    case 2: return micro<2, 2, Src>(x, ldx, ldk, src, kc, G, y, ldy, accumulate, bias);
+    case 3: return micro<3, 1, Src>(x, ldx, ldk, src, kc, G, y, ldy, accumulate, bias);
+    case 4: return micro<4, 1, Src>(x, ldx, ldk, src, kc, G, y, ldy, accumulate, bias);
+    case 5: return micro<5, 1, Src>(x, ldx, ldk, src, kc, G, y, ldy, accumulate, bias);
+    case 6: return micro<6, 1, Src>(x, ldx, ldk, src, kc, G, y, ldy, accumulate, bias);
+    case 7: return micro<7, 1, Src>(x, ldx, ldk, src, kc, G, y, ldy, accumulate, bias);
+    case 8: return micro<8, 1, Src>(x, ldx, ldk, src, kc, G, y, ldy, accumulate, bias);
+    case 9: return micro<9, 1, Src>(x, ldx, ldk, src, kc, G, y, ldy, accumulate, bias);
+    case 10: return micro<10, 1, Src>(x, ldx, ldk, src, kc, G, y, ldy, accumulate, bias);
+    case 11: return micro<11, 1, Src>(x, ldx, ldk, src, kc, G, y, ldy, accumulate, bias);
+    default: return micro<12, 1, Src>(x, ldx, ldk, src, kc, G, y, ldy, accumulate, bias);
 #else
-    default: return micro<2, 1, Src>(x, ldx, src, kc, G, y, ldy, accumulate, bias);
+    default: return micro<2, 1, Src>(x, ldx, ldk, src, kc, G, y, ldy, accumulate, bias);
 #endif
   }
 }
 
-// Fill buf[0:kc][0:32] with the block's dequantized weights.
+// Fill buf[0:kc][0:32] with the block's weights as float32: times their group scales, not
+// their column scales (those multiply the sums, one product per output instead of per weight).
 template <typename Src>
 void dequant_block(Src& src, int64_t kc, int64_t G, float* buf) {
   for (int64_t g0 = 0; g0 < kc; g0 += G) {
@@ -260,16 +264,50 @@ void dequant_block(Src& src, int64_t kc, int64_t G, float* buf) {
     for (int64_t k = g0; k < std::min(kc, g0 + G); ++k) {
       vf wv[NV];
       src.get(k, wv);
-      for (int j = 0; j < NV; ++j) vstore(buf + k * W + j * VL, Src::kScale ? vmul(wv[j], src.s[j]) : wv[j]);
+      for (int j = 0; j < NV; ++j) vstore(buf + k * W + j * VL, Src::kScale == 2 ? vmul(wv[j], src.s[j]) : wv[j]);
     }
   }
 }
+
+#ifdef TOKENLOOM_QUANT_VNNI
+// int8 k-quads (kc a multiple of 4): one load gives four k of 16 columns, each k's byte shifted
+// to the top of its lane and back down by immediate shifts (a shift by a register count costs
+// two instructions; `Int8Source::get` pays it once per k).
+inline void dequant_block(Int8Source& src, int64_t kc, int64_t, float* buf) {
+  for (int64_t k = 0; k < kc; k += 4) {
+    src.prefetch(k, 4);
+    for (int j = 0; j < NV; ++j) {
+      const __m512i v = _mm512_loadu_si512(src.q + k * W + 64 * j);
+      float* b = buf + k * W + j * VL;
+      vstore(b, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24)));
+      vstore(b + W, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24)));
+      vstore(b + 2 * W, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 8), 24)));
+      vstore(b + 3 * W, _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24)));
+    }
+  }
+}
+#endif
 
 // The GEMM over panels; `make(p, k0)` is a weight source for panel p from k0 on.  y is
 // [M, P * 32] (padded to whole panels), x [M, K] with K a multiple of G (padded by the caller).
 template <typename Make>
 void gemm(const float* x, int64_t M, int64_t K, int64_t P, int64_t G, const float* bias, float* y, Make make) {
   const int64_t ldy = P * W;
+  // More rows than kFusedRows: x in tiles of MR rows, each [K][rows], so that a micro-tile's
+  // activations of one k are adjacent (one line for all its rows, not one line per row).
+  std::vector<float> tiles;
+  const float* xt = x;
+  if (M > kFusedRows) {
+    tiles.resize(M * K);
+    at::parallel_for(0, (M + MR - 1) / MR, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t m = t0 * MR; m < std::min(M, t1 * MR); m += MR) {
+        const int64_t r = std::min<int64_t>(MR, M - m);
+        for (int64_t k = 0; k < K; ++k)
+          for (int64_t i = 0; i < r; ++i) tiles[m * K + k * r + i] = x[(m + i) * K + k];
+      }
+    });
+    xt = tiles.data();
+  }
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) float buf[KC * W];
     for (int64_t p = p0; p < p1; ++p) {
@@ -277,15 +315,17 @@ void gemm(const float* x, int64_t M, int64_t K, int64_t P, int64_t G, const floa
         const int64_t kc = std::min(KC, K - k0);
         const float* b = (bias && k0 + kc == K) ? bias + p * W : nullptr;
         auto src = make(p, k0);
+        using Src = decltype(src);
         if (M <= kFusedRows) {
-          micro_rows(M, x + k0, K, src, kc, G, y + p * W, ldy, k0 > 0, b);
+          micro_rows(M, x + k0, K, 1, src, kc, G, y + p * W, ldy, k0 > 0, b);
           continue;
         }
         dequant_block(src, kc, G, buf);
-        BufSource bs{buf};
+        BufSource<Src::kScale == 1> bs{buf};
+        if constexpr (Src::kScale == 1) std::copy(src.s, src.s + NV, bs.s);
         for (int64_t m = 0; m < M; m += MR) {
           const int64_t r = std::min<int64_t>(MR, M - m);
-          micro_rows(r, x + m * K + k0, K, bs, kc, KC, y + m * ldy + p * W, ldy, k0 > 0, b);
+          micro_rows(r, xt + m * K + k0 * r, 1, r, bs, kc, KC, y + m * ldy + p * W, ldy, k0 > 0, b);
         }
       }
     }
