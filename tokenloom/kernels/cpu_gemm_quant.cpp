@@ -20,10 +20,7 @@
 //   applied to each group's sums.
 // * more rows (batched decode, prefill): each block of KC k is first dequantized into a
 //   16 KB float32 buffer (in L1), which every 12-row tile then reads like the fp32 kernel's
-//   panel, so the widening is paid once per weight, not once per tile.  At 32 rows this path
-//   is bound by its FMAs as bf16's is, so what it does besides them decides which is faster:
-//   the buffer is not multiplied by int8's column scales (the sums are), int8 quads give four k
-//   per load, and x is read in row tiles (`gemm`).
+//   panel, so the widening is paid once per weight, not once per tile.
 // On CPUs with AVX512-VNNI and VBMI, up to 8 rows take a third way instead: integer dot
 // products on a three-byte split of each activation (quant_vnni.h, `decode_vnni` below).
 // Either way each thread prefetches its weight stream a short way ahead of its reads
@@ -291,25 +288,20 @@ inline void dequant_block(Int8Source& src, int64_t kc, int64_t, float* buf) {
 }
 #endif
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // The GEMM over panels; `make(p, k0)` is a weight source for panel p from k0 on.  y is
 // [M, P * 32] (padded to whole panels), x [M, K] with K a multiple of G (padded by the caller).
 template <typename Make>
 void gemm(const float* x, int64_t M, int64_t K, int64_t P, int64_t G, const float* bias, float* y, Make make) {
   const int64_t ldy = P * W;
-  // More rows than kFusedRows: x in tiles of TR rows, each [K][rows], so that a micro-tile's
-  // activations of one k are adjacent (one line for all its rows, not one line per row).  The
-  // tiles are as even as MR allows (16 rows: 8 + 8, not 12 + 4), each then with enough
-  // accumulators to keep both FMA ports busy.
-  const int64_t TR = (M + ceil_div(M, MR) - 1) / ceil_div(M, MR);
+  // More rows than kFusedRows: x in tiles of MR rows, each [K][rows], so that a micro-tile's
+  // activations of one k are adjacent (one line for all its rows, not one line per row).
   std::vector<float> tiles;
   const float* xt = x;
   if (M > kFusedRows) {
     tiles.resize(M * K);
-    at::parallel_for(0, ceil_div(M, TR), 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t m = t0 * TR; m < std::min(M, t1 * TR); m += TR) {
-        const int64_t r = std::min<int64_t>(TR, M - m);
+    at::parallel_for(0, (M + MR - 1) / MR, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t m = t0 * MR; m < std::min(M, t1 * MR); m += MR) {
+        const int64_t r = std::min<int64_t>(MR, M - m);
         for (int64_t k = 0; k < K; ++k)
           for (int64_t i = 0; i < r; ++i) tiles[m * K + k * r + i] = x[(m + i) * K + k];
       }
@@ -331,8 +323,8 @@ void gemm(const float* x, int64_t M, int64_t K, int64_t P, int64_t G, const floa
         dequant_block(src, kc, G, buf);
         BufSource<Src::kScale == 1> bs{buf};
         if constexpr (Src::kScale == 1) std::copy(src.s, src.s + NV, bs.s);
-        for (int64_t m = 0; m < M; m += TR) {
-          const int64_t r = std::min<int64_t>(TR, M - m);
+        for (int64_t m = 0; m < M; m += MR) {
+          const int64_t r = std::min<int64_t>(MR, M - m);
           micro_rows(r, xt + m * K + k0 * r, 1, r, bs, kc, KC, y + m * ldy + p * W, ldy, k0 > 0, b);
         }
       }
