@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.kernels import cpu as cpu_kernels
 from tokenloom.runner.sampler import SamplingRow, _apply_penalties, _top_p, sample
 from tokenloom.sampling_params import SamplingParamError
 
@@ -48,7 +49,70 @@ def test_top_p_keeps_what_a_full_sort_keeps(rows, vocab, candidates, spread, see
     top_p = torch.rand(rows, 1, generator=g) * 0.98 + 0.01
     vals, order = logits.softmax(dim=1).sort(dim=1, descending=True)
     expect = torch.zeros_like(logits, dtype=torch.bool).scatter(1, order, (vals.cumsum(dim=1) - vals) < top_p)
-    assert torch.equal(_top_p(logits, top_p, candidates) > float("-inf"), expect)
+    assert torch.equal(_top_p(logits, top_p, candidates, kernel=False) > float("-inf"), expect)
+
+
+def _nucleus_float64(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The definition, summed in float64, equal probabilities in index order (a stable sort)."""
+    vals, order = logits.softmax(dim=1).double().sort(dim=1, descending=True, stable=True)
+    before = vals.cumsum(dim=1) - vals
+    return torch.zeros_like(logits, dtype=torch.bool).scatter(1, order, before < top_p.double())
+
+
+def _logits(g: torch.Generator, rows: int, vocab: int, kind: str) -> torch.Tensor:
+    if kind == "ties":  # few distinct values: lines fall inside runs of equal tokens
+        return torch.randint(-3, 3, (rows, vocab), generator=g).float()
+    if kind == "masked":  # a grammar or top-k before it: some tokens already -inf
+        x = torch.randn(rows, vocab, generator=g) * 3
+        return x.masked_fill(torch.rand(rows, vocab, generator=g) < 0.5, float("-inf"))
+    return torch.randn(rows, vocab, generator=g) * {"flat": 0.3, "normal": 1.0, "peaked": 8.0}[kind]
+
+
+KINDS = ["flat", "normal", "peaked", "ties", "masked"]
+
+
+@pytest.mark.skipif(not cpu_kernels.fused_enabled(), reason="our CPU kernels do not build here")
+@given(rows=st.integers(1, 5), vocab=st.integers(1, 3000), kind=st.sampled_from(KINDS),
+       seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=80, deadline=None)
+def test_top_p_kernel_keeps_what_the_definition_keeps(rows, vocab, kind, seed):
+    """Our sort-free nucleus (kernels/cpu_sampling.cpp) keeps exactly the tokens the
+    definition keeps, ties included (equal probabilities in index order)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = _logits(g, rows, vocab, kind)
+    top_p = torch.rand(rows, 1, generator=g) * 0.999 + 0.0005
+    expect = _nucleus_float64(logits, top_p)
+    assert torch.equal(_top_p(logits.clone(), top_p) > float("-inf"), expect)
+
+
+@pytest.mark.skipif(not cpu_kernels.fused_enabled(), reason="our CPU kernels do not build here")
+@pytest.mark.parametrize("kind", ["flat", "normal", "peaked"])
+def test_top_p_kernel_on_a_full_vocabulary(kind):
+    """Qwen2.5's 151,936 tokens, where the line lies deep in a bucket of thousands (flat
+    rows' nucleus is most of the vocabulary), at the p's people use."""
+    g = torch.Generator().manual_seed(3)
+    logits = _logits(g, 4, 151936, kind)
+    top_p = torch.tensor([[0.5], [0.9], [0.95], [0.99]])
+    kept = _top_p(logits.clone(), top_p) > float("-inf")
+    assert torch.equal(kept, _nucleus_float64(logits, top_p))
+    assert kept.sum() < logits.numel()
+
+
+@pytest.mark.skipif(not cpu_kernels.fused_enabled(), reason="our CPU kernels do not build here")
+@given(rows=st.integers(1, 5), vocab=st.integers(1, 3000), kind=st.sampled_from(KINDS),
+       seed=st.integers(0, 2**31 - 1), data=st.data())
+@settings(max_examples=80, deadline=None)
+def test_top_k_kernel_keeps_the_k_largest_and_their_ties(rows, vocab, kind, seed, data):
+    """Our sort-free top-k keeps every logit >= the row's k-th largest, as the torch path does."""
+    g = torch.Generator().manual_seed(seed)
+    logits = _logits(g, rows, vocab, kind)
+    ks = data.draw(st.lists(st.integers(0, vocab + 2), min_size=rows, max_size=rows))
+    got = cpu_kernels.top_k_mask(logits.clone(), torch.tensor(ks))
+    for r, k in enumerate(ks):
+        expect = logits[r]
+        if 0 < k < vocab:  # below the k-th largest: -inf; equal to it: kept
+            expect = expect.masked_fill(expect < expect.topk(k).values[-1], float("-inf"))
+        assert torch.equal(got[r], expect)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])

@@ -198,7 +198,7 @@ def load() -> bool:
     """Compile and load the AVX2 kernels once per process; False if they cannot run here."""
     if not {"avx2", "fma"} <= _cpu_flags():
         return False
-    if not _build("tokenloom_cpu_kernels", ["cpu_gemm.cpp", "cpu_attention.cpp", "cpu_fused.cpp"], ["-mavx2", "-mfma"]):
+    if not _build("tokenloom_cpu_kernels", ["cpu_gemm.cpp", "cpu_attention.cpp", "cpu_fused.cpp", "cpu_sampling.cpp"], ["-mavx2", "-mfma"]):
         return False
     _register_fake_linear("tokenloom_cpu::linear")
     _register_fake_attention("tokenloom_cpu::paged_decode_attention")
@@ -418,6 +418,30 @@ def mask_logits_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     bits = bitmask.to(device=logits.device, dtype=torch.int32)
     allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(bits.shape[0], -1)[:, :logits.shape[1]]
     return logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+def _sampling_kernel_applies(logits: torch.Tensor) -> bool:
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.is_contiguous() and logits.shape[1] > 0 and fused_enabled())
+
+
+def top_k_mask(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """`logits` [rows, vocab] with each row's values below its k-th largest set to -inf, in
+    place (k [rows]: 0 or >= vocab leaves a row as it is); ties at the line stay.  Our kernel
+    (`cpu_sampling.cpp`, no sort) for contiguous float32 on CPU; None elsewhere."""
+    if not _sampling_kernel_applies(logits):
+        return None
+    return torch.ops.tokenloom_cpu.top_k_mask_(logits, k)
+
+
+def top_p_mask(logits: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """`logits` [rows, vocab] with each row's tokens outside its nucleus (`top_p` [rows]; `probs`
+    the rows' softmax) set to -inf, in place: a token stays when the probability before it, in
+    descending order (equal ones by index), is < top_p.  Our kernel (`cpu_sampling.cpp`, no
+    sort) for contiguous float32 on CPU; None elsewhere."""
+    if not _sampling_kernel_applies(logits):
+        return None
+    return torch.ops.tokenloom_cpu.top_p_mask_(logits, probs.float(), top_p)
 
 
 def stream_read(x: torch.Tensor) -> torch.Tensor | None:

@@ -85,17 +85,23 @@ def _apply_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=dev, dtype=logits.dtype)
 
 
-# Top-p looks for each row's nucleus among its most likely tokens first: a partial sort of
-# 1,024 of Qwen2.5's 151,936 tokens takes ~0.2 ms a row on a CPU, a full sort ~5 ms.
+# Without our CPU kernel, top-p looks for each row's nucleus among its most likely tokens
+# first (a partial sort of 1,024 tokens), and sorts the whole vocabulary only where the nucleus
+# lies past them (flat distributions).
 TOP_P_CANDIDATES = 1024
 
 
-def _top_p(logits: torch.Tensor, top_p: torch.Tensor, candidates: int = TOP_P_CANDIDATES) -> torch.Tensor:
+def _top_p(logits: torch.Tensor, top_p: torch.Tensor, candidates: int = TOP_P_CANDIDATES,
+           kernel: bool = True) -> torch.Tensor:
     """Keep each row's smallest set of most likely tokens whose mass reaches its top_p
     [N, 1]: a token is dropped when the mass strictly before it, in descending order,
-    already reaches top_p (so the top token always stays).  Rows whose nucleus is not
-    within their top `candidates` (flat distributions) sort their whole vocabulary."""
+    already reaches top_p (so the top token always stays).  On CPUs our kernel finds each
+    row's line without sorting, in place (kernels/cpu_sampling.cpp: masses in float64, tokens
+    of equal probability in index order); elsewhere (or `kernel=False`) rows whose nucleus is
+    not within their top `candidates` sort their whole vocabulary."""
     probs = logits.softmax(dim=1)
+    if kernel and cpu_kernels.top_p_mask(logits, probs, top_p.squeeze(1)) is not None:
+        return logits
     vals, order = probs.topk(min(candidates, probs.shape[1]), dim=1)  # descending
     cum = vals.cumsum(dim=1)
     keep = torch.zeros_like(probs, dtype=torch.bool)
@@ -114,7 +120,7 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     temps = torch.tensor([r.params.temperature for r in rows], device=dev, dtype=logits.dtype)
     logits = logits / temps.unsqueeze(1)
     ks = [r.params.top_k for r in rows]
-    if any(ks):
+    if any(ks) and cpu_kernels.top_k_mask(logits, torch.tensor(ks)) is None:
         vocab = logits.shape[1]
         kmax = min(max(ks), vocab)
         top_vals = logits.topk(kmax, dim=1).values

@@ -1,0 +1,61 @@
+"""What sampling costs per step: the sampler on [rows, vocab] logits, our CPU filters vs PyTorch's.
+
+    python scripts/bench_sampler.py [--vocab 151936] [--rows 1,32] [--rounds 7]
+
+For each row count, logit shape (flat: N(0, 1) logits, whose nucleus is most of the vocabulary;
+peaked: N(0, 36)) and setting (temperature 1 with top_p 0.95, top_k 50, or neither), times
+`runner.sampler.sample` with our sort-free top-k / top-p kernels (kernels/cpu_sampling.cpp)
+and with them switched off (the PyTorch filters: topk, and for top-p a partial sort of 1,024
+candidates with a full sort of rows whose nucleus lies past them), alternating in one process.
+Prints medians in ms per step (docs/performance.md, "Sampling").
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from unittest import mock
+
+import torch
+
+from tokenloom import SamplingParams
+from tokenloom.kernels import cpu as cpu_kernels
+from tokenloom.runner.sampler import SamplingRow, sample
+
+SETTINGS = {"top_p 0.95": {"top_p": 0.95}, "top_k 50": {"top_k": 50}, "neither": {}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--rows", default="1,32")
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    print(f"torch threads: {torch.get_num_threads()}; our kernels: {cpu_kernels.fused_enabled()}")
+    g = torch.Generator().manual_seed(0)
+    for n in (int(r) for r in args.rows.split(",")):
+        for shape, spread in (("flat", 1.0), ("peaked", 6.0)):
+            logits = torch.randn(n, args.vocab, generator=g) * spread
+            for name, kw in SETTINGS.items():
+                rows = [SamplingRow(f"r{i}", SamplingParams(temperature=1.0, seed=i, **kw), [], [], frozenset(),
+                                    torch.Generator().manual_seed(i)) for i in range(n)]
+                times: dict[str, list[float]] = {"ours": [], "pytorch": []}
+                for _ in range(args.rounds):
+                    for way in times:
+                        off = way == "pytorch"
+                        with contextlib.ExitStack() as stack:
+                            if off:  # the PyTorch filters, as on a machine without our kernels
+                                for name_ in ("top_p_mask", "top_k_mask"):
+                                    stack.enter_context(mock.patch.object(cpu_kernels, name_, return_value=None))
+                            t0 = time.perf_counter()
+                            sample(logits, rows)
+                            times[way].append(time.perf_counter() - t0)
+                ours, theirs = (statistics.median(times[w]) * 1e3 for w in ("ours", "pytorch"))
+                print(f"{n:3d} rows {shape:6s} {name:10s}  ours {ours:8.2f} ms   pytorch's {theirs:8.2f} ms   "
+                      f"{theirs / ours:5.1f}x")
+
+
+if __name__ == "__main__":
+    main()
