@@ -26,6 +26,8 @@ stock kernels stream them poorly at decode's shapes:
   32-column panels (`pack_int8`, `pack_int4`), widened to float32 as they stream, or multiplied
   by VNNI integer dot products for decode rows (`quant_vnni.h`); built three ways, AVX-512 with
   VNNI + VBMI, AVX-512, AVX2 (`quant_ops`).
+* `cpu_sampling.cpp`: the sampler's top-k and top-p filters without sorting the vocabulary
+  (`top_k_mask`, `top_p_mask`): two rounds of bucketing each value's bits find the line.
 * `cpu_attention.cpp`: decode attention reading the paged KV cache in place, instead of
   gathering it into a dense copy for SDPA.  Used on any CPU where the kernels build; the
   AVX-512 extension compiles the same source again with its 512-bit loop (`attention_op`).
@@ -198,7 +200,8 @@ def load() -> bool:
     """Compile and load the AVX2 kernels once per process; False if they cannot run here."""
     if not {"avx2", "fma"} <= _cpu_flags():
         return False
-    if not _build("tokenloom_cpu_kernels", ["cpu_gemm.cpp", "cpu_attention.cpp", "cpu_fused.cpp", "cpu_sampling.cpp"], ["-mavx2", "-mfma"]):
+    sources = ["cpu_gemm.cpp", "cpu_attention.cpp", "cpu_fused.cpp", "cpu_sampling.cpp"]
+    if not _build("tokenloom_cpu_kernels", sources, ["-mavx2", "-mfma"]):
         return False
     _register_fake_linear("tokenloom_cpu::linear")
     _register_fake_attention("tokenloom_cpu::paged_decode_attention")
