@@ -99,6 +99,23 @@ def test_top_p_kernel_on_a_full_vocabulary(kind):
 
 
 @pytest.mark.skipif(not cpu_kernels.fused_enabled(), reason="our CPU kernels do not build here")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_filters_survive_rows_that_are_not_finite(bad):
+    """A model that blew up (NaN or +inf logits, so NaN probabilities) still gets a token per
+    row from every filter, and the other rows of the step keep theirs."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5000, generator=g)
+    logits[1, ::7] = bad
+    def rows(ids):
+        return [SamplingRow(f"r{i}", SamplingParams(temperature=1.0, top_p=0.9, top_k=40), [], [], frozenset(),
+                            torch.Generator().manual_seed(i)) for i in ids]
+
+    tokens = sample(logits, rows([0, 1, 2])).token_ids
+    assert len(tokens) == 3 and all(0 <= t < 5000 for t in tokens)
+    assert [tokens[0], tokens[2]] == sample(logits[[0, 2]], rows([0, 2])).token_ids
+
+
+@pytest.mark.skipif(not cpu_kernels.fused_enabled(), reason="our CPU kernels do not build here")
 @given(rows=st.integers(1, 5), vocab=st.integers(1, 3000), kind=st.sampled_from(KINDS),
        seed=st.integers(0, 2**31 - 1), data=st.data())
 @settings(max_examples=80, deadline=None)

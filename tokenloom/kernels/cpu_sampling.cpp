@@ -121,6 +121,7 @@ at::Tensor top_k_mask_(at::Tensor logits, const at::Tensor& k) {
       const double above = narrow(V, [&](int64_t i) { return logit_key(row[i]); }, [](int64_t) { return 1.0; },
                                   static_cast<double>(kr), t);
       auto& cand = t.cand;
+      if (cand.empty()) continue;  // only with NaN in the row: left as it is
       // the (k - above)-th largest of the prefix's tokens is the k-th largest of the row
       const auto nth = cand.begin() + (kr - static_cast<int64_t>(above) - 1);
       std::nth_element(cand.begin(), nth, cand.end(), std::greater<Token>());
@@ -158,6 +159,7 @@ at::Tensor top_p_mask_(at::Tensor logits, const at::Tensor& probs, const at::Ten
                           p, t, &short_of_p);
       if (short_of_p) continue;
       auto& cand = t.cand;
+      if (cand.empty()) continue;  // only with NaN in the row: left as it is
       std::sort(cand.begin(), cand.end(), [](const Token& x, const Token& y) {
         return x.first != y.first ? x.first > y.first : x.second < y.second;
       });
