@@ -6,7 +6,8 @@ For each row count, logit shape (flat: N(0, 1) logits, whose nucleus is most of 
 peaked: N(0, 36)) and setting (temperature 1 with top_p 0.95, top_k 50, or neither), times
 `runner.sampler.sample` with our sort-free top-k / top-p kernels (kernels/cpu_sampling.cpp)
 and with them switched off (the PyTorch filters: topk, and for top-p a partial sort of 1,024
-candidates with a full sort of rows whose nucleus lies past them), alternating in one process.
+candidates with a full sort of rows whose nucleus lies past them), alternating in one process,
+glibc's heap kept as the engine keeps it (kernels/glibc_heap.py).
 Prints medians in ms per step (docs/performance.md, "Sampling").
 """
 
@@ -22,6 +23,7 @@ import torch
 
 from tokenloom import SamplingParams
 from tokenloom.kernels import cpu as cpu_kernels
+from tokenloom.kernels import glibc_heap
 from tokenloom.runner.sampler import SamplingRow, sample
 
 SETTINGS = {"top_p 0.95": {"top_p": 0.95}, "top_k 50": {"top_k": 50}, "neither": {}}
@@ -33,6 +35,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,32")
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
+    glibc_heap.keep_step_buffers()  # as the engine's model runner does: no page faults per step
     print(f"torch threads: {torch.get_num_threads()}; our kernels: {cpu_kernels.fused_enabled()}")
     g = torch.Generator().manual_seed(0)
     for n in (int(r) for r in args.rows.split(",")):

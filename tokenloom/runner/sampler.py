@@ -173,8 +173,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | Non
     if any(r.grammar is not None for r in rows):
         logits = apply_grammar_masks(logits.clone(), [r.grammar for r in rows], masks)
 
-    tokens = cpu_kernels.argmax_rows(logits)  # greedy rows keep this
     sampled_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if len(sampled_rows) < len(rows):
+        tokens = cpu_kernels.argmax_rows(logits)  # greedy rows keep this
+    else:  # every row samples: no pass over the logits for an argmax nobody keeps
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     if sampled_rows:
         idx = torch.tensor(sampled_rows, device=logits.device)
         sub_rows = [rows[i] for i in sampled_rows]
