@@ -46,7 +46,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 namespace {
 
@@ -295,10 +295,10 @@ void gemm(const float* x, int64_t M, int64_t K, int64_t P, int64_t G, const floa
   const int64_t ldy = P * W;
   // More rows than kFusedRows: x in tiles of MR rows, each [K][rows], so that a micro-tile's
   // activations of one k are adjacent (one line for all its rows, not one line per row).
-  std::vector<float> tiles;
+  std::unique_ptr<float[]> tiles;  // uninitialized: every element is written below
   const float* xt = x;
   if (M > kFusedRows) {
-    tiles.resize(M * K);
+    tiles.reset(new float[M * K]);
     at::parallel_for(0, (M + MR - 1) / MR, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t m = t0 * MR; m < std::min(M, t1 * MR); m += MR) {
         const int64_t r = std::min<int64_t>(MR, M - m);
@@ -306,7 +306,7 @@ void gemm(const float* x, int64_t M, int64_t K, int64_t P, int64_t G, const floa
           for (int64_t i = 0; i < r; ++i) tiles[m * K + k * r + i] = x[(m + i) * K + k];
       }
     });
-    xt = tiles.data();
+    xt = tiles.get();
   }
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) float buf[KC * W];
