@@ -3,10 +3,12 @@
     python scripts/bench_sampler.py [--vocab 151936] [--rows 1,32] [--rounds 7]
 
 For each row count, logit shape (flat: N(0, 1) logits, whose nucleus is most of the vocabulary;
-peaked: N(0, 36)) and setting (temperature 1 with top_p 0.95, top_k 50, or neither), times
-`runner.sampler.sample` with our sort-free top-k / top-p kernels (kernels/cpu_sampling.cpp)
-and with them switched off (the PyTorch filters: topk, and for top-p a partial sort of 1,024
-candidates with a full sort of rows whose nucleus lies past them), alternating in one process,
+peaked: N(0, 36)) and setting (temperature 1 with top_p 0.95, top_k 50, neither, or the top-5
+logprobs of each sampled token), times `runner.sampler.sample` with our kernels
+(kernels/cpu_sampling.cpp: sort-free top-k / top-p, one-pass logprob ranks and tops) and with
+them switched off (PyTorch's ops: topk, and for top-p a partial sort of 1,024 candidates with a
+full sort of rows whose nucleus lies past them; log_softmax, a comparison and topk for
+logprobs), alternating in one process,
 glibc's heap kept as the engine keeps it (kernels/glibc_heap.py).
 Prints medians in ms per step (docs/performance.md, "Top-k and top-p without a sort").
 
@@ -32,7 +34,7 @@ from tokenloom.kernels import cpu as cpu_kernels
 from tokenloom.kernels import glibc_heap
 from tokenloom.runner.sampler import SamplingRow, sample
 
-SETTINGS = {"top_p 0.95": {"top_p": 0.95}, "top_k 50": {"top_k": 50}, "neither": {}}
+SETTINGS = {"top_p 0.95": {"top_p": 0.95}, "top_k 50": {"top_k": 50}, "neither": {}, "logprobs 5": {"logprobs": 5}}
 
 
 def main() -> None:
@@ -60,7 +62,7 @@ def main() -> None:
                         off = way == "pytorch"
                         with contextlib.ExitStack() as stack:
                             if off:
-                                _pytorch_filters(stack)
+                                _pytorch_ops(stack)
                             t0 = time.perf_counter()
                             sample(logits, rows)
                             times[way].append(time.perf_counter() - t0)
@@ -69,10 +71,10 @@ def main() -> None:
                       f"{theirs / ours:5.1f}x")
 
 
-def _pytorch_filters(stack: contextlib.ExitStack) -> None:
-    """Our filter kernels off for the rest of `stack`: the sampler takes PyTorch's, as on a
-    machine without them."""
-    for name in ("top_p_mask", "top_k_mask"):
+def _pytorch_ops(stack: contextlib.ExitStack) -> None:
+    """Our sampling kernels off for the rest of `stack`: the sampler takes PyTorch's ops, as on
+    a machine without them."""
+    for name in ("top_p_mask", "top_k_mask", "logprob_rows"):
         stack.enter_context(mock.patch.object(cpu_kernels, name, return_value=None))
 
 
@@ -93,7 +95,7 @@ def bench_engine(args) -> None:
             for way in times:
                 with contextlib.ExitStack() as stack:
                     if way == "pytorch":
-                        _pytorch_filters(stack)
+                        _pytorch_ops(stack)
                     for _ in range(4):
                         t0 = time.perf_counter()
                         eng.step()

@@ -234,3 +234,46 @@ def test_a_row_that_breaks_the_sampler_is_named():
     with pytest.raises(RequestError) as err:
         _sample_or_blame(logits.clone(), [good, bad])
     assert err.value.request_id == "bad"
+
+
+@pytest.mark.skipif(not cpu_kernels.fused_enabled(), reason="our CPU kernels do not build here")
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 3000), kind=st.sampled_from(KINDS),
+       seed=st.integers(0, 2**31 - 1), data=st.data())
+@settings(max_examples=80, deadline=None)
+def test_logprob_rows_kernel_ranks_and_tops_as_the_definition(rows, vocab, kind, seed, data):
+    """Our one-pass kernel (rank of a target and the top n of each row) against a stable
+    descending sort: the same top tokens in the same order (equal logits by index), the same
+    ranks; and logprobs = logits - logsumexp, as PyTorch's log_softmax gives them."""
+    from tokenloom.runner.logprobs import logprob_rows
+
+    g = torch.Generator().manual_seed(seed)
+    logits = _logits(g, rows, vocab, kind)
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    n = data.draw(st.integers(0, min(vocab, 20)))
+    ranks, ids, vals = cpu_kernels.logprob_rows(logits, targets, n)
+    order_vals, order_ids = logits.sort(dim=1, descending=True, stable=True)
+    assert torch.equal(ids, order_ids[:, :n]) and torch.equal(vals, order_vals[:, :n])
+    target_logits = logits.gather(1, targets.unsqueeze(1))
+    assert torch.equal(ranks, (logits > target_logits).sum(dim=1) + 1)
+    found = logprob_rows(logits, targets, n)
+    lps = logits.log_softmax(dim=-1)
+    finite = target_logits.squeeze(1) > float("-inf")
+    torch.testing.assert_close(found.token[finite], lps.gather(1, targets.unsqueeze(1)).squeeze(1)[finite],
+                               atol=1e-5, rtol=0)
+    top_ok = vals > float("-inf")
+    torch.testing.assert_close(found.top[top_ok], lps.gather(1, ids)[top_ok], atol=1e-5, rtol=0)
+
+
+def test_logprob_rows_without_our_kernel_agree(monkeypatch):
+    """The PyTorch path (GPUs, CPUs without our kernels) reports what the kernel does."""
+    from tokenloom.runner.logprobs import logprob_rows
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 5000, generator=g) * 4
+    targets = torch.randint(0, 5000, (6,), generator=g)
+    ours = logprob_rows(logits, targets, 7)
+    monkeypatch.setattr(cpu_kernels, "logprob_rows", lambda *a: None)
+    theirs = logprob_rows(logits, targets, 7)
+    assert torch.equal(ours.rank, theirs.rank) and torch.equal(ours.top_ids, theirs.top_ids)
+    torch.testing.assert_close(ours.token, theirs.token, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours.top, theirs.top, atol=1e-5, rtol=0)

@@ -27,7 +27,8 @@ stock kernels stream them poorly at decode's shapes:
   by VNNI integer dot products for decode rows (`quant_vnni.h`); built three ways, AVX-512 with
   VNNI + VBMI, AVX-512, AVX2 (`quant_ops`).
 * `cpu_sampling.cpp`: the sampler's top-k and top-p filters without sorting the vocabulary
-  (`top_k_mask`, `top_p_mask`): two rounds of bucketing each value's bits find the line.
+  (`top_k_mask`, `top_p_mask`): two rounds of bucketing each value's bits find the line; and
+  logprobs' top n and rank in one pass over a row (`logprob_rows`).
 * `cpu_attention.cpp`: decode attention reading the paged KV cache in place, instead of
   gathering it into a dense copy for SDPA.  Used on any CPU where the kernels build; the
   AVX-512 extension compiles the same source again with its 512-bit loop (`attention_op`).
@@ -445,6 +446,16 @@ def top_p_mask(logits: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) -
     if not _sampling_kernel_applies(logits):
         return None
     return torch.ops.tokenloom_cpu.top_p_mask_(logits, probs.float(), top_p)
+
+
+def logprob_rows(logits: torch.Tensor, targets: torch.Tensor, n: int):
+    """For each row of float32 `logits` [rows, vocab]: the rank of logit `targets[r]` (1 + how
+    many are larger) and the row's `n` largest logits, largest first (equal ones by index),
+    with their indices: (ranks, ids [rows, n], values [rows, n]), in one pass per row (our
+    kernel, `cpu_sampling.cpp`).  None where it does not apply (not CPU float32)."""
+    if not _sampling_kernel_applies(logits):
+        return None
+    return torch.ops.tokenloom_cpu.logprob_rows(logits, targets, n)
 
 
 def stream_read(x: torch.Tensor) -> torch.Tensor | None:

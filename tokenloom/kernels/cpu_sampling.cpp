@@ -18,6 +18,9 @@
 //   is < p (so the most likely token always stays).  Tokens of equal probability come in
 //   index order.  Masses are summed in float64, exact up to its rounding.
 // Dropped logits become -inf, in place.
+//
+// Also here, for logprobs (`logprob_rows`): each row's n largest logits and the rank of a
+// target token's, in one pass over the row instead of a log-softmax, a comparison and a topk.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,6 +31,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -193,14 +197,66 @@ at::Tensor top_p_mask_(at::Tensor logits, const at::Tensor& probs, const at::Ten
   return logits;
 }
 
+// For each row r: the rank of logit targets[r] (1 + how many are larger) and the row's
+// `n` largest logits, largest first (equal ones by index), with their indices.  One pass: a
+// token enters the running top n only when it beats the n-th so far.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> logprob_rows(const at::Tensor& logits, const at::Tensor& targets,
+                                                           int64_t n) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "logprob_rows: float32 [rows, vocab] logits");
+  const auto lc = logits.contiguous();
+  const int64_t N = lc.size(0), V = lc.size(1);
+  const auto tc = targets.to(at::kLong).contiguous();
+  TORCH_CHECK(tc.numel() == N, "logprob_rows: one target per row");
+  TORCH_CHECK(n >= 0 && n <= V, "logprob_rows: n must be in [0, vocab]");
+  const int64_t* tp = tc.data_ptr<int64_t>();
+  for (int64_t r = 0; r < N; ++r) TORCH_CHECK(tp[r] >= 0 && tp[r] < V, "logprob_rows: target out of the vocabulary");
+  auto ranks = at::empty({N}, tc.options());
+  auto ids = at::empty({N, n}, tc.options());
+  auto vals = at::empty({N, n}, lc.options());
+  const float* base = lc.data_ptr<float>();
+  int64_t* rp = ranks.data_ptr<int64_t>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* vp = vals.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = base + r * V;
+      const float target = row[tp[r]];
+      float* top_v = vp + r * n;  // the running top n, sorted: [0, have)
+      int64_t* top_i = ip + r * n;
+      int64_t have = 0, larger = 0;
+      for (int64_t i = 0; i < V; ++i) {
+        const float v = row[i];
+        larger += v > target;
+        if (n == 0 || (have == n && !(v > top_v[n - 1]))) continue;  // not above the n-th so far (NaN never is)
+        if (have < n && v != v) continue;                 // NaN does not enter
+        int64_t j = have < n ? have++ : n - 1;            // shift the smaller ones down
+        for (; j > 0 && top_v[j - 1] < v; --j) {
+          top_v[j] = top_v[j - 1];
+          top_i[j] = top_i[j - 1];
+        }
+        top_v[j] = v;
+        top_i[j] = i;
+      }
+      for (int64_t j = have; j < n; ++j) {  // a row of NaN: what it has, then the first indices
+        top_v[j] = std::numeric_limits<float>::quiet_NaN();
+        top_i[j] = j;
+      }
+      rp[r] = larger + 1;
+    }
+  });
+  return {ranks, ids, vals};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
   m.def("top_k_mask_(Tensor(a!) logits, Tensor k) -> Tensor(a!)");
   m.def("top_p_mask_(Tensor(a!) logits, Tensor probs, Tensor top_p) -> Tensor(a!)");
+  m.def("logprob_rows(Tensor logits, Tensor targets, int n) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_cpu, CPU, m) {
   m.impl("top_k_mask_", &top_k_mask_);
   m.impl("top_p_mask_", &top_p_mask_);
+  m.impl("logprob_rows", &logprob_rows);
 }

@@ -29,6 +29,7 @@ from tokenloom.model.ops import choose_ops
 from tokenloom.model.parallel import TPGroup
 from tokenloom.model.loader import LoadedModel
 from tokenloom.kernels import glibc_heap
+from tokenloom.runner.logprobs import logprob_rows
 from tokenloom.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from tokenloom.runner.tp_comm import recv_step, send_step
 from tokenloom.runner.sampler import SamplingRow, sample
@@ -393,15 +394,10 @@ class ModelRunner:
             req, c, last = sp.request, sp.start, sp.last
             n_top = req.sampling_params.prompt_logprobs
             logits = self.model.compute_logits(hidden[sp.rows])
-            lps = logits.log_softmax(dim=-1)
-            targets = torch.tensor(req.prompt_token_ids[c + 1 : last + 1], device=lps.device)
-            tok_lp = lps.gather(1, targets.unsqueeze(1)).squeeze(1)
-            ranks = (lps > tok_lp.unsqueeze(1)).sum(dim=1) + 1
-            tops = lps.topk(n_top, dim=1) if n_top else None
+            found = logprob_rows(logits, torch.tensor(req.prompt_token_ids[c + 1 : last + 1]), n_top)
             frag = result.prompt_logprobs.setdefault(req.request_id, [])
             for j in range(last - c):
-                top = list(zip(tops.indices[j].tolist(), tops.values[j].tolist())) if tops is not None else []
-                frag.append((c + 1 + j, tok_lp[j].item(), int(ranks[j]), top))
+                frag.append((c + 1 + j, *found.row(j)))
 
     # ---- the other ranks of a tensor-parallel group -------------------
     def serve_steps(self) -> None:

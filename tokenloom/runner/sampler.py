@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenloom.kernels import cpu as cpu_kernels
+from tokenloom.runner.logprobs import logprob_rows
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.structured import GrammarState, StepMasks, apply_grammar_masks
 
@@ -158,8 +159,7 @@ def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 def sample(logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | None = None) -> SamplerOutput:
     """logits: [N, vocab] float32, one row per entry of `rows`.  `masks`: the grammar rows'
     bitmask, started before the forward (`StepMasks.start`); filled here when None."""
-    want_lp = [r.params.logprobs for r in rows]
-    raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in want_lp) else None
+    raw = logits  # logprobs are the raw logits' (every change below works on a copy)
 
     if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty for r in rows):
         logits = logits.clone()
@@ -185,19 +185,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | Non
         probs = _filter(logits if every else logits[idx], sub_rows).softmax(dim=-1)
         tokens[idx] = _draw(probs, sub_rows)
 
-    token_list = tokens.tolist()
     lp_out: list = [None] * len(rows)
-    if raw_logprobs is not None:
-        for i, n in enumerate(want_lp):
-            if n is None:
-                continue
-            tok = token_list[i]
-            row = raw_logprobs[i]
-            lp = row[tok].item()
-            rank = int((row > lp).sum().item()) + 1
-            top: list[tuple[int, float]] = []
-            if n:
-                vals, ids = row.topk(n)
-                top = list(zip(ids.tolist(), vals.tolist()))
-            lp_out[i] = (lp, rank, top)
-    return SamplerOutput(token_ids=token_list, logprobs=lp_out)
+    asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if asked:
+        idx = torch.tensor(asked, device=raw.device)
+        found = logprob_rows(raw if len(asked) == len(rows) else raw[idx], tokens[idx],
+                             max(rows[i].params.logprobs for i in asked))
+        for j, i in enumerate(asked):
+            lp, rank, top = found.row(j)
+            lp_out[i] = (lp, rank, top[: rows[i].params.logprobs])
+    return SamplerOutput(token_ids=tokens.tolist(), logprobs=lp_out)
