@@ -51,6 +51,9 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     chunked: bool = False  # its prompt was split over several steps this admission
+    # out of the schedule until resumed (its client stopped reading); status says whether it
+    # still holds its KV blocks (RUNNING) or will recompute (WAITING / PREEMPTED)
+    paused: bool = False
     # prefix-cache keys (chained SHA-256 digests) of its full blocks, extended as blocks fill
     block_hashes: list[bytes] = field(default_factory=list)
     # speculative decoding: draft tokens proposed for the next step (not part of the request's

@@ -39,6 +39,15 @@ the accepted drafts and the sampled token one by one, applying stop rules to eac
 rolls the rest back: `num_computed_tokens` counts only accepted positions (the rejected
 slots are overwritten later), and blocks past the request's tokens go back to the pool.
 
+Pausing: a request whose client stops reading its stream can be taken out of the schedule
+without being ended (`pause_request`).  It leaves `running` -- so its seat goes to someone
+else -- but keeps its KV blocks, and `resume_request` puts it back: one that still holds
+its blocks rejoins `running` at the start of the next step with a free seat (before any
+waiting request is admitted), one without goes to the front of the waiting queue.  While
+paused it is the first to give its blocks up under memory pressure (before any running
+request is preempted, and before a waiting request is refused for want of blocks); it
+then recomputes on resume, exactly like a preempted request.
+
 Driving it (the engine and the simulator do exactly this, nothing else):
 
     sched = Scheduler(SchedulerConfig(...), KVCacheManager(num_blocks, block_size))
@@ -106,6 +115,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # paused (out of the schedule, KV kept unless evicted), oldest pause first
+        self.paused: dict[str, Request] = {}
+        # resumed with their KV still held: rejoin `running` as seats free up
+        self.resumed: deque[Request] = deque()
         self.step_counter = 0
         self.num_preemptions = 0
         if kv.num_blocks * kv.block_size < config.max_model_len:
@@ -129,7 +142,16 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.paused or self.resumed)
+
+    def has_schedulable(self) -> bool:
+        """Whether `schedule()` can have work: something runs, waits or was resumed
+        (paused requests alone give a step nothing to do)."""
+        return bool(self.waiting or self.running or self.resumed)
+
+    @property
+    def num_paused(self) -> int:
+        return len(self.paused)
 
     @property
     def num_running(self) -> int:
@@ -146,16 +168,80 @@ class Scheduler:
             return None
         if req in self.running:
             self.running.remove(req)
-        else:
-            try:
-                self.waiting.remove(req)
-            except ValueError:
-                pass
+        elif self.paused.pop(request_id, None) is None:
+            for queue in (self.waiting, self.resumed):
+                try:
+                    queue.remove(req)
+                    break
+                except ValueError:
+                    pass
+        req.paused = False
         req.status = status
         if stop_reason is not None:
             req.stop_reason = stop_reason
         self.kv.free(req)
         return req
+
+    # ---- pausing -----------------------------------------------------
+    def pause_request(self, request_id: str) -> bool:
+        """Take an unfinished request out of the schedule, keeping its KV blocks and its
+        place in the books; False if it is unknown, finished or paused already."""
+        req = self.requests.get(request_id)
+        if req is None or req.paused:
+            return False
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            for queue in (self.waiting, self.resumed):
+                try:
+                    queue.remove(req)
+                    break
+                except ValueError:
+                    pass
+        req.paused = True
+        req.spec_token_ids = []  # drafts are proposed afresh when it runs again
+        self.paused[request_id] = req
+        return True
+
+    def resume_request(self, request_id: str) -> bool:
+        """Give a paused request back to the schedule; False if it is not paused."""
+        req = self.paused.pop(request_id, None)
+        if req is None:
+            return False
+        req.paused = False
+        if req.status == RequestStatus.RUNNING:  # still holds its blocks: needs only a seat
+            self.resumed.append(req)
+        else:  # never admitted, or evicted while paused: (re)computes from the queue's front
+            self.waiting.appendleft(req)
+        return True
+
+    def _evict_paused(self) -> Request | None:
+        """Free the blocks of the longest-paused request that holds any (it recomputes when
+        resumed); None if no paused request holds blocks."""
+        for req in self.paused.values():
+            if req.status == RequestStatus.RUNNING:
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                req.chunked = False
+                req.status = RequestStatus.PREEMPTED
+                req.num_preemptions += 1
+                self.num_preemptions += 1
+                return req
+        return None
+
+    def _allocate(self, req: Request, num_new: int, evicted: list[Request], hit=None) -> bool:
+        """`kv.allocate`, evicting paused requests' blocks while that is what stands in the way."""
+        while not self.kv.allocate(req, num_new, hit):
+            victim = self._evict_paused()
+            if victim is None:
+                return False
+            evicted.append(victim)
+        return True
+
+    def _seat_resumed(self) -> None:
+        """Resumed requests that kept their blocks rejoin the batch while seats remain."""
+        while self.resumed and len(self.running) < self.num_seats:
+            self.running.append(self.resumed.popleft())
 
     # ---- one step ---------------------------------------------------
     def _preempt_victim(self, scheduled: set[int]) -> Request:
@@ -203,10 +289,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
+        self._seat_resumed()
         self._order()
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        evicted: list[Request] = []  # paused requests whose blocks were taken back in this step
         served: set[int] = set()  # id() of the requests scheduled so far in this step
 
         # 1) running requests first: every decode (1 token), then unfinished prefill chunks
@@ -232,7 +320,7 @@ class Scheduler:
                 if drafts and not self.kv.can_allocate(req, 1 + len(drafts)):
                     drafts = []  # memory is short: no request is preempted for a guess
                 num_new += len(drafts)
-            while not self.kv.allocate(req, num_new):
+            while not self._allocate(req, num_new, evicted):
                 victim = self._preempt_victim(served)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -256,7 +344,7 @@ class Scheduler:
                     break  # a whole prompt must fit in one step; keep FCFS order
                 num_new = min(remaining, budget)
                 req.num_computed_tokens = cached_tokens
-                if not self.kv.allocate(req, num_new, hit):
+                if not self._allocate(req, num_new, evicted, hit):
                     req.num_computed_tokens = 0
                     break
                 self.waiting.popleft()
@@ -272,7 +360,7 @@ class Scheduler:
         return SchedulerOutput(
             step=self.step_counter,
             scheduled=scheduled,
-            preempted=preempted,
+            preempted=preempted + evicted,
             num_batched_tokens=cfg.max_num_batched_tokens - budget,
         )
 
