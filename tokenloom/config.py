@@ -216,6 +216,36 @@ def default_kv_cache_bytes(device: str, free_bytes: int | None = None) -> int:
 
 
 @dataclass(frozen=True)
+class BackendPlan:
+    """Which code runs on this machine, decided once (`model/backends.py resolve_backends`)
+    right after the settings, before anything loads; printed in the start-up summary and
+    handed whole to whoever builds a model or a runner (tensor-parallel workers included),
+    so nothing downstream re-decides a choice or branches on it per step.  Pure data:
+    picklable, no torch."""
+
+    device: str  # cpu | cuda (the device type; rank r of a GPU group takes cuda:r)
+    dtype: str  # float32 | bfloat16 | float16
+    linear: str  # panels | onednn | torch: how every matmul runs (model/loader.py packs for it)
+    quantization: str | None  # weight-only scheme (model/quantization.py), or None
+    attention: str  # cpu | triton | sdpa (model/attention.py)
+    ops: str  # torch | cpu | triton: norms, rotary, SwiGLU (model/ops.py)
+    fused_kv_write: bool  # rotary + KV cache write in one op (off under torch.compile)
+    flat_decode: bool  # layers call their linears as plain functions (model/llama.py `bind`)
+    compile: bool  # torch.compile the forward
+    cuda_graphs: bool  # decode-only steps replay CUDA graphs (runner/cuda_graphs.py)
+    cuda_graphs_off: str | None = None  # why not, when not
+
+    def describe(self) -> str:
+        """The plan in words, for the start-up summary."""
+        quant = f" ({self.quantization})" if self.quantization else ""
+        graphs = "CUDA graphs" if self.cuda_graphs else f"no CUDA graphs ({self.cuda_graphs_off})"
+        return (f"linear backend {self.linear}{quant}, attention backend {self.attention}, ops backend {self.ops}"
+                f"{', fused rotary + KV write' if self.fused_kv_write else ''}"
+                f"{', flat decode calls' if self.flat_decode else ''}{', torch.compile' if self.compile else ''}, "
+                f"{graphs}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The engine's settings with every default decided and every limit checked.
 
@@ -236,12 +266,16 @@ class EngineConfig:
     kv_blocks_from: str  # how num_kv_blocks was chosen: --num-kv-blocks, --kv-cache-memory or default
     scheduler: SchedulerConfig
     enable_prefix_caching: bool
-    attention_backend: str
+    attention_backend: str  # as asked ("auto" or a name), as is ops_backend; `backends`: what they resolved to
     ops_backend: str
     compile: bool
     enforce_eager: bool
     num_threads: int | None
     chat_template: str | None
+    # What the backend requests resolved to on this machine (model/backends.py), set by the
+    # engine; None where nothing runs a model (sim, bench).  Not compared: two configs of the
+    # same settings are equal whether or not a machine resolved them.
+    backends: BackendPlan | None = dataclasses.field(default=None, compare=False)
 
     @property
     def max_num_seqs(self) -> int:
@@ -260,8 +294,11 @@ class EngineConfig:
 
     @classmethod
     def resolve(cls, args: EngineArgs, shape: ModelShape, *, model: str, model_name: str, device: str,
-                dtype: str, free_memory_bytes: Callable[[], int | None] = lambda: None) -> "EngineConfig":
+                dtype: str, free_memory_bytes: Callable[[], int | None] = lambda: None,
+                backends: BackendPlan | None = None) -> "EngineConfig":
         """Decide every default of `args` for a model of `shape` on `device` in `dtype`.
+
+        `backends`: the plan the engine resolved for these settings (`model/backends.py`).
 
         `free_memory_bytes` is called only when the KV cache size is left to the default
         (see `default_kv_cache_bytes`); the engine passes the device's free memory after
@@ -303,6 +340,7 @@ class EngineConfig:
             kv_blocks_from=source, scheduler=scheduler, enable_prefix_caching=args.enable_prefix_caching,
             attention_backend=args.attention_backend, ops_backend=args.ops_backend, compile=args.compile,
             enforce_eager=args.enforce_eager, num_threads=args.num_threads, chat_template=args.chat_template,
+            backends=backends,
         )
 
 

@@ -42,7 +42,8 @@ from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.engine.faults import FaultInjector
 from tokenloom.engine.output_processor import Group, OutputProcessor, Sample, failure_message
 from tokenloom.model.hf_config import model_args_fields
-from tokenloom.model.loader import (load_config, load_eos_token_ids, load_model, resolve_device,
+from tokenloom.model.backends import plan_for_args
+from tokenloom.model.loader import (load_config, load_eos_token_ids, load_model, resolve_device, resolve_dtype,
                                     resolve_model_path)
 from tokenloom.model.registry import resolve_architecture
 from tokenloom.outputs import RequestMetrics, RequestOutput
@@ -89,6 +90,9 @@ class LLMEngine:
         self.hf_config = cfg
         shape = ModelShape.from_fields(model_args_fields(cfg, resolve_architecture(cfg)))
         max_positions = resolve_max_model_len(args.max_model_len, shape.max_position_embeddings)
+        # which code runs here, decided once before anything loads (model/backends.py)
+        self.backends = plan_for_args(args, self.device, resolve_dtype(args.dtype, cfg, self.device),
+                                      model_args_fields(cfg, resolve_architecture(cfg)))
         self.tp_launcher = None
         if args.tensor_parallel_size > 1:  # ranks 1..N-1 load their shards meanwhile (runner/tp_worker.py)
             f = model_args_fields(cfg, resolve_architecture(cfg))
@@ -97,9 +101,10 @@ class LLMEngine:
                 # Under torchrun every rank runs the same command; all but rank 0 become workers
                 # here and leave when rank 0 shuts the group down.
                 run_worker(int(os.environ["RANK"]), args.tensor_parallel_size, "env://",
-                           worker_spec(args, path, self.device, max_positions))
+                           worker_spec(args, path, self.device, max_positions, self.backends))
                 raise SystemExit(0)
-            self.tp_launcher = TPLauncher(args.tensor_parallel_size, worker_spec(args, path, self.device, max_positions),
+            self.tp_launcher = TPLauncher(args.tensor_parallel_size,
+                                          worker_spec(args, path, self.device, max_positions, self.backends),
                                           args.distributed_init_port)
             weakref.finalize(self, self.tp_launcher.shutdown)
         tp = self.tp_launcher.group if self.tp_launcher else None
@@ -113,14 +118,14 @@ class LLMEngine:
     def _build(self, args: EngineArgs, path, cfg: dict, shape: ModelShape, max_positions: int, tp,
                observers) -> None:
         """Everything after the tensor-parallel group exists: the model, the config, the runner."""
-        self.loaded = load_model(path, args.dtype, self.device, max_positions=max_positions, tp=tp,
-                                 linear_backend=args.linear_backend, quantization=args.quantization)
+        self.loaded = load_model(path, args.dtype, self.device, max_positions=max_positions, tp=tp, plan=self.backends)
         device = self.device
         # Every default decided once (config.py); on CUDA the KV cache takes what the weights left free.
         self.config = EngineConfig.resolve(
             args, shape, model=str(path), model_name=str(self.model_name), device=str(device),
             dtype=str(self.loaded.dtype).removeprefix("torch."),
-            free_memory_bytes=lambda: torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None)
+            free_memory_bytes=lambda: torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None,
+            backends=self.backends)
         c = self.config
         self.max_model_len = c.max_model_len
         self.scheduler_config = c.scheduler
@@ -140,8 +145,7 @@ class LLMEngine:
 
         self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(c.scheduler, self.kv)
-        runner_kwargs = dict(compile=c.compile, attention_backend=c.attention_backend, enforce_eager=c.enforce_eager,
-                             max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len, ops_backend=c.ops_backend)
+        runner_kwargs = dict(plan=self.backends, max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len)
         if self.tp_launcher:
             self.tp_launcher.send_runner_spec(c.num_kv_blocks, c.block_size, **runner_kwargs)
         self.runner = ModelRunner(self.loaded, c.num_kv_blocks, c.block_size, tp=tp, **runner_kwargs)

@@ -26,8 +26,11 @@ How steps 1-3 run is the *attention backend*, chosen once when the runner starts
   sdpa    PyTorch's SDPA over a gathered copy of the blocks with a mask: the reference
           every other backend is tested against.
 
-Two attention calls per layer at most, never a Python loop over requests.  Masks, gather
-indices and lengths are built once per step by the model runner (`AttentionMetadata`).
+Two attention calls per layer at most, never a Python loop over requests.  Lengths and
+block tables are gathered once per step by the model runner; each backend turns them into
+its own `AttentionMetadata` (`AttentionBackend.metadata`: SDPA's masks and gather indices,
+Triton's split count), so the runner knows no backend's details.  Which backend runs is
+decided once, in model/backends.py; `build_backend` only builds it.
 """
 
 from __future__ import annotations
@@ -37,9 +40,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-BACKENDS = ("auto", "cpu", "triton", "sdpa")
-
 
 @dataclass
 class AttentionMetadata:
@@ -97,13 +97,71 @@ def _sdpa_prefill(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) ->
     return op.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])[meta.prefill_scatter]
 
 
+def _to(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if x is None else x.to(device, non_blocking=True)
+
+
 class AttentionBackend:
     """How a layer writes its K/V and attends.  The reference: SDPA over gathered blocks."""
 
     name = "sdpa"
-    decode_masks = True  # the runner builds `decode_mask`
-    prefill_masks = True  # the runner builds `prefill_mask`, `prefill_gather`, `prefill_scatter`
+    decode_masks = True  # `metadata` builds `decode_mask`
+    prefill_masks = True  # `metadata` builds `prefill_mask`, `prefill_gather`, `prefill_scatter`
     graphable = False  # decode steps can be captured in a CUDA graph
+
+    def __init__(self, sliding_window: int | None = None):
+        self.sliding_window = sliding_window
+
+    def metadata(self, slot_mapping: torch.Tensor, device: torch.device, block_size: int, *,
+                 decode_block_tables: torch.Tensor | None = None, decode_context_lens: torch.Tensor | None = None,
+                 prefill_block_tables: torch.Tensor | None = None, prefill_q_starts: torch.Tensor | None = None,
+                 prefill_q_lens: torch.Tensor | None = None,
+                 prefill_ctx_lens: torch.Tensor | None = None) -> AttentionMetadata:
+        """A step's metadata on `device` from host tensors: slots [T]; per decode row its
+        block table (padded with block 0) and context length; per prefill chunk its block
+        table, first row, row count and cached prefix.  Adds what this backend reads besides."""
+        num_decode = 0 if decode_block_tables is None else decode_block_tables.shape[0]
+        meta = AttentionMetadata(slot_mapping=_to(slot_mapping, device), num_decode=num_decode, backend=self,
+                                 decode_block_tables=_to(decode_block_tables, device),
+                                 decode_context_lens=_to(decode_context_lens, device),
+                                 sliding_window=self.sliding_window)
+        window = self.sliding_window
+        if num_decode and self.decode_masks:
+            ctx, length = decode_context_lens, decode_block_tables.shape[1] * block_size
+            j = torch.arange(length).unsqueeze(0)
+            mask = j < ctx.unsqueeze(1)
+            if window is not None:
+                mask &= j >= (ctx - window).unsqueeze(1)
+            meta.decode_mask = _to(mask.view(num_decode, 1, 1, length), device)
+        if prefill_block_tables is not None:
+            cs, ns, offs = prefill_ctx_lens, prefill_q_lens, prefill_q_starts
+            max_q = int(ns.max())
+            meta.prefill_block_tables, meta.prefill_max_q = _to(prefill_block_tables, device), max_q
+            meta.prefill_q_starts, meta.prefill_q_lens = _to(offs, device), _to(ns, device)
+            meta.prefill_ctx_lens = _to(cs, device)
+            if self.prefill_masks:
+                length = prefill_block_tables.shape[1] * block_size
+                ar = torch.arange(max_q).unsqueeze(0)
+                row = torch.minimum(ar, (ns - 1).unsqueeze(1))  # padded rows repeat the last real query
+                qpos = (cs.unsqueeze(1) + row).unsqueeze(2)
+                j = torch.arange(length).view(1, 1, length)
+                mask = j <= qpos
+                if window is not None:
+                    mask &= j > qpos - window
+                meta.prefill_mask = _to(mask.unsqueeze(1), device)
+                meta.prefill_gather = _to(offs.unsqueeze(1) + row, device)
+                valid = ar < ns.unsqueeze(1)
+                p = prefill_block_tables.shape[0]
+                meta.prefill_scatter = _to(torch.arange(p * max_q).view(p, max_q)[valid], device)
+        return meta
+
+    def decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor) -> AttentionMetadata:
+        """A decode-only step's metadata over tensors already on the device (the persistent
+        buffers CUDA graphs replay: runner/cuda_graphs.py); no host work, no masks."""
+        return AttentionMetadata(slot_mapping=slot_mapping, num_decode=block_tables.shape[0], backend=self,
+                                 decode_block_tables=block_tables, decode_context_lens=context_lens,
+                                 sliding_window=self.sliding_window)
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
@@ -123,6 +181,7 @@ class CpuAttention(AttentionBackend):
     name = "cpu"
 
     def __init__(self, decode_op: Callable, sliding_window: int | None):
+        super().__init__(sliding_window)
         self.decode_op = decode_op  # (q, k_cache, v_cache, block_tables, context_lens, scale) -> out
         self.decode_masks = sliding_window is not None  # the kernel has no window: SDPA then
 
@@ -141,10 +200,25 @@ class TritonAttention(AttentionBackend):
     prefill_masks = False
     graphable = True
 
-    def __init__(self):
-        from tokenloom.kernels.triton import fused, paged_attention
+    def __init__(self, sliding_window: int | None, num_kv_heads: int, device: torch.device):
+        from tokenloom.kernels.triton import decode_num_splits, fused, paged_attention
 
+        super().__init__(sliding_window)
         self._fused, self._pa = fused, paged_attention
+        # split-KV decode sizes its splits to the SMs; on CPUs (Triton's interpreter, in tests)
+        # a pretend 4, so the splits and their merge are exercised there too
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        self._num_splits = lambda b: decode_num_splits(b, num_kv_heads, num_sms)
+
+    def metadata(self, slot_mapping, device, block_size, **tensors):
+        meta = super().metadata(slot_mapping, device, block_size, **tensors)
+        meta.decode_num_splits = self._num_splits(meta.num_decode)
+        return meta
+
+    def decode_metadata(self, slot_mapping, block_tables, context_lens):
+        meta = super().decode_metadata(slot_mapping, block_tables, context_lens)
+        meta.decode_num_splits = self._num_splits(meta.num_decode)
+        return meta
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self._fused.write_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -183,35 +257,13 @@ def paged_attention(
     return out
 
 
-def make_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                 sliding_window: int | None) -> AttentionBackend:
-    """The attention backend for `--attention-backend name` on this device, chosen once.
-
-    `auto`: Triton on CUDA where it imports, our C++ kernel on CPUs where it builds, SDPA
-    elsewhere.  An explicit choice that cannot run here is an error, not a silent fallback."""
-    from tokenloom.kernels import cpu as cpu_kernels
-    from tokenloom.kernels import triton as triton_kernels
-
-    if name not in BACKENDS:
-        raise ValueError(f"--attention-backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-    cpu_op = cpu_kernels.decode_attention_op(device, dtype, head_dim) if device.type == "cpu" else None
-    if name == "auto":
-        if device.type == "cuda" and triton_kernels.available():
-            name = "triton"
-        else:
-            name = "cpu" if cpu_op is not None else "sdpa"
+def build_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int, num_kv_heads: int,
+                  sliding_window: int | None) -> AttentionBackend:
+    """The attention backend `name` as the backend plan (model/backends.py) resolved it; nothing is chosen here."""
     if name == "triton":
-        if not triton_kernels.available():
-            raise ValueError("--attention-backend triton: the triton package is not importable (pip install triton)")
-        if device.type == "cpu" and not triton_kernels.interpreting():
-            raise ValueError("--attention-backend triton runs on CUDA devices; on CPU tensors only under "
-                             "TRITON_INTERPRET=1 (Triton's interpreter, for tests)")
-        if device.type not in ("cuda", "cpu"):
-            raise ValueError(f"--attention-backend triton does not run on {device.type} devices")
-        return TritonAttention()
+        return TritonAttention(sliding_window, num_kv_heads, device)
     if name == "cpu":
-        if cpu_op is None:
-            raise ValueError("--attention-backend cpu needs --device cpu, float32 or bfloat16, a head size that is a "
-                             "multiple of 8 and our CPU kernels built (TOKENLOOM_CPU_ATTENTION not 0)")
-        return CpuAttention(cpu_op, sliding_window)
-    return AttentionBackend()
+        from tokenloom.kernels import cpu as cpu_kernels
+
+        return CpuAttention(cpu_kernels.decode_attention_op(device, dtype, head_dim), sliding_window)
+    return AttentionBackend(sliding_window)

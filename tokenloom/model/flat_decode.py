@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenloom.model.attention import AttentionMetadata, CpuAttention
+from tokenloom.model.attention import AttentionMetadata
 from tokenloom.model.ops import Ops
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -74,26 +74,24 @@ class FlatDecode:
         self.rope_write_kv, self.silu_and_mul = ops.rope_write_kv, ops.silu_and_mul
 
     @classmethod
-    def build(cls, model: nn.Module, ops: Ops) -> "FlatDecode | None":
-        """The flat loop for `model` under `ops`, or None where some op is not one it can call."""
-        a = model.args
-        if ops.name != "cpu" or ops.rope_write_kv is None or a.qk_norm:
-            return None
+    def build(cls, model: nn.Module, ops: Ops) -> "FlatDecode":
+        """The flat loop for `model` under `ops`, where the backend plan (model/backends.py)
+        said it applies: our CPU ops with the fused rotary + KV write, no q/k norm."""
+        assert ops.name == "cpu" and ops.rope_write_kv is not None and not model.args.qk_norm
         layers = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             fns = [linear_function(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(f is None for f in fns):
-                return None
+                raise ValueError("the flat decode loop needs linears with a plain-function forward")
             layers.append(FlatLayer(layer.input_layernorm.weight, fns[0], fns[1],
                                     layer.post_attention_layernorm.weight, fns[2], fns[3]))
         return cls(model, layers, ops)
 
     @staticmethod
     def applies(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this step is decode rows only, attended by our CPU kernel."""
-        return (not meta.has_prefill and meta.num_decode == input_ids.shape[0] and meta.decode_mask is None
-                and isinstance(meta.backend, CpuAttention))
+        """Whether this step is decode rows only (the plan chose our CPU attention, no window)."""
+        return not meta.has_prefill and meta.num_decode == input_ids.shape[0]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:

@@ -178,16 +178,16 @@ class CausalLM(nn.Module):
             n += 1
         return n
 
-    def set_ops(self, ops: Ops) -> None:
+    def set_ops(self, ops: Ops, flat: bool = False) -> None:
         """Every norm, rotary embedding, SwiGLU activation and attention layer through one ops
-        backend (model/ops.py), chosen once for this device and dtype."""
+        backend (model/ops.py), as the backend plan chose it (model/backends.py); with `flat`,
+        decode-only steps without the module machinery (model/flat_decode.py), built here,
+        after loading and packing, from the modules as they now are."""
         self.ops = ops
         for m in self.modules():
             if hasattr(m, "ops"):
                 m.ops = ops
-        # decode-only CPU steps without the module machinery (model/flat_decode.py); built
-        # here, after loading and packing, from the modules as they now are
-        self.flat = FlatDecode.build(self, ops)
+        self.flat = FlatDecode.build(self, ops) if flat else None
 
     def _tie_through_panels(self) -> None:
         """Tied embeddings packed once, into the panels the lm_head streams; the embedding

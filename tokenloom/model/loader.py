@@ -8,6 +8,7 @@ weight matrix exactly once (decode at small batch is bound by weight bytes read)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tokenloom.config import BackendPlan
 from tokenloom.model.llama import CausalLM, ModelArgs
 from tokenloom.model.parallel import TPGroup, shard_model
 from tokenloom.model.registry import resolve_architecture
@@ -139,6 +141,7 @@ class LoadedModel:
     device: torch.device
     linear_backend: str = "torch"  # how the linears run: panels | onednn | torch (`load_model`)
     quantization: str | None = None  # weight-only scheme (model/quantization.py), or None
+    plan: BackendPlan | None = None  # the backend plan it was loaded for (model/backends.py)
 
     @property
     def weight_bytes(self) -> int:
@@ -162,25 +165,25 @@ class LoadedModel:
         return total + sum(b - a for a, b in extents.values())
 
 
-LINEAR_BACKENDS = ("auto", "panels", "onednn", "torch")
-
-
 def load_model(path: Path, dtype: str, device: torch.device, max_positions: int, pack_weights: bool = True,
-               tp: TPGroup | None = None, linear_backend: str = "auto", quantization: str | None = None) -> LoadedModel:
+               tp: TPGroup | None = None, linear_backend: str = "auto", quantization: str | None = None,
+               plan: BackendPlan | None = None) -> LoadedModel:
     """The checkpoint at `path` as our model on `device`; with `tp`, only this rank's shard
     (model/parallel.py), cut before any weight packing so our kernels run on it.
 
-    `linear_backend`, chosen once here: `panels` (our GEMM, weights in its column panels),
-    `onednn` (oneDNN's packed weights), `torch` (nn.Linear as loaded: cuBLAS on GPUs);
-    `auto` = panels where our kernel wins on this CPU, else oneDNN where it runs, else torch.
-    `quantization` (int8 | int4 | int4-g128): every matmul's weights quantized once, here
-    (model/quantization.py); then `panels` is our quantized CPU kernel, `torch` PyTorch ops."""
-    if linear_backend not in LINEAR_BACKENDS:
-        raise ValueError(f"--linear-backend must be one of {', '.join(LINEAR_BACKENDS)}, got {linear_backend!r}")
+    The matmuls are packed (or quantized) for `plan.linear` (model/backends.py decides it,
+    with the dtype, before anything loads).  Without a plan, one is resolved here from
+    `dtype`, `linear_backend` and `quantization` (int8 | int4 | int4-g128: model/quantization.py)."""
     cfg = load_config(path)
     arch = resolve_architecture(cfg)
     a = ModelArgs.from_hf_config(cfg, arch)
-    tdtype = resolve_dtype(dtype, cfg, device)
+    if plan is None:
+        from tokenloom.model.backends import resolve_backends
+
+        plan = resolve_backends(device, resolve_dtype(dtype, cfg, device), dataclasses.asdict(a),
+                                linear=linear_backend, quantization=quantization, pack_weights=pack_weights,
+                                tensor_parallel_size=tp.size if tp is not None else 1)
+    tdtype = getattr(torch, plan.dtype)
     with torch.device("meta"):
         model = CausalLM(a, max_positions)
     rope = model.rope  # built on the CPU, in float32, even under the meta device
@@ -230,51 +233,18 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
     del params  # drop our references, so packing can free each unpacked weight as it goes
     if tp is not None and tp.size > 1:
         a = shard_model(model, a, tp)
-    linear = "torch" if not pack_weights else linear_backend
-    if quantization is not None:
-        linear = _quantize(model, quantization, linear, device, tp)
-    else:
-        linear = _pack(model, linear, device, tdtype)
+    if plan.quantization is not None:
+        from tokenloom.model.quantization import parse_scheme, quantize_model
+
+        quantize_model(model, parse_scheme(plan.quantization), panels=plan.linear == "panels")
+    elif plan.linear == "panels":
+        model.prepack_panels()
+    elif plan.linear == "onednn":
+        model.prepack()
     if device.type == "cpu":
         glibc_heap.release_free_memory()
     return LoadedModel(model=model, args=a, hf_config=cfg, path=path, dtype=tdtype, device=device,
-                       linear_backend=linear, quantization=quantization)
-
-
-def _pack(model: CausalLM, linear: str, device: torch.device, tdtype: torch.dtype) -> str:
-    """Pack `model`'s matmul weights for the linear backend `linear` (auto: the fastest that
-    runs here); returns the backend chosen."""
-    from tokenloom.kernels import cpu as cpu_kernels
-    from tokenloom.model.packed_linear import packing_supported
-
-    if linear == "auto":
-        linear = ("panels" if cpu_kernels.preferred(device, tdtype)
-                  else "onednn" if packing_supported(device, tdtype) else "torch")
-    if linear == "panels":
-        if device.type != "cpu" or tdtype not in (torch.float32, torch.bfloat16) or not cpu_kernels.load():
-            raise ValueError("--linear-backend panels needs --device cpu, float32 or bfloat16 and our CPU kernels built")
-        model.prepack_panels()
-    elif linear == "onednn":
-        if not packing_supported(device, tdtype):
-            raise ValueError(f"--linear-backend onednn: oneDNN cannot run packed {tdtype} linears here")
-        model.prepack()
-    return linear
-
-
-def _quantize(model: CausalLM, quantization: str, linear: str, device: torch.device, tp: TPGroup | None) -> str:
-    """Quantize `model`'s matmul weights in place; returns the linear backend they run on."""
-    from tokenloom.model.quantization import kernels_available, parse_scheme, quantize_model
-
-    scheme = parse_scheme(quantization)
-    if tp is not None and tp.size > 1:
-        raise ValueError("--quantization is not supported with --tensor-parallel-size > 1 yet")
-    if linear == "onednn":
-        raise ValueError("--quantization runs on --linear-backend panels (our CPU kernel) or torch, not onednn")
-    panels = linear in ("auto", "panels") and kernels_available(device)
-    if linear == "panels" and not panels:
-        raise ValueError("--linear-backend panels with --quantization needs --device cpu and our CPU kernels built")
-    quantize_model(model, scheme, panels=panels)
-    return "panels" if panels else "torch"
+                       linear_backend=plan.linear, quantization=plan.quantization, plan=plan)
 
 
 def load_eos_token_ids(path: Path, cfg: dict, tokenizer) -> frozenset[int]:

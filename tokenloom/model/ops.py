@@ -1,5 +1,5 @@
 """The model's small ops (norms, rotary, SwiGLU's activation), one implementation set
-chosen once at load: the *ops backend*.
+chosen once (model/backends.py): the *ops backend*.
 
     torch   PyTorch's ops in the reference's order and roundings: the reference, and what
             runs wherever nothing faster does
@@ -20,9 +20,6 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-
-OPS_BACKENDS = ("auto", "torch", "cpu", "triton")
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32 or x.device.type != "cpu":
@@ -74,11 +71,14 @@ class Ops:
 TORCH = Ops("torch")
 
 
-def _cpu_ops(dtype: torch.dtype) -> Ops | None:
+def cpu_ops_available(dtype: torch.dtype) -> bool:
+    """Whether our C++ ops run for `dtype` here (model/backends.py asks, once)."""
     from tokenloom.kernels import cpu as cpu_kernels
 
-    if dtype not in (torch.float32, torch.bfloat16) or not cpu_kernels.fused_enabled():
-        return None
+    return dtype in (torch.float32, torch.bfloat16) and cpu_kernels.fused_enabled()
+
+
+def _cpu_ops(dtype: torch.dtype) -> Ops:
     ops = torch.ops.tokenloom_cpu
 
     def cpu_rope(q, k, positions, cos_table, sin_table, cs):
@@ -98,29 +98,9 @@ def _triton_ops(dtype: torch.dtype) -> Ops:
                rope_write_kv=fused.rope_write_kv)
 
 
-def choose_ops(name: str, device: torch.device, dtype: torch.dtype, attention_backend: str,
-               compile: bool = False) -> Ops:
-    """The ops set for `--ops-backend name`: `auto` follows the attention backend (triton
-    with triton; our C++ ops on CPUs where they build; PyTorch's elsewhere)."""
-    if name not in OPS_BACKENDS:
-        raise ValueError(f"--ops-backend must be one of {', '.join(OPS_BACKENDS)}, got {name!r}")
-    if name == "auto":
-        if attention_backend == "triton":
-            name = "triton"
-        elif device.type == "cpu" and _cpu_ops(dtype) is not None:
-            name = "cpu"
-        else:
-            name = "torch"
-    if name == "triton" and attention_backend != "triton":
-        raise ValueError("--ops-backend triton writes the KV cache the triton attention backend reads; "
-                         "use it with --attention-backend triton")
-    if name == "cpu":
-        ops = _cpu_ops(dtype) if device.type == "cpu" else None
-        if ops is None:
-            raise ValueError("--ops-backend cpu needs --device cpu, float32 or bfloat16 and our CPU kernels built "
-                             "(TOKENLOOM_CPU_FUSED not 0)")
-    else:
-        ops = _triton_ops(dtype) if name == "triton" else TORCH
-    if compile:
-        ops = replace(ops, rope_write_kv=None)
-    return ops
+def build_ops(name: str, dtype: torch.dtype, fused_kv_write: bool) -> Ops:
+    """The ops set `name` for `dtype`, as the backend plan (model/backends.py) resolved it:
+    nothing is chosen here.  Without `fused_kv_write` (torch.compile, which would
+    functionalize the cache writes) the attention backend writes the cache itself."""
+    ops = _cpu_ops(dtype) if name == "cpu" else _triton_ops(dtype) if name == "triton" else TORCH
+    return ops if fused_kv_write else replace(ops, rope_write_kv=None)

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from tokenloom.model.attention import AttentionBackend, AttentionMetadata
+from tokenloom.model.attention import AttentionBackend
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +54,10 @@ class DecodeGraphs:
     as one CUDA graph per batch size on a GPU, run eagerly elsewhere."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 backend: AttentionBackend, sizes: Sequence[int], max_blocks: int, device: torch.device,
-                 num_splits: Callable[[int], int], sliding_window: int | None):
+                 backend: AttentionBackend, sizes: Sequence[int], max_blocks: int, device: torch.device):
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         self.sizes = sorted(sizes)
         self.device = device
-        self.num_splits = num_splits
-        self.sliding_window = sliding_window
         m, w = self.sizes[-1], max_blocks
         self.max_size, self.width = m, w
         cuda = device.type == "cuda"
@@ -87,11 +84,7 @@ class DecodeGraphs:
 
     def forward(self, b: int) -> torch.Tensor:
         """Logits [b, vocab] of the first b buffer rows: what a graph records."""
-        meta = AttentionMetadata(
-            slot_mapping=self.slots[:b], num_decode=b, backend=self.backend,
-            decode_block_tables=self.tables[:b], decode_context_lens=self.lens[:b],
-            decode_num_splits=self.num_splits(b), sliding_window=self.sliding_window,
-        )
+        meta = self.backend.decode_metadata(self.slots[:b], self.tables[:b], self.lens[:b])
         hidden = self.model(self.ids[:b], self.positions[:b], self.kv_caches, meta)
         logits = self.model.compute_logits(hidden)
         if self._logits is None:

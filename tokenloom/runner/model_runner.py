@@ -23,9 +23,9 @@ import torch
 
 from tokenloom.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenloom.kernels import hugepages
-from tokenloom.kernels.triton import decode_num_splits
-from tokenloom.model.attention import AttentionMetadata, make_backend
-from tokenloom.model.ops import choose_ops
+from tokenloom.config import BackendPlan
+from tokenloom.model.attention import AttentionMetadata, build_backend
+from tokenloom.model.ops import build_ops
 from tokenloom.model.parallel import TPGroup
 from tokenloom.model.loader import LoadedModel
 from tokenloom.kernels import glibc_heap
@@ -95,11 +95,13 @@ def _sample_or_blame(logits: torch.Tensor, rows: list[SamplingRow], masks: StepM
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, compile: bool = False,
-                 attention_backend: str = "auto", enforce_eager: bool = False, max_num_seqs: int = 256,
-                 max_model_len: int | None = None, ops_backend: str = "auto", tp: TPGroup | None = None):
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, plan: BackendPlan | None = None,
+                 max_num_seqs: int = 256, max_model_len: int | None = None, tp: TPGroup | None = None):
+        """`plan`: what runs (model/backends.py), as resolved before `loaded` was loaded for it
+        (`loaded.plan` when not given); the runner builds what it names and decides nothing."""
         self.loaded = loaded
         self.model = loaded.model
+        self.plan = plan = plan or loaded.plan
         self.tp = tp  # tensor parallel: rank 0 sends every step to the other ranks (runner/tp_worker.py)
         self.device = loaded.device
         self.block_size = block_size
@@ -116,18 +118,13 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         if self.device.type == "cpu":
             glibc_heap.keep_step_buffers()  # every step's temporaries reused, not faulted in anew
-        # Chosen once: how attention reads the paged cache (model/attention.py).
-        self.attn = make_backend(attention_backend, self.device, loaded.dtype, a.head_dim, a.sliding_window)
-        self.ops = choose_ops(ops_backend, self.device, loaded.dtype, self.attn.name, compile)
-        self.model.set_ops(self.ops)
-        self.sliding_window = a.sliding_window
+        self.attn = build_backend(plan.attention, self.device, loaded.dtype, a.head_dim, a.num_kv_heads,
+                                  a.sliding_window)
+        self.ops = build_ops(plan.ops, loaded.dtype, plan.fused_kv_write)
+        self.model.set_ops(self.ops, flat=plan.flat_decode)
         self.max_blocks = -(-(max_model_len or a.max_position_embeddings) // block_size)
-        # split-KV decode sizes its splits to the SMs; on CPUs (Triton's interpreter, in tests)
-        # a pretend 4, so the splits and their merge are exercised there too
-        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                        if self.device.type == "cuda" else 4)
         self._forward = self.model.forward
-        if compile:
+        if plan.compile:
             # One graph per step kind (decode-only, prefill-only, mixed: which metadata
             # fields are None), every size symbolic.  Without this, dynamo's "duck sizing"
             # guards on sizes that happen to coincide (e.g. block-table width == number of
@@ -136,39 +133,23 @@ class ModelRunner:
             self._forward = torch.compile(self.model.forward, dynamic=True)
         # Decode-only steps through one CUDA graph per batch size (runner/cuda_graphs.py).
         self.graphs: DecodeGraphs | None = None
-        self.graphs_off_reason = self._graphs_off_reason(enforce_eager, compile)
-        if self.graphs_off_reason is None:
+        self.graphs_off_reason = plan.cuda_graphs_off
+        if plan.cuda_graphs:
             self.graphs = self.make_decode_graphs(max_num_seqs)
             self.graphs.capture()
 
-    def _graphs_off_reason(self, enforce_eager: bool, compile: bool) -> str | None:
-        if self.device.type != "cuda":
-            return "not on a CUDA device"
-        if enforce_eager:
-            return "--enforce-eager"
-        if self.tp is not None:
-            return "tensor parallel"
-        if compile:
-            return "--compile"
-        if not self.attn.graphable:
-            return f"the {self.attn.name} attention backend cannot be captured (use triton)"
-        return None
-
     def make_decode_graphs(self, max_num_seqs: int) -> DecodeGraphs:
         """The padded decode forward over persistent buffers (captured by `.capture()` on a GPU)."""
-        hk = self.loaded.args.num_kv_heads
         return DecodeGraphs(self.model, self.kv_caches, self.attn, capture_sizes(max_num_seqs), self.max_blocks,
-                            self.device, lambda b: decode_num_splits(b, hk, self.num_sms), self.sliding_window)
+                            self.device)
 
     def describe(self) -> str:
-        """One line for the start-up summary: the backends chosen and the CUDA graphs."""
+        """One line for the start-up summary: the backend plan and the CUDA graphs captured."""
         g = self.graphs
-        graphs = (f"CUDA graphs for decode batches {g.sizes[0]}..{g.sizes[-1]} ({len(g.graphs)} captured in "
-                  f"{g.capture_seconds:.1f} s, {g.graph_memory_bytes / 2**20:.0f} MiB)"
-                  if g is not None else f"no CUDA graphs ({self.graphs_off_reason})")
+        graphs = (f"; CUDA graphs for decode batches {g.sizes[0]}..{g.sizes[-1]} ({len(g.graphs)} captured in "
+                  f"{g.capture_seconds:.1f} s, {g.graph_memory_bytes / 2**20:.0f} MiB)" if g is not None else "")
         tp = f"tensor parallel over {self.tp.size} ranks, " if self.tp is not None else ""
-        return (f"{tp}linear backend {self.loaded.linear_backend}, attention backend {self.attn.name}, "
-                f"ops backend {self.ops.name}, {graphs}")
+        return f"{tp}{self.plan.describe()}{graphs}"
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -239,51 +220,24 @@ class ModelRunner:
             offsets.append(t)
             t += n
         dev = self.device
-        attn = self.attn
-        window = self.sliding_window
 
-        def tables(group: list[ScheduledRequest]) -> tuple[torch.Tensor, int]:
+        def tables(group: list[ScheduledRequest]) -> torch.Tensor:
             nb = max(len(s.block_ids) for s in group)
-            rows = [s.block_ids + [0] * (nb - len(s.block_ids)) for s in group]
-            return torch.tensor(rows, dtype=torch.long), nb * bs
+            return torch.tensor([s.block_ids + [0] * (nb - len(s.block_ids)) for s in group], dtype=torch.long)
 
         def to(x):
-            return None if x is None else x.to(dev, non_blocking=True)
+            return x.to(dev, non_blocking=True)
 
-        meta = AttentionMetadata(slot_mapping=to(torch.tensor(slots, dtype=torch.long)), num_decode=len(decodes),
-                                 backend=attn, decode_block_tables=None, decode_context_lens=None,
-                                 sliding_window=window)
+        layout = {}
         if decodes:
-            dbt, L = tables(decodes)
-            ctx = torch.tensor(decode_ctx)
-            meta.decode_block_tables, meta.decode_context_lens = to(dbt), to(ctx)
-            meta.decode_num_splits = decode_num_splits(len(decodes), self.loaded.args.num_kv_heads, self.num_sms)
-            if attn.decode_masks:
-                j = torch.arange(L).unsqueeze(0)
-                mask = j < ctx.unsqueeze(1)
-                if window is not None:
-                    mask &= j >= (ctx - window).unsqueeze(1)
-                meta.decode_mask = to(mask.view(len(decodes), 1, 1, L))
+            layout.update(decode_block_tables=tables(decodes), decode_context_lens=torch.tensor(decode_ctx))
         if prefills:
-            pbt, L = tables(prefills)
-            cs = torch.tensor([s.num_computed_before for s in prefills])
-            ns = torch.tensor([s.num_new_tokens for s in prefills])
-            offs = torch.tensor(offsets[len(order) - len(prefills):])
-            max_q = int(ns.max())
-            meta.prefill_block_tables, meta.prefill_max_q = to(pbt), max_q
-            meta.prefill_q_starts, meta.prefill_q_lens, meta.prefill_ctx_lens = to(offs), to(ns), to(cs)
-            if attn.prefill_masks:
-                ar = torch.arange(max_q).unsqueeze(0)
-                row = torch.minimum(ar, (ns - 1).unsqueeze(1))  # padded rows repeat the last real query
-                qpos = (cs.unsqueeze(1) + row).unsqueeze(2)
-                j = torch.arange(L).view(1, 1, L)
-                mask = j <= qpos
-                if window is not None:
-                    mask &= j > qpos - window
-                meta.prefill_mask = to(mask.unsqueeze(1))
-                meta.prefill_gather = to(offs.unsqueeze(1) + row)
-                valid = ar < ns.unsqueeze(1)
-                meta.prefill_scatter = to(torch.arange(len(prefills) * max_q).view(len(prefills), max_q)[valid])
+            layout.update(prefill_block_tables=tables(prefills),
+                          prefill_q_starts=torch.tensor(offsets[len(order) - len(prefills):]),
+                          prefill_q_lens=torch.tensor([s.num_new_tokens for s in prefills]),
+                          prefill_ctx_lens=torch.tensor([s.num_computed_before for s in prefills]))
+        # the attention backend adds what it reads besides (masks, split counts): model/attention.py
+        meta = self.attn.metadata(torch.tensor(slots, dtype=torch.long), dev, bs, **layout)
         return order, offsets, to(torch.tensor(ids, dtype=torch.long)), to(torch.tensor(pos, dtype=torch.long)), meta
 
     # ---- one step ---------------------------------------------------

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tokenloom.config import BackendPlan
 from tokenloom.model.parallel import TPGroup
 
 # A worker waits for the next step as long as the server is idle: no timeout that matters.
@@ -44,13 +45,14 @@ class WorkerSpec:
     device: str  # "cpu" or "cuda" (rank r takes cuda:r)
     max_positions: int
     num_threads: int | None
-    linear_backend: str = "auto"
+    backends: BackendPlan | None = None  # rank 0's plan (model/backends.py): workers run what it runs
 
 
-def worker_spec(args, path: Path, device: torch.device, max_positions: int) -> WorkerSpec:
-    """The worker spec for these engine args (an EngineArgs) and resolved model path."""
+def worker_spec(args, path: Path, device: torch.device, max_positions: int,
+                backends: BackendPlan | None = None) -> WorkerSpec:
+    """The worker spec for these engine args (an EngineArgs), resolved model path and backend plan."""
     return WorkerSpec(path=str(path), dtype=args.dtype, device=device.type, max_positions=max_positions,
-                      num_threads=args.num_threads, linear_backend=args.linear_backend)
+                      num_threads=args.num_threads, backends=backends)
 
 
 def free_port() -> int:
@@ -145,7 +147,7 @@ def run_worker(rank: int, size: int, init_method: str, spec: WorkerSpec) -> None
     tp = _join(rank, size, spec.device, init_method)
     try:
         loaded = load_model(Path(spec.path), spec.dtype, _device(spec.device, rank), max_positions=spec.max_positions,
-                            tp=tp, linear_backend=spec.linear_backend)
+                            tp=tp, plan=spec.backends)
         box = [None]
         dist.broadcast_object_list(box, src=0)
         num_blocks, block_size, runner_kwargs = box[0]

@@ -1,0 +1,65 @@
+"""One place decides what runs: `model/backends.py resolve_backends` turns every "auto" into a
+name once, before the weights load, and everything downstream builds what the plan names.
+
+Checked through the real engine: the plan has no "auto" left, the loader, the runner and the
+start-up summary all carry that one plan, and each attention backend builds its own step
+metadata (the runner builds no mask)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import torch
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.config import BackendPlan
+from tokenloom.model.attention import AttentionBackend, CpuAttention
+from tokenloom.model.backends import resolve_backends
+from tokenloom.runner.tp_worker import worker_spec
+
+FIELDS = dict(head_dim=16, qk_norm=False, sliding_window=None)
+
+
+def test_the_engine_runs_one_resolved_plan(tiny_llama):
+    llm = LLM(str(tiny_llama), max_model_len=64, num_kv_blocks=32)
+    eng = llm.llm_engine
+    plan = eng.backends
+    assert isinstance(plan, BackendPlan)
+    assert "auto" not in dataclasses.asdict(plan).values()
+    assert eng.loaded.plan is plan and eng.runner.plan is plan and eng.config.backends is plan
+    assert eng.loaded.linear_backend == plan.linear and eng.runner.attn.name == plan.attention
+    assert eng.runner.ops.name == plan.ops
+    assert plan.describe() in eng.summary()  # the start-up summary prints the plan
+    # tensor-parallel workers get the plan itself, not strings to resolve again
+    spec = worker_spec(eng.args, eng.model_path, eng.device, 64, plan)
+    assert pickle.loads(pickle.dumps(spec)).backends == plan
+    out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_static_choices_follow_from_the_settings():
+    cpu = torch.device("cpu")
+    compiled = resolve_backends(cpu, torch.float32, FIELDS, ops="torch", compile=True)
+    assert compiled.compile and not compiled.fused_kv_write and not compiled.flat_decode
+    assert not compiled.cuda_graphs and compiled.cuda_graphs_off == "not on a CUDA device"
+    sdpa = resolve_backends(cpu, torch.float32, FIELDS, attention="sdpa")
+    assert sdpa.attention == "sdpa" and not sdpa.flat_decode
+    windowed = resolve_backends(cpu, torch.float32, {**FIELDS, "sliding_window": 8})
+    assert not windowed.flat_decode  # our CPU decode kernel has no window: SDPA's masks then
+    tp = resolve_backends(cpu, torch.float32, FIELDS, tensor_parallel_size=2)
+    assert not tp.flat_decode
+
+
+def test_each_attention_backend_builds_its_own_metadata():
+    """The reference reads masks it builds itself; our CPU kernel reads none."""
+    slots = torch.tensor([5, 9, 10, 11])
+    step = dict(decode_block_tables=torch.tensor([[1, 2]]), decode_context_lens=torch.tensor([6]),
+                prefill_block_tables=torch.tensor([[2, 0]]), prefill_q_starts=torch.tensor([1]),
+                prefill_q_lens=torch.tensor([3]), prefill_ctx_lens=torch.tensor([0]))
+    ref = AttentionBackend().metadata(slots, torch.device("cpu"), 4, **step)
+    assert ref.num_decode == 1 and ref.prefill_max_q == 3
+    assert ref.decode_mask.shape == (1, 1, 1, 8) and ref.decode_mask.sum() == 6
+    assert ref.prefill_mask is not None and ref.prefill_scatter.tolist() == [0, 1, 2]
+    cpu = CpuAttention(lambda *a: None, None).metadata(slots, torch.device("cpu"), 4, **step)
+    assert cpu.decode_mask is None and cpu.prefill_mask is not None  # prefills go through SDPA

@@ -1,0 +1,159 @@
+"""Which code runs on this machine: every backend choice, resolved once into a `BackendPlan`.
+
+    linear     panels | onednn | torch    how each matmul runs, per weight format (model/loader.py packs for it)
+    attention  cpu | triton | sdpa        how attention reads the paged KV cache (model/attention.py)
+    ops        torch | cpu | triton       norms, rotary, SwiGLU (model/ops.py)
+    flat       on | off                   layers call their linears as plain functions (model/llama.py `bind`)
+    graphs     on | off (why)             decode steps replay CUDA graphs (runner/cuda_graphs.py)
+
+`resolve_backends` is the one place an "auto" becomes a name and an explicit choice that
+cannot run here becomes an error (not a silent fallback).  It runs right after the
+settings, before the weights load; the loader, the runner and tensor-parallel workers
+receive the plan and build what it names without deciding anything again.  A new backend
+or weight format is a name here and a constructor where it is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from tokenloom.config import BackendPlan
+
+LINEAR_BACKENDS = ("auto", "panels", "onednn", "torch")
+ATTENTION_BACKENDS = ("auto", "cpu", "triton", "sdpa")
+OPS_BACKENDS = ("auto", "torch", "cpu", "triton")
+
+
+def resolve_backends(device: torch.device, dtype: torch.dtype, fields: Mapping[str, Any], *, linear: str = "auto",
+                     attention: str = "auto", ops: str = "auto", quantization: str | None = None,
+                     compile: bool = False, enforce_eager: bool = False, tensor_parallel_size: int = 1,
+                     pack_weights: bool = True) -> BackendPlan:
+    """The plan for a model whose parsed config is `fields` (`model/hf_config.model_args_fields`:
+    head_dim, sliding_window, qk_norm are read) on `device` in `dtype`, from the user's
+    choices (each "auto" or a name).  ValueError for a choice that cannot run here."""
+    tp = tensor_parallel_size > 1
+    linear_name = _linear(linear, quantization, device, dtype, tp, pack_weights)
+    attention_name = _attention(attention, device, dtype, int(fields["head_dim"]))
+    ops_name = _ops(ops, device, dtype, attention_name)
+    fused_kv_write = ops_name != "torch" and not compile
+    # The flat loop calls our CPU ops and decode kernel with everything as arguments; a
+    # tensor-parallel shard's linear also communicates, and torch.compile traces the
+    # modules' custom ops: those keep module calls.
+    flat = (ops_name == "cpu" and fused_kv_write and attention_name == "cpu" and not fields["qk_norm"]
+            and fields.get("sliding_window") is None and not tp)
+    graphs_off = _graphs_off(device, enforce_eager, tp, compile, attention_name)
+    return BackendPlan(device=device.type, dtype=str(dtype).removeprefix("torch."), linear=linear_name,
+                       quantization=quantization, attention=attention_name, ops=ops_name,
+                       fused_kv_write=fused_kv_write, flat_decode=flat, compile=compile,
+                       cuda_graphs=graphs_off is None, cuda_graphs_off=graphs_off)
+
+
+def plan_for_args(args, device: torch.device, dtype: torch.dtype, fields: Mapping[str, Any]) -> BackendPlan:
+    """`resolve_backends` for an `EngineArgs`."""
+    return resolve_backends(device, dtype, fields, linear=args.linear_backend, attention=args.attention_backend,
+                            ops=args.ops_backend, quantization=args.quantization, compile=args.compile,
+                            enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
+
+
+def torch_dtype(plan: BackendPlan) -> torch.dtype:
+    return getattr(torch, plan.dtype)
+
+
+def _linear(name: str, quantization: str | None, device: torch.device, dtype: torch.dtype, tp: bool,
+            pack_weights: bool) -> str:
+    """`--linear-backend`: panels (our GEMM, weights in its column panels), onednn (oneDNN's
+    packed weights), torch (nn.Linear as loaded: cuBLAS on GPUs); auto = panels where our
+    kernel wins on this CPU, else oneDNN where it runs, else torch.  With `quantization`,
+    panels is our quantized CPU kernel and torch PyTorch ops."""
+    from tokenloom.kernels import cpu as cpu_kernels
+    from tokenloom.model.packed_linear import packing_supported
+
+    if name not in LINEAR_BACKENDS:
+        raise ValueError(f"--linear-backend must be one of {', '.join(LINEAR_BACKENDS)}, got {name!r}")
+    if not pack_weights:
+        name = "torch"
+    if quantization is not None:
+        from tokenloom.model.quantization import kernels_available, parse_scheme
+
+        parse_scheme(quantization)
+        if tp:
+            raise ValueError("--quantization is not supported with --tensor-parallel-size > 1 yet")
+        if name == "onednn":
+            raise ValueError("--quantization runs on --linear-backend panels (our CPU kernel) or torch, not onednn")
+        panels = name in ("auto", "panels") and kernels_available(device)
+        if name == "panels" and not panels:
+            raise ValueError("--linear-backend panels with --quantization needs --device cpu and our CPU kernels built")
+        return "panels" if panels else "torch"
+    if name == "auto":
+        return ("panels" if cpu_kernels.preferred(device, dtype)
+                else "onednn" if packing_supported(device, dtype) else "torch")
+    if name == "panels" and (device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)
+                             or not cpu_kernels.load()):
+        raise ValueError("--linear-backend panels needs --device cpu, float32 or bfloat16 and our CPU kernels built")
+    if name == "onednn" and not packing_supported(device, dtype):
+        raise ValueError(f"--linear-backend onednn: oneDNN cannot run packed {dtype} linears here")
+    return name
+
+
+def _attention(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """`--attention-backend`; auto: Triton on CUDA where it imports, our C++ kernel on CPUs
+    where it builds, SDPA elsewhere."""
+    from tokenloom.kernels import cpu as cpu_kernels
+    from tokenloom.kernels import triton as triton_kernels
+
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+    cpu_op = cpu_kernels.decode_attention_op(device, dtype, head_dim) if device.type == "cpu" else None
+    if name == "auto":
+        if device.type == "cuda" and triton_kernels.available():
+            return "triton"
+        return "cpu" if cpu_op is not None else "sdpa"
+    if name == "triton":
+        if not triton_kernels.available():
+            raise ValueError("--attention-backend triton: the triton package is not importable (pip install triton)")
+        if device.type == "cpu" and not triton_kernels.interpreting():
+            raise ValueError("--attention-backend triton runs on CUDA devices; on CPU tensors only under "
+                             "TRITON_INTERPRET=1 (Triton's interpreter, for tests)")
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"--attention-backend triton does not run on {device.type} devices")
+    if name == "cpu" and cpu_op is None:
+        raise ValueError("--attention-backend cpu needs --device cpu, float32 or bfloat16, a head size that is a "
+                         "multiple of 8 and our CPU kernels built (TOKENLOOM_CPU_ATTENTION not 0)")
+    return name
+
+
+def _ops(name: str, device: torch.device, dtype: torch.dtype, attention: str) -> str:
+    """`--ops-backend`; auto follows the attention backend (triton with triton; our C++ ops
+    on CPUs where they build; PyTorch's elsewhere)."""
+    from tokenloom.model.ops import cpu_ops_available
+
+    if name not in OPS_BACKENDS:
+        raise ValueError(f"--ops-backend must be one of {', '.join(OPS_BACKENDS)}, got {name!r}")
+    cpu_ok = device.type == "cpu" and cpu_ops_available(dtype)
+    if name == "auto":
+        return "triton" if attention == "triton" else "cpu" if cpu_ok else "torch"
+    if name == "triton" and attention != "triton":
+        raise ValueError("--ops-backend triton writes the KV cache the triton attention backend reads; "
+                         "use it with --attention-backend triton")
+    if name == "cpu" and not cpu_ok:
+        raise ValueError("--ops-backend cpu needs --device cpu, float32 or bfloat16 and our CPU kernels built "
+                         "(TOKENLOOM_CPU_FUSED not 0)")
+    return name
+
+
+def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bool, attention: str) -> str | None:
+    """Why decode steps do not replay CUDA graphs, or None where they do."""
+    if device.type != "cuda":
+        return "not on a CUDA device"
+    if enforce_eager:
+        return "--enforce-eager"
+    if tp:
+        return "tensor parallel"
+    if compile:
+        return "--compile"
+    if attention != "triton":
+        return f"the {attention} attention backend cannot be captured (use triton)"
+    return None
