@@ -293,6 +293,6 @@ def test_cli_estimate_model_dir_and_errors(tmp_path, capsys) -> None:
                  "--context-len", "4", "--prompt-len", "0", "--overhead-ms", "1"]) == 0
     assert "overhead 1 ms" in capsys.readouterr().out
     assert main(["estimate", "--hardware", "nope"]) == 2
-    assert "known:" in capsys.readouterr().out
+    assert "known:" in capsys.readouterr().err  # errors go to stderr, as every command's do
     assert main(["estimate", "--list-hardware"]) == 0
     assert "h200" in capsys.readouterr().out

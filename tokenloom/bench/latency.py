@@ -55,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
     llm = build_llm(args, max_num_seqs=max(args.max_num_seqs, args.batch_size))
     eng = llm.llm_engine
     if args.input_len + args.output_len > eng.config.max_model_len:
-        raise SystemExit(f"bench latency: --input-len + --output-len ({args.input_len + args.output_len}) "
+        raise ValueError(f"--input-len + --output-len ({args.input_len + args.output_len}) "
                          f"exceeds max_model_len ({eng.config.max_model_len})")
     vocab = engine_vocab_range(llm)
     console.print(f"[bold]bench latency[/bold] model={eng.model_name} batch={args.batch_size} "

@@ -220,7 +220,7 @@ def _vocab_range(args: Any, info: dict[str, Any] | None) -> tuple[int, int]:
         from transformers import AutoTokenizer
 
         return vocab_range_for(AutoTokenizer.from_pretrained(args.tokenizer or args.launch))
-    raise SystemExit("bench serve: cannot tell which token ids the model accepts; "
+    raise ValueError("cannot tell which token ids the model accepts; "
                      "pass --vocab-size N or --tokenizer DIR")
 
 
@@ -247,7 +247,7 @@ def main(args: Any) -> int:
 
     console = Console()
     if bool(args.base_url) == bool(args.launch):
-        raise SystemExit("bench serve: give exactly one of --base-url URL or --launch MODEL")
+        raise ValueError("give exactly one of --base-url URL or --launch MODEL")
     slos = metrics.parse_goodput(args.goodput)
     percentiles = metrics.parse_percentiles(args.percentiles)
 

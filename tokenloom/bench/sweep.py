@@ -107,10 +107,9 @@ def _workload(args: argparse.Namespace) -> tuple[WorkloadSpec, list[BenchRequest
         from tokenloom.bundled import BUNDLED_MODEL_DIR
 
         model_dir = str(BUNDLED_MODEL_DIR)
-    if not Path(model_dir).is_dir():
-        from tokenloom.model.loader import resolve_model_path
+    from tokenloom.model.loader import resolve_model_path  # a directory as is (if it holds config.json), or fetched
 
-        model_dir = str(resolve_model_path(model_dir, args.revision))
+    model_dir = str(resolve_model_path(model_dir, args.revision))
     vocab = vocab_range_for_model(args.tokenizer or model_dir)
     from tokenloom.specs.model_spec import load_config, max_position_embeddings
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from tokenloom.config import EngineArgs
@@ -205,7 +206,7 @@ def run_estimate(args: argparse.Namespace) -> int:
             prefill_chunk=args.prefill_chunk, quantization=args.quantization,
         )
     except (KeyError, ValueError) as e:
-        console.print(f"error: {e}", markup=False)
+        print(f"error: {e}", file=sys.stderr)  # as every command reports a user's mistake
         return 2
     console.print(decode_table(est))
     console.print(explain(est, spec, hw), markup=False, soft_wrap=True)
@@ -392,7 +393,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         slos = metrics.parse_goodput(args.goodput)
         percentiles = metrics.parse_percentiles(args.percentiles)
     except (KeyError, ValueError) as e:
-        console.print(f"error: {e}", markup=False)
+        print(f"error: {e}", file=sys.stderr)  # as every command reports a user's mistake
         return 2
     sc = sim.scheduler_config
     console.print(

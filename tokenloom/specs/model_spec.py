@@ -271,7 +271,11 @@ def load_config(model: str) -> tuple[dict, str]:
         path = path / "config.json"
     if path.is_file():
         with open(path, encoding="utf-8") as f:
-            return json.load(f), os.path.basename(os.path.dirname(os.path.abspath(path))) or str(path)
+            try:
+                config = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"model {model!r}: {path} is not a config.json ({e})") from None
+        return config, os.path.basename(os.path.dirname(os.path.abspath(path))) or str(path)
     raise ValueError(
         f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
         f"nor a directory containing config.json"
