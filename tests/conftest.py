@@ -14,6 +14,11 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config) -> None:
+    # Selectable (`-m soak`, `-m "not soak"`); it runs with the rest of the suite by default.
+    config.addinivalue_line("markers", "soak: the bounded soak of a real server (tests/test_soak.py)")
+
+
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     from tokenloom.model.make_model import make_model
