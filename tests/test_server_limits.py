@@ -135,9 +135,14 @@ def test_body_over_the_limit_is_413(strict):
                       headers={**AUTH, "content-type": "application/json"}).status_code == 200
 
 
-def test_huge_prompt_is_refused_without_stalling_streams(roomy):
-    """A 5 MB prompt is tokenized in a worker thread: while it is refused, a running stream's
-    longest pause stays far below the time the refusal takes (measured in the same run)."""
+def test_largest_tokenizing_does_not_stall_streams(roomy):
+    """The most text the server will tokenize for one request -- just under the length at
+    which /tokenize refuses without tokenizing (`--max-tokenize-tokens` x L bytes) -- is
+    tokenized in a worker thread: while it is refused, a running stream's longest pause stays
+    far below the time the refusal takes (measured in the same run)."""
+    from tokenloom.engine.prompt_bound import prompt_bound
+    from tokenloom.entrypoints.openai.limits import ServerLimits
+
     url = roomy.base_url + "/v1/completions"
     arrivals: list[float] = []
     started = threading.Event()
@@ -157,20 +162,81 @@ def test_huge_prompt_is_refused_without_stalling_streams(roomy):
     t.start()
     assert started.wait(60)
     time.sleep(0.2)  # a few chunks in: the stream is running steadily
-    huge = "the quick brown fox jumps over the lazy dog. " * (5 * 2**20 // 45)
+    most = prompt_bound(roomy.engine.tokenizer).max_bytes_per_token * ServerLimits().max_tokenize_tokens
+    unit = "the quick brown fox jumps over the lazy dog. "
+    huge = (unit * (most // len(unit)))[:most]
     t0 = time.perf_counter()
-    r = httpx.post(url, json={"model": NAME, "prompt": huge}, timeout=120)
+    r = httpx.post(roomy.base_url + "/tokenize", json={"model": NAME, "prompt": huge}, timeout=120)
     t1 = time.perf_counter()
     time.sleep(0.2)
     stop.set()
     t.join(60)
     e = _error(r, 400, "prompt")
-    assert e["code"] == "context_length_exceeded"
+    assert e["code"] == "limit_exceeded" and "at least" not in e["message"]  # counted: it was tokenized
     during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > t0 and a < t1]
-    assert len(during) >= 3, "the stream produced nothing while the prompt was being refused"
-    print(f"refusal {t1 - t0:.2f}s, longest stream pause meanwhile {max(during):.3f}s over {len(during)} gaps")
+    assert len(during) >= 3, "the stream produced nothing while the text was being tokenized"
+    print(f"{len(huge)} bytes refused in {t1 - t0:.2f}s, longest stream pause meanwhile {max(during):.3f}s "
+          f"over {len(during)} gaps")
     assert max(during) < (t1 - t0) / 4, (max(during), t1 - t0)
     assert wait_until(lambda: _idle(roomy.base_url), 10)
+
+
+def _ten_megabytes() -> str:
+    unit = "the quick brown fox jumps over the lazy dog. "
+    return (unit * (10_000_000 // len(unit) + 1))[:10_000_000]
+
+
+def _cpu_to_tokenize(tokenizer, text: str) -> float:
+    """CPU seconds this process spends tokenizing `text` (a tenth of it, times ten)."""
+    part = text[:len(text) // 10]
+    c0 = time.process_time()
+    tokenizer.encode(part, add_special_tokens=False)
+    return (time.process_time() - c0) * 10
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/completions", lambda big: {"prompt": big}, "prompt"),
+    ("/v1/completions", lambda big: {"prompt": ["a short one", "another", big]}, "prompt"),
+    ("/v1/chat/completions", lambda big: {"messages": [{"role": "user", "content": big}]}, "messages"),
+])
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(roomy, route, body, param):
+    """Issue 37: a 10 MB prompt (under the body limit) was tokenized in full -- seconds of
+    CPU -- before its 400.  Its length alone shows it cannot fit max_model_len: the 400 now
+    costs this process (server and client: CPU time, not wall time) a small fraction of what
+    tokenizing the text costs, in the same run."""
+    big = _ten_megabytes()
+    full = _cpu_to_tokenize(roomy.engine.tokenizer, big)
+    c0 = time.process_time()
+    r = httpx.post(roomy.base_url + route, json={"model": NAME, "max_tokens": 4, **body(big)}, timeout=300)
+    spent = time.process_time() - c0
+    e = _error(r, 400, param)
+    assert e["code"] == "context_length_exceeded"
+    assert "16384" in e["message"] and "at least" in e["message"]
+    print(f"{route}: refused in {spent:.3f} CPU-s; tokenizing the text costs {full:.2f} CPU-s")
+    assert spent < full / 5, (spent, full)
+    assert wait_until(lambda: _idle(roomy.base_url), 10)
+
+
+def test_tokenize_counts_past_the_context_but_not_without_bound(roomy):
+    """/tokenize counts a text longer than max_model_len (as vLLM's does: lm-eval-harness cuts
+    documents into context windows), up to --max-tokenize-tokens; a 10 MB text, certainly
+    beyond that, is refused before it is tokenized."""
+    from tokenloom.entrypoints.openai.limits import ServerLimits
+
+    doc = "the quick brown fox jumps over the lazy dog. " * 3000
+    r = httpx.post(roomy.base_url + "/tokenize", json={"model": NAME, "prompt": doc}, timeout=60)
+    assert r.status_code == 200 and r.json()["count"] > 16384 == r.json()["max_model_len"]
+    big = _ten_megabytes()
+    full = _cpu_to_tokenize(roomy.engine.tokenizer, big)
+    for body in ({"prompt": big}, {"messages": [{"role": "user", "content": big}]}):
+        c0 = time.process_time()
+        r = httpx.post(roomy.base_url + "/tokenize", json={"model": NAME, **body}, timeout=300)
+        spent = time.process_time() - c0
+        e = _error(r, 400, "prompt" if "prompt" in body else "messages")
+        assert e["code"] == "limit_exceeded" and str(ServerLimits().max_tokenize_tokens) in e["message"]
+        assert spent < full / 5, (spent, full)
+    too_many = {"model": NAME, "tokens": [5] * (ServerLimits().max_tokenize_tokens + 1)}
+    _error(httpx.post(roomy.base_url + "/detokenize", json=too_many, timeout=60), 400, "tokens")
 
 
 # ---- what a request may not do ------------------------------------------------------
@@ -239,6 +305,30 @@ def test_api_key_guards_the_tokenizer_routes(strict):
         assert httpx.request(method, url + route, json=body, headers=AUTH).status_code == 200
     assert httpx.get(url + "/health").status_code == 200
     assert httpx.get(url + "/metrics").status_code == 200
+
+
+def test_bearer_scheme_is_case_insensitive(strict):
+    """RFC 7235: the auth scheme is case-insensitive (`bearer K` was a 401); the key is not."""
+    url = strict.base_url + "/v1/models"
+    for header in (f"bearer {KEY}", f"BEARER {KEY}", f"bEaReR  {KEY}", f"Bearer {KEY}"):
+        assert httpx.get(url, headers={"Authorization": header}).status_code == 200, header
+    for header in (f"Bearer {KEY.upper()}", f"Bearer {KEY}x", f"Basic {KEY}", f"Bearer{KEY}", KEY, "Bearer"):
+        e = _error(httpx.get(url, headers={"Authorization": header}), 401, None)
+        assert e["code"] == "invalid_api_key"
+    dashboard = httpx.get(strict.base_url + "/dashboard", headers={"Authorization": f"bearer {KEY}"})
+    assert dashboard.status_code == 200
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+@pytest.mark.parametrize("ids", [[1_000_000_000], [5, 2**31]])
+def test_out_of_vocabulary_stop_token_id_is_400(roomy, route, ids):
+    """Like every other token id a request names, a stop id must exist in the vocabulary."""
+    body = {"model": NAME, "max_tokens": 2, "stop_token_ids": ids,
+            **({"prompt": "hi"} if route == "completions" else {"messages": CHAT})}
+    e = _error(httpx.post(f"{roomy.base_url}/v1/{route}", json=body, timeout=60), 400, "stop_token_ids")
+    assert "out of range" in e["message"]
+    ok = httpx.post(f"{roomy.base_url}/v1/{route}", json={**body, "stop_token_ids": [5]}, timeout=60)
+    assert ok.status_code == 200
 
 
 # ---- client compatibility ---------------------------------------------------------------

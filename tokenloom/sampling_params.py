@@ -183,8 +183,10 @@ class SamplingParams:
             self.structured_outputs.spec()  # exactly one constraint, of the right type
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Token ids named by these params must exist in the model's vocabulary."""
-        for param, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
+        """Token ids named by these params must exist in the model's vocabulary (a stop id
+        beyond it could never be sampled: accepting it would hide the client's mistake)."""
+        for param, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
+                           ("stop_token_ids", self.stop_token_ids or ())):
             bad_ids = [t for t in ids if t >= vocab_size]
             if bad_ids:
                 raise SamplingParamError(param, f"token id {bad_ids[0]} is out of range for a vocabulary of {vocab_size}")

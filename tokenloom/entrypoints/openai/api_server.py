@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import logging
 import signal
 import threading
@@ -35,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tokenloom.version import __version__
 from tokenloom.config import EngineArgs
 from tokenloom.engine.async_engine import AsyncLLMEngine
+from tokenloom.entrypoints.openai.auth import bearer_matches
 from tokenloom.entrypoints.openai.errors import bad_request, error_body, install_error_handlers
 from tokenloom.entrypoints.openai.body_limit import BodySizeLimitMiddleware
 from tokenloom.entrypoints.openai.dashboard_routes import install_dashboard
@@ -46,7 +46,7 @@ from tokenloom.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCo
                                                    ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
                                                    TokenizerInfo)
 from tokenloom.entrypoints.openai.serving_chat import create_chat_completion, render_messages
-from tokenloom.entrypoints.openai.serving_common import ServingContext, off_loop
+from tokenloom.entrypoints.openai.serving_common import ServingContext, encode_text, off_loop, tokenize_limit
 from tokenloom.entrypoints.openai.serving_completion import create_completion
 
 logger = logging.getLogger("tokenloom.server")
@@ -69,12 +69,11 @@ class APIKeyMiddleware:
 
     def __init__(self, app: Any, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.api_key = api_key
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and is_guarded(scope["path"]) and scope["method"] != "OPTIONS":
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):  # constant time: no guessing by timing
+            if not bearer_matches(dict(scope["headers"]).get(b"authorization", b""), self.api_key):
                 resp = JSONResponse(error_body("invalid or missing API key (send 'Authorization: Bearer <key>')",
                                                "authentication_error", None, "invalid_api_key"),
                                     status_code=401, headers={"WWW-Authenticate": "Bearer"})
@@ -154,11 +153,14 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None, dashboard: boo
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
 
         def work() -> bytes:  # templating, tokenizing and the (possibly long) JSON: all off the loop
+            # Bounded by --max-tokenize-tokens (serving_common.encode_text), not max_model_len:
+            # like vLLM's, this route counts texts longer than the context.
             if body.messages is not None:
                 ids = render_messages(ctx, body.messages, chat_template=body.chat_template,
-                                      add_generation_prompt=body.add_generation_prompt)
+                                      add_generation_prompt=body.add_generation_prompt, route="tokenize")
             else:
-                ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+                ids = encode_text(ctx, body.prompt, add_special_tokens=body.add_special_tokens, param="prompt",
+                                  route="tokenize")
             return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
                                     token_strs=engine.tokenizer.convert_ids_to_tokens(ids)).model_dump_json().encode()
 
@@ -168,6 +170,11 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None, dashboard: boo
               responses=error_responses(*guarded, *TOKENIZER_ERRORS))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(body.model)
+
+        limit = tokenize_limit(ctx)  # what /tokenize can give, /detokenize takes back
+        if len(body.tokens) > limit:
+            raise bad_request(f"at most {limit} token ids can be decoded at once (--max-tokenize-tokens, or "
+                              f"max_model_len if larger), got {len(body.tokens)}", param="tokens", code="limit_exceeded")
 
         def work() -> DetokenizeResponse:
             vocab = engine.engine.vocab_size

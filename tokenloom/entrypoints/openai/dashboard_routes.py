@@ -19,6 +19,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 
 from tokenloom.dashboard.hub import DashboardHub
 from tokenloom.dashboard.page import render_page
+from tokenloom.entrypoints.openai.auth import bearer_matches
 from tokenloom.entrypoints.openai.errors import error_body
 
 COOKIE = "tokenloom_dashboard"
@@ -40,7 +41,7 @@ def key_source(request: Request, api_key: str | None) -> str | None:
     q = request.query_params.get("key")
     if q is not None and _same(q, api_key):
         return "query"
-    if _same(request.headers.get("authorization", ""), f"Bearer {api_key}"):
+    if bearer_matches(request.headers.get("authorization", ""), api_key):
         return "header"
     c = request.cookies.get(COOKIE)
     if c is not None and _same(c, cookie_value(api_key)):

@@ -32,6 +32,10 @@ class ServerLimits:
     max_n: int = 128
     max_queued_requests: int | None = 1024  # None: no cap
     trust_request_chat_template: bool = False
+    # /tokenize counts texts longer than the context (lm-eval-harness cuts documents into
+    # windows), up to this many tokens or max_model_len if larger; a text that certainly has
+    # more is refused by its length, before it is tokenized (engine/prompt_bound.py).
+    max_tokenize_tokens: int = 131072
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerLimits":
@@ -46,9 +50,11 @@ class ServerLimits:
             max_queued_requests=None if args.max_queued_requests is None or args.max_queued_requests < 0
             else args.max_queued_requests,
             trust_request_chat_template=args.trust_request_chat_template,
+            max_tokenize_tokens=getattr(args, "max_tokenize_tokens", cls.max_tokenize_tokens),
         )
         for flag, value in (("--max-request-body-bytes", limits.max_request_body_bytes),
                             ("--max-prompts-per-request", limits.max_prompts_per_request),
+                            ("--max-tokenize-tokens", limits.max_tokenize_tokens),
                             ("--max-n", limits.max_n)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -77,6 +83,9 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
                    help=f"answer 429 when this many sequences already wait to be scheduled "
                         f"(default {d.max_queued_requests}; a negative value: no cap)")
+    g.add_argument("--max-tokenize-tokens", type=int, default=d.max_tokenize_tokens,
+                   help=f"most tokens /tokenize counts in one text, or max_model_len if larger "
+                        f"(default {d.max_tokenize_tokens})")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="honour a `chat_template` sent in a request (refused by default: a template is code, "
                         "and rendering it runs on this server)")

@@ -15,22 +15,21 @@ import inspect
 import json
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Literal, Sequence
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenloom.engine.async_engine import RequestStream
 from tokenloom.engine.detokenizer import TokenTexts
-from tokenloom.entrypoints.llm import render_chat
 from tokenloom.entrypoints.openai.errors import bad_request
 from tokenloom.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                                    ChatLogprobs, ChatMessage, ChatResponseMessage,
                                                    ChatTokenLogprob, TopLogprob)
 from tokenloom.entrypoints.openai.serving_common import (ChunkFrame, ServingContext, SSEResponse, abort_all,
                                                          add_requests, check_request, collect_final, compile_grammar,
-                                                         finite_logprob, make_usage, merge_streams, new_id, off_loop,
-                                                         sampling_params, sse_body, structured_outputs,
+                                                         encode_text, finite_logprob, make_usage, merge_streams, new_id,
+                                                         off_loop, sampling_params, sse_body, structured_outputs,
                                                          validate_prompt)
 from tokenloom.entrypoints.openai.tool_calls import ToolPlan, constrained_calls, get_parser, plan_tools
 from tokenloom.structured import GrammarError
@@ -91,10 +90,13 @@ def check_chat_template_request(ctx: ServingContext, chat_template: str | None,
 
 def render_messages(ctx: ServingContext, messages: Sequence[ChatMessage], *, chat_template: str | None,
                     add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    route: Literal["generate", "tokenize"] = "generate") -> list[int]:
     """Messages -> prompt token ids; every failure is a 400.  Blocking (a template render and
     a tokenizer): call it through `off_loop`.  `tools` go to the template as transformers'
-    `apply_chat_template(tools=...)` gives them."""
+    `apply_chat_template(tools=...)` gives them.  The rendered text is tokenized as transformers
+    would (no special tokens added), unless its length alone shows it cannot fit the limit of
+    `route` (`serving_common.encode_text`): a huge conversation is refused before tokenizing."""
     check_chat_template_request(ctx, chat_template, template_kwargs)
     msgs = [_message_dict(m, i) for i, m in enumerate(messages)]
     tok = ctx.engine.tokenizer
@@ -103,15 +105,13 @@ def render_messages(ctx: ServingContext, messages: Sequence[ChatMessage], *, cha
                           "start the server with --chat-template FILE, or use /v1/completions",
                           param="messages", code="missing_chat_template")
     try:
-        if not template_kwargs and not tools:
-            return render_chat(tok, msgs, chat_template, add_generation_prompt)
-        # Extra template variables (vLLM's chat_template_kwargs, e.g. enable_thinking).
-        ids = tok.apply_chat_template(msgs, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                                      tokenize=True, tools=tools, **(template_kwargs or {}))
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+        # Extra template variables: vLLM's chat_template_kwargs, e.g. enable_thinking.
+        text = tok.apply_chat_template(msgs, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                       tokenize=False, tools=tools, **(template_kwargs or {}))
     except Exception as e:  # jinja errors (raise_exception in templates), bad kwargs, ...
         raise bad_request(f"the chat template could not render these messages: {type(e).__name__}: {e}",
                           param="messages", code="chat_template_error") from None
+    return encode_text(ctx, text, add_special_tokens=False, param="messages", route=route)
 
 
 def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs], top_n: int,

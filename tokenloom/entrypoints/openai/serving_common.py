@@ -21,7 +21,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Callable, Literal, Sequence, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -29,6 +29,7 @@ from fastapi.responses import StreamingResponse
 from tokenloom.engine.async_engine import (AsyncLLMEngine, EngineDeadError, RequestFailedError,
                                            RequestStream)
 from tokenloom.engine.llm_engine import PromptTooLongError
+from tokenloom.engine.prompt_bound import prompt_bound
 from tokenloom.entrypoints.openai.errors import OpenAIError, bad_request, sse_error
 from tokenloom.entrypoints.openai.limits import ServerLimits, check_sampling_limits
 from tokenloom.entrypoints.openai.protocol import PromptTokensDetails, Usage, _SamplingFields
@@ -210,12 +211,57 @@ async def compile_grammar(ctx: ServingContext, req: _SamplingFields, params: Sam
         raise bad_request(str(e), param=e.param) from None
 
 
+def check_prompt_bound(ctx: ServingContext, text: str, param: str = "prompt") -> None:
+    """Refuse, before tokenizing it, a text that cannot fit max_model_len: it has at least
+    bytes / L tokens (`tokenloom.engine.prompt_bound`), so a prompt that passes this costs at
+    most L x max_model_len bytes of tokenizing, however large the body."""
+    max_len = ctx.engine.max_model_len
+    least = prompt_bound(ctx.engine.tokenizer).min_tokens(text)
+    if least >= max_len:
+        raise bad_request(f"the prompt has at least {least} tokens, but this model's max_model_len is {max_len} "
+                          f"(the prompt must be shorter, leaving room for at least one generated token)",
+                          param=param, code="context_length_exceeded")
+
+
+def tokenize_limit(ctx: ServingContext) -> int:
+    """The most tokens /tokenize counts: --max-tokenize-tokens, or max_model_len if larger."""
+    return max(ctx.limits.max_tokenize_tokens, ctx.engine.max_model_len)
+
+
+def _too_many_to_count(num_tokens: int | str, limit: int, param: str) -> OpenAIError:
+    return bad_request(f"the text has {num_tokens} tokens, more than /tokenize counts ({limit}: "
+                       f"--max-tokenize-tokens, or max_model_len if larger)", param=param, code="limit_exceeded")
+
+
+def encode_text(ctx: ServingContext, text: str, *, add_special_tokens: bool, param: str,
+                route: Literal["generate", "tokenize"] = "generate") -> list[int]:
+    """Token ids of `text`, refused by its length before tokenizing when it cannot fit the
+    limit it is for: max_model_len for generation (`check_prompt_bound`), `tokenize_limit`
+    for /tokenize (which counts texts longer than the context, as vLLM's does: lm-eval-harness
+    tokenizes whole documents through it, then cuts them into context windows).  Blocking:
+    call it off the event loop."""
+    tok = ctx.engine.tokenizer
+    if route == "generate":
+        check_prompt_bound(ctx, text, param)
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+    limit = tokenize_limit(ctx)
+    least = prompt_bound(tok).min_tokens(text)
+    if least > limit:
+        raise _too_many_to_count(f"at least {least}", limit, param)
+    ids = tok.encode(text, add_special_tokens=add_special_tokens)
+    if len(ids) > limit:
+        raise _too_many_to_count(len(ids), limit, param)
+    return ids
+
+
 def validate_prompt(ctx: ServingContext, prompt: str | list[int], params: SamplingParams,
                     param: str = "prompt") -> tuple[str | None, list[int]]:
     """Tokenize/check one prompt as the engine will; PromptTooLongError etc. become 400s.
     Blocking (a tokenizer, a pass over the ids): call it through `off_loop`."""
     max_len = ctx.engine.max_model_len
-    if not isinstance(prompt, str) and len(prompt) >= max_len:  # the length first, before any per-id check
+    if isinstance(prompt, str):
+        check_prompt_bound(ctx, prompt, param)
+    elif len(prompt) >= max_len:  # the length first, before any per-id check
         raise bad_request(f"the prompt has {len(prompt)} tokens, but this model's max_model_len is {max_len} "
                           f"(the prompt must be shorter, leaving room for at least one generated token)",
                           param=param, code="context_length_exceeded")

@@ -25,8 +25,9 @@ from tokenloom.entrypoints.openai.limits import check_prompt_count
 from tokenloom.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                    CompletionResponse)
 from tokenloom.entrypoints.openai.serving_common import (ChunkFrame, ServingContext, SSEResponse, abort_all,
-                                                         add_requests, check_request, collect_final, compile_grammar,
-                                                         finite_logprob, make_usage, merge_streams, new_id, off_loop,
+                                                         add_requests, check_prompt_bound, check_request, collect_final,
+                                                         compile_grammar, finite_logprob, make_usage, merge_streams,
+                                                         new_id, off_loop,
                                                          sampling_params, sse_body, validate_prompt)
 from tokenloom.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenloom.sampling_params import SamplingParams
@@ -124,6 +125,9 @@ def _tokenize_all(ctx: ServingContext, prompts: list[str | list[int]], params: S
     """Token ids and echo text of every prompt (blocking: runs in a worker thread).  Every
     prompt is checked before any is queued, so a bad one in a list leaves nothing behind."""
     tok = ctx.engine.tokenizer
+    for p in prompts:  # every text's length first: a batch with one huge prompt is refused before any tokenizing
+        if isinstance(p, str):
+            check_prompt_bound(ctx, p)
     out: list[tuple[str | None, list[int]]] = []
     texts: list[str] = []
     for p in prompts:
