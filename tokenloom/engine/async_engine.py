@@ -20,6 +20,15 @@ by that one thread between steps (which is also what bounds abort latency to one
 Streams coalesce: `RequestOutput`s are cumulative, so a stream only keeps the newest one.
 A slow client therefore costs one object, never a growing backlog.
 
+Stalled readers (`StallPolicy`, set on a stream by the SSE writer): a client that stops
+reading blocks its stream's writer (the socket's buffers are full), so the outputs the
+engine produces pile up unread in the stream.  Once one sequence has `max_unread_tokens`
+tokens nobody took, the stream asks the engine to *pause* the request -- out of the batch,
+its seat free for others, its KV blocks kept -- and to *resume* it as soon as the writer
+takes the next output (the client read again).  A request paused for `timeout` seconds is
+aborted: its KV blocks go back to the pool and its stream fails with status 408
+(`stream_stalled`), which the client sees if it ever reads again.
+
 Failures (see LLMEngine for what one step contains): a request the engine failed gets an
 error on its stream (status 500) and the others carry on.  After `max_failed_steps`
 failed steps in a row, or once the device is found broken, the engine is declared dead:
@@ -57,9 +66,30 @@ class RequestFailedError(RuntimeError):
     """The engine did not finish a request: its add was refused, a step failed (status 500),
     or the server is shutting down (status 503)."""
 
-    def __init__(self, message: str, status: int = 500):
+    def __init__(self, message: str, status: int = 500, code: str | None = None):
         super().__init__(message)
         self.status = status
+        self.code = code  # the OpenAI error code to answer with (None: decided by the status)
+
+
+@dataclass(frozen=True)
+class StallPolicy:
+    """What happens to a stream whose client stops reading (the module docstring)."""
+
+    max_unread_tokens: int  # pause once one sequence has this many tokens produced and not taken
+    timeout: float  # abort after this many seconds paused
+
+    def __post_init__(self) -> None:
+        if self.max_unread_tokens < 1 or not self.timeout > 0:
+            raise ValueError("a stall policy needs max_unread_tokens >= 1 and timeout > 0")
+
+
+STALLED_CODE = "stream_stalled"
+
+
+def _progress(out: RequestOutput) -> int:
+    """How far the furthest sequence of a (cumulative) output got, in tokens."""
+    return max((len(c.token_ids) for c in out.outputs), default=0)
 
 
 class RequestStream:
@@ -68,13 +98,23 @@ class RequestStream:
     Written to only through `loop.call_soon_threadsafe` (by the engine thread), so the
     fields below are touched by the event-loop thread alone."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
+                 control: Callable[[tuple[str, str]], None] | None = None):
         self.request_id = request_id
         self._loop = loop
         self._latest: RequestOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
         self.finished = False  # the engine delivered its final output (or an error)
+        self._control = control  # sends ("pause" | "resume", request_id) to the engine thread
+        self.stall: StallPolicy | None = None  # read by the engine thread too (immutable)
+        self._taken = 0  # _progress of the newest output the consumer took
+        self._pause_asked = False
+
+    def watch_unread(self, policy: StallPolicy | None) -> None:
+        """Pause the request while its consumer leaves `policy.max_unread_tokens` unread
+        (call on the event loop; streaming responses do, where a stalled client blocks)."""
+        self.stall = policy
 
     # -- producer side (runs on the event loop, scheduled by the engine thread) --
     def _put(self, out: RequestOutput) -> None:
@@ -83,6 +123,10 @@ class RequestStream:
         self._latest = out  # cumulative: the newest output contains all older ones
         if out.finished:
             self.finished = True
+        elif (self.stall is not None and not self._pause_asked and self._control is not None
+              and _progress(out) - self._taken >= self.stall.max_unread_tokens):
+            self._pause_asked = True
+            self._control(("pause", self.request_id))
         self._ready.set()
 
     def _fail(self, exc: BaseException) -> None:
@@ -98,6 +142,11 @@ class RequestStream:
         while True:
             if self._latest is not None:
                 out, self._latest = self._latest, None
+                self._taken = _progress(out)
+                if self._pause_asked:  # the client reads again: so may the engine
+                    self._pause_asked = False
+                    if self._control is not None:
+                        self._control(("resume", self.request_id))
                 return out
             if self._error is not None:
                 raise self._error
@@ -162,6 +211,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._pause_deadlines: dict[str, float] = {}  # paused request -> when it is aborted (engine thread)
         self._adds_submitted = 0  # event-loop thread only
         self._snapshot = EngineSnapshot(0, 0, 0, 0.0)
         self._stopping = False
@@ -244,7 +294,7 @@ class AsyncLLMEngine:
             if not self.is_running:
                 raise EngineDeadError(self.dead_reason or "the engine is not running")
             assert self._loop is not None
-            stream = RequestStream(request_id, self._loop)
+            stream = RequestStream(request_id, self._loop, self._control)
             self._adds_submitted += 1
             self._inbox.put(_Add(request_id, prompt, params,
                                  time.perf_counter() if arrival_time is None else arrival_time,
@@ -255,6 +305,11 @@ class AsyncLLMEngine:
         """Abort a request (no-op if it already finished); applied before the next step."""
         if self._thread is not None and self._thread.is_alive():
             self._inbox.put(("abort", request_id))
+
+    def _control(self, cmd: tuple[str, str]) -> None:
+        """A stream's ("pause" | "resume", request_id); applied before the next step."""
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(cmd)
 
     def abort_all(self, reason: str) -> None:
         """End every in-flight request now; their streams fail with `reason` (status 503).
@@ -292,8 +347,13 @@ class AsyncLLMEngine:
             while True:
                 # Idle: block until something arrives.  Busy: take what is there, then step.
                 cmds: list[Any] = []
-                if not self.engine.has_unfinished_requests():
-                    cmds.append(self._inbox.get())
+                if not self.engine.has_schedulable_requests():
+                    # nothing to step (idle, or every request paused): wait for a command,
+                    # or until the next paused request is due to be aborted
+                    try:
+                        cmds.append(self._inbox.get(timeout=self._until_next_deadline()))
+                    except queue.Empty:
+                        pass
                 while True:
                     try:
                         cmds.append(self._inbox.get_nowait())
@@ -308,16 +368,21 @@ class AsyncLLMEngine:
                         self._apply_add(cmd)
                     elif cmd[0] == "abort":
                         self._apply_abort(cmd[1])
+                    elif cmd[0] == "pause":
+                        self._apply_pause(cmd[1])
+                    elif cmd[0] == "resume":
+                        self._apply_resume(cmd[1])
                     else:  # ("abort_all", reason)
                         self._abort_all(cmd[1], status=503)
                 if stop:
                     self._close(lambda: RequestFailedError("the server is shutting down", 503))
                     self._publish(adds_applied)
                     return
-                if cmds and self.metrics is not None:
+                expired = self._abort_stalled()
+                if (cmds or expired) and self.metrics is not None:
                     self.metrics.refresh_gauges()
                 self._publish(adds_applied)
-                if self.engine.has_unfinished_requests():
+                if self.engine.has_schedulable_requests():
                     self._step()
                     self._publish(adds_applied)
                     fatal = self._fatal_condition()
@@ -380,7 +445,49 @@ class AsyncLLMEngine:
             return
         self._streams[cmd.request_id] = cmd.stream
 
+    def _apply_pause(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None or stream.stall is None or request_id in self._pause_deadlines:
+            return  # finished meanwhile (its final output is on its way), or paused already
+        if self.engine.pause_request(request_id):
+            self._pause_deadlines[request_id] = time.monotonic() + stream.stall.timeout
+            if self.metrics is not None:
+                self.metrics.observe_pause(request_id, self._num_samples(request_id))
+
+    def _apply_resume(self, request_id: str) -> None:
+        if self._pause_deadlines.pop(request_id, None) is not None:
+            self.engine.resume_request(request_id)
+
+    def _until_next_deadline(self) -> float | None:
+        """Seconds until the next paused request is due to be aborted; None: none is paused."""
+        if not self._pause_deadlines:
+            return None
+        return max(0.0, min(self._pause_deadlines.values()) - time.monotonic())
+
+    def _abort_stalled(self) -> int:
+        """Abort the requests paused for longer than their stall timeout: KV blocks back to
+        the pool, the stream fails with 408 (the client reads it if it ever reads again)."""
+        now = time.monotonic()
+        due = [rid for rid, deadline in self._pause_deadlines.items() if deadline <= now]
+        for rid in due:
+            stream = self._streams.get(rid)
+            timeout = stream.stall.timeout if stream is not None and stream.stall is not None else 0.0
+            logger.warning("request %s: its client read nothing for %.0fs while it was paused; aborted", rid, timeout)
+            self._apply_abort(rid)
+            if self.metrics is not None:
+                self.metrics.observe_stalled_abort()
+            if stream is not None:
+                self._deliver(stream._fail, RequestFailedError(
+                    f"the stream was aborted: its client read nothing for {timeout:g}s "
+                    f"(--stalled-stream-timeout)", 408, STALLED_CODE))
+        return len(due)
+
+    def _num_samples(self, request_id: str) -> int:
+        group = self.engine.groups.get(request_id)
+        return group.params.n if group is not None else 1
+
     def _apply_abort(self, request_id: str) -> None:
+        self._pause_deadlines.pop(request_id, None)
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return  # finished already, or never added
@@ -421,6 +528,7 @@ class AsyncLLMEngine:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
+                self._pause_deadlines.pop(out.request_id, None)
             if out.error is not None:
                 self._deliver(stream._fail, RequestFailedError(out.error, 500))
             else:

@@ -150,6 +150,7 @@ class LLMEngine:
             self.tp_launcher.send_runner_spec(c.num_kv_blocks, c.block_size, **runner_kwargs)
         self.runner = ModelRunner(self.loaded, c.num_kv_blocks, c.block_size, tp=tp, **runner_kwargs)
         self.processor = OutputProcessor(self.tokenizer, self.scheduler, self.runner.remove_request)
+        self.paused_requests: set[str] = set()  # ids of requests out of the schedule (pause_request)
         # n-gram drafts set on running requests before each schedule() (spec_decode/proposer.py)
         self.proposer = SpecProposer(self.speculative_config) if self.speculative_config else None
         self.observers: list[Callable[[StepEvent], None]] = list(observers)
@@ -307,6 +308,46 @@ class LLMEngine:
             request_ids = [request_ids]
         for rid in request_ids:
             self.processor.abort(rid)
+
+    def pause_request(self, request_id: str) -> bool:
+        """Stop computing a request without ending it -- its client is not reading what it
+        produces.  Its sequences leave the batch (their seats go to others), keep their KV
+        blocks unless memory runs short (then they recompute when resumed) and produce
+        nothing until `resume_request`.  False if the request is unknown or finished."""
+        g = self.groups.get(request_id)
+        if g is None:
+            return False
+        for s in g.samples:
+            self.scheduler.pause_request(s.req.request_id)
+        # Samples still held back for the prefix cache (`g.pending`) enter the scheduler only
+        # after sample 0 computed the prompt, which a paused sample 0 does not do.
+        self.paused_requests.add(request_id)
+        return True
+
+    def resume_request(self, request_id: str) -> bool:
+        """Put a paused request back in the schedule; False if it was not paused."""
+        if request_id not in self.paused_requests:
+            return False
+        self.paused_requests.discard(request_id)
+        g = self.groups.get(request_id)
+        if g is None:
+            return False
+        for s in g.samples:
+            self.scheduler.resume_request(s.req.request_id)
+        return True
+
+    @property
+    def num_paused(self) -> int:
+        """Sequences paused (out of the batch, KV kept unless memory ran short)."""
+        return self.scheduler.num_paused
+
+    def has_schedulable_requests(self) -> bool:
+        """Whether a step can do anything: unfinished requests that are not all paused.
+        (A server with only paused requests waits for a command instead of stepping.)"""
+        if not self.groups:
+            return False
+        self.paused_requests &= self.groups.keys()  # ended while paused (aborted, failed)
+        return not self.paused_requests or self.scheduler.has_schedulable()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)

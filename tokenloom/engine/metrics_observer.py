@@ -10,6 +10,8 @@ engines -- or a test that builds several servers -- never collide):
                                       drafts / draft tokens / accepted tokens (+ per position)
     per output (RequestOutput)        TTFT, inter-token latency, end-to-end latency,
                                       prompt tokens, finished requests by reason
+    stalled readers (async engine)    paused sequences (gauge), stream pauses, streams
+                                      aborted after --stalled-stream-timeout
 
 Everything is fed from the thread that owns the engine, so the bookkeeping dicts here need
 no lock; prometheus_client's own locks make scraping from another thread safe.  Nothing here
@@ -61,6 +63,11 @@ class EngineMetrics:
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
+        self.num_requests_paused = gauge("num_requests_paused",
+                                         "Sequences paused because their client stopped reading (KV kept).")
+        self.num_stream_pauses = counter("num_stream_pauses", "Streams paused because their client stopped reading.")
+        self.num_stalled_stream_aborts = counter("num_stalled_stream_aborts",
+                                                 "Streams aborted after --stalled-stream-timeout seconds paused.")
         # prometheus_client appends `_total` to counters: the exported names end in `_total`.
         self.num_preemptions = counter("num_preemptions", "Requests preempted (KV freed, to be recomputed).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a first token.")
@@ -90,6 +97,7 @@ class EngineMetrics:
         # Export every series from the start (at 0): a dashboard or a rate() needs the series to
         # exist before the first preemption / abort, and absent is not the same as zero.
         for m in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
+                  self.num_requests_paused, self.num_stream_pauses, self.num_stalled_stream_aborts,
                   self.num_preemptions, self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries,
                   self.prefix_cache_hits, self.time_to_first_token, self.inter_token_latency,
                   self.e2e_request_latency, self.iteration_tokens, self.spec_decode_num_drafts,
@@ -125,6 +133,7 @@ class EngineMetrics:
         self._l(self.num_requests_running).set(e.num_running)
         self._l(self.num_requests_waiting).set(e.num_waiting)
         self._l(self.kv_cache_usage_perc).set(e.kv_cache_usage())
+        self._l(self.num_requests_paused).set(e.num_paused)
         q, h = e.kv.prefix_queries, e.kv.prefix_hits
         dq, dh = q - self._prefix_seen[0], h - self._prefix_seen[1]
         if dq > 0:
@@ -191,6 +200,17 @@ class EngineMetrics:
     def observe_outputs(self, outs: Iterable[RequestOutput]) -> None:
         for o in outs:
             self.observe_output(o)
+
+    def observe_pause(self, request_id: str, n: int = 1) -> None:
+        """A stream was paused (its client stopped reading).  The wait until it resumes is
+        the client's, not the server's: the next token starts a fresh inter-token interval."""
+        self._l(self.num_stream_pauses).inc()
+        for i in range(n):
+            self._last.pop((request_id, i), None)
+
+    def observe_stalled_abort(self) -> None:
+        """A paused stream was aborted after its stall timeout (counted as an abort too)."""
+        self._l(self.num_stalled_stream_aborts).inc()
 
     def observe_abort(self, request_id: str, n: int = 1) -> None:
         """A request ended from outside (client gone, shutdown): count it, drop its state."""

@@ -48,6 +48,7 @@ from tokenloom.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCo
 from tokenloom.entrypoints.openai.serving_chat import create_chat_completion, render_messages
 from tokenloom.entrypoints.openai.serving_common import ServingContext, encode_text, off_loop, tokenize_limit
 from tokenloom.entrypoints.openai.serving_completion import create_completion
+from tokenloom.entrypoints.openai.unsent_bound import with_unsent_bound
 
 logger = logging.getLogger("tokenloom.server")
 
@@ -269,6 +270,8 @@ def build_server(args: argparse.Namespace) -> tuple[_Server, AsyncLLMEngine]:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=not args.disable_access_log,
                             timeout_graceful_shutdown=grace + 5.0)  # backstop; see _Server
+    config.load()  # resolves the HTTP protocol class, which bounds what a stalled client absorbs:
+    config.http_protocol_class = with_unsent_bound(config.http_protocol_class, limits.max_unsent_bytes)
     server = _Server(config, engine, grace, exit_on_engine_failure=getattr(args, "exit_on_engine_failure", True))
     engine.on_dead = server.engine_died
     return server, engine

@@ -32,6 +32,13 @@ class ServerLimits:
     max_n: int = 128
     max_queued_requests: int | None = 1024  # None: no cap
     trust_request_chat_template: bool = False
+    # Stalled readers (engine/async_engine.py StallPolicy; docs/reliability.md): a stream whose
+    # client leaves this many tokens of one sequence unread is paused (0: never paused), and
+    # aborted after `stalled_stream_timeout` seconds paused; `max_unsent_bytes` bounds what a
+    # connection holds unsent, so that a stalled client blocks its stream early (unsent_bound.py).
+    max_unread_stream_tokens: int = 64
+    stalled_stream_timeout: float = 60.0
+    max_unsent_bytes: int = 16384
     # /tokenize counts texts longer than the context (lm-eval-harness cuts documents into
     # windows), up to this many tokens or max_model_len if larger; a text that certainly has
     # more is refused by its length, before it is tokenized (engine/prompt_bound.py).
@@ -50,8 +57,13 @@ class ServerLimits:
             max_queued_requests=None if args.max_queued_requests is None or args.max_queued_requests < 0
             else args.max_queued_requests,
             trust_request_chat_template=args.trust_request_chat_template,
+            max_unread_stream_tokens=getattr(args, "max_unread_stream_tokens", cls.max_unread_stream_tokens),
+            stalled_stream_timeout=getattr(args, "stalled_stream_timeout", cls.stalled_stream_timeout),
+            max_unsent_bytes=getattr(args, "max_unsent_bytes", cls.max_unsent_bytes),
             max_tokenize_tokens=getattr(args, "max_tokenize_tokens", cls.max_tokenize_tokens),
         )
+        if not limits.stalled_stream_timeout > 0:
+            raise ValueError(f"--stalled-stream-timeout must be > 0, got {limits.stalled_stream_timeout}")
         for flag, value in (("--max-request-body-bytes", limits.max_request_body_bytes),
                             ("--max-prompts-per-request", limits.max_prompts_per_request),
                             ("--max-tokenize-tokens", limits.max_tokenize_tokens),
@@ -60,6 +72,8 @@ class ServerLimits:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         for flag, value in (("--max-stop-strings", limits.max_stop_strings),
                             ("--max-stop-string-chars", limits.max_stop_string_chars),
+                            ("--max-unread-stream-tokens", limits.max_unread_stream_tokens),
+                            ("--max-unsent-bytes", limits.max_unsent_bytes),
                             ("--max-logit-bias", limits.max_logit_bias)):
             if value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
@@ -89,6 +103,16 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="honour a `chat_template` sent in a request (refused by default: a template is code, "
                         "and rendering it runs on this server)")
+    g.add_argument("--max-unread-stream-tokens", type=int, default=d.max_unread_stream_tokens,
+                   help=f"pause a stream (out of the batch, KV kept) while its client leaves this many tokens of a "
+                        f"sequence unread; resumed when it reads (default {d.max_unread_stream_tokens}; 0: never pause)")
+    g.add_argument("--stalled-stream-timeout", type=float, default=d.stalled_stream_timeout,
+                   help=f"abort a stream paused this many seconds, freeing its KV cache "
+                        f"(default {d.stalled_stream_timeout:g})")
+    g.add_argument("--max-unsent-bytes", type=int, default=d.max_unsent_bytes,
+                   help=f"bytes a connection may hold unsent, in the kernel (TCP_NOTSENT_LOWAT) and in the server's "
+                        f"write buffer each, so that a client that stops reading blocks its stream after kilobytes, "
+                        f"not megabytes (default {d.max_unsent_bytes}; 0: the kernel's and asyncio's defaults)")
 
 
 def check_sampling_limits(limits: ServerLimits, *, n: int, stop: str | list[str] | None,

@@ -27,7 +27,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from tokenloom.engine.async_engine import (AsyncLLMEngine, EngineDeadError, RequestFailedError,
-                                           RequestStream)
+                                           RequestStream, StallPolicy)
 from tokenloom.engine.llm_engine import PromptTooLongError
 from tokenloom.engine.prompt_bound import prompt_bound
 from tokenloom.entrypoints.openai.errors import OpenAIError, bad_request, sse_error
@@ -306,7 +306,8 @@ def engine_failure(e: BaseException) -> OpenAIError:
         logger.error("request failed in the engine: %s", e)
         return OpenAIError(status, "the engine failed while running this request (the details are in the server log)",
                            code="engine_error")
-    return OpenAIError(status, str(e), code="shutting_down" if status == 503 else "engine_error")
+    code = getattr(e, "code", None) or ("shutting_down" if status == 503 else "engine_error")
+    return OpenAIError(status, str(e), code=code)
 
 
 async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -434,7 +435,15 @@ class ChunkFrame:
 async def sse_body(ctx: ServingContext, streams: Sequence[RequestStream], chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """Frame `chunks` as an SSE stream: `[DONE]` after the last one, an error event first
     if the engine fails mid-stream, and the requests aborted however the stream ends --
-    normally, on error, or when the client disconnects and the generator is closed."""
+    normally, on error, or when the client disconnects and the generator is closed.
+
+    A client that stops reading blocks this generator at its send; its requests are then
+    paused and, after --stalled-stream-timeout, aborted (`StallPolicy`, engine/async_engine.py)."""
+    limits = ctx.limits
+    if limits.max_unread_stream_tokens > 0:
+        policy = StallPolicy(limits.max_unread_stream_tokens, limits.stalled_stream_timeout)
+        for s in streams:
+            s.watch_unread(policy)
     try:
         async with contextlib.aclosing(chunks):
             async for c in chunks:
