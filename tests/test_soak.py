@@ -168,6 +168,7 @@ def _disconnect(rng: random.Random, i: int) -> Req:
 
 
 LONG_PROMPT = "hello " * 300  # > MAX_MODEL_LEN tokens
+HUGE_PROMPT = "lorem ipsum " * 10_000  # 120 KB: refused by its length alone
 
 
 def _bad(rng: random.Random, i: int) -> Req:
@@ -187,6 +188,8 @@ def _bad(rng: random.Random, i: int) -> Req:
          dict(expect_status=404, expect_param="model", expect_code="model_not_found")),
         ("too_long_prompt", comp, {"prompt": LONG_PROMPT, "max_tokens": 2},
          dict(expect_status=400, expect_param="prompt", expect_code="context_length_exceeded")),
+        ("huge_prompt", chat, {"messages": [{"role": "user", "content": HUGE_PROMPT}], "max_tokens": 2},
+         dict(expect_status=400, expect_param="messages", expect_code="context_length_exceeded")),
         ("too_many_tokens", chat, {"messages": msgs, "max_tokens": 10 * MAX_MODEL_LEN},
          dict(expect_status=400, expect_param="max_tokens")),
         ("wrong_key", comp, {"prompt": "x", "max_tokens": 2},
