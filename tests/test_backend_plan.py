@@ -41,14 +41,28 @@ def test_the_engine_runs_one_resolved_plan(tiny_llama):
 def test_static_choices_follow_from_the_settings():
     cpu = torch.device("cpu")
     compiled = resolve_backends(cpu, torch.float32, FIELDS, ops="torch", compile=True)
-    assert compiled.compile and not compiled.fused_kv_write and not compiled.flat_decode
+    assert compiled.compile and not compiled.fused_kv_write and not compiled.flat_calls
     assert not compiled.cuda_graphs and compiled.cuda_graphs_off == "not on a CUDA device"
-    sdpa = resolve_backends(cpu, torch.float32, FIELDS, attention="sdpa")
-    assert sdpa.attention == "sdpa" and not sdpa.flat_decode
-    windowed = resolve_backends(cpu, torch.float32, {**FIELDS, "sliding_window": 8})
-    assert not windowed.flat_decode  # our CPU decode kernel has no window: SDPA's masks then
+    sdpa = resolve_backends(cpu, torch.float32, FIELDS, attention="sdpa", ops="torch")
+    assert (sdpa.attention, sdpa.ops, sdpa.fused_kv_write, sdpa.flat_calls) == ("sdpa", "torch", False, True)
     tp = resolve_backends(cpu, torch.float32, FIELDS, tensor_parallel_size=2)
-    assert not tp.flat_decode
+    assert tp.cuda_graphs_off == "not on a CUDA device" and tp.flat_calls
+
+
+def test_a_layer_binds_its_static_choices_once(tiny_llama):
+    """What cannot change after load is bound into each layer, not checked per call: the
+    linears as plain functions (flat) or modules, the fused rotary + KV write or not."""
+    from tokenloom.model.packed_linear import PanelLinear
+
+    llm = LLM(str(tiny_llama), max_model_len=64, num_kv_blocks=32)
+    runner = llm.llm_engine.runner
+    step = runner.model.steps[0]
+    assert not isinstance(step.qkv, torch.nn.Module)  # flat: a plain function
+    runner.model.bind(runner.ops, runner.attn, flat=False)
+    step = runner.model.steps[0]
+    assert step.qkv is runner.model.layers[0].self_attn.qkv_proj
+    if runner.plan.linear == "panels":
+        assert isinstance(step.qkv, PanelLinear)
 
 
 def test_each_attention_backend_builds_its_own_metadata():

@@ -230,7 +230,7 @@ class BackendPlan:
     attention: str  # cpu | triton | sdpa (model/attention.py)
     ops: str  # torch | cpu | triton: norms, rotary, SwiGLU (model/ops.py)
     fused_kv_write: bool  # rotary + KV cache write in one op (off under torch.compile)
-    flat_decode: bool  # layers call their linears as plain functions (model/llama.py `bind`)
+    flat_calls: bool  # layers call their linears as plain functions, not modules (model/llama.py `bind`)
     compile: bool  # torch.compile the forward
     cuda_graphs: bool  # decode-only steps replay CUDA graphs (runner/cuda_graphs.py)
     cuda_graphs_off: str | None = None  # why not, when not
@@ -241,7 +241,7 @@ class BackendPlan:
         graphs = "CUDA graphs" if self.cuda_graphs else f"no CUDA graphs ({self.cuda_graphs_off})"
         return (f"linear backend {self.linear}{quant}, attention backend {self.attention}, ops backend {self.ops}"
                 f"{', fused rotary + KV write' if self.fused_kv_write else ''}"
-                f"{', flat decode calls' if self.flat_decode else ''}{', torch.compile' if self.compile else ''}, "
+                f"{', flat calls' if self.flat_calls else ''}{', torch.compile' if self.compile else ''}, "
                 f"{graphs}")
 
 

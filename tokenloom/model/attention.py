@@ -163,6 +163,14 @@ class AttentionBackend:
                                  decode_block_tables=block_tables, decode_context_lens=context_lens,
                                  sliding_window=self.sliding_window)
 
+    def attend(self, meta: AttentionMetadata) -> Callable:
+        """This step's attention, as every layer calls it: (q, k_cache, v_cache, scale) -> [T, Hq, D],
+        the step's K/V already written.  Made once per step, so a layer runs no checks."""
+        def attend(q, k_cache, v_cache, scale):
+            return paged_attention(q, None, None, k_cache, v_cache, meta, scale)
+
+        return attend
+
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
@@ -184,6 +192,17 @@ class CpuAttention(AttentionBackend):
         super().__init__(sliding_window)
         self.decode_op = decode_op  # (q, k_cache, v_cache, block_tables, context_lens, scale) -> out
         self.decode_masks = sliding_window is not None  # the kernel has no window: SDPA then
+
+    def attend(self, meta):
+        if meta.has_prefill or not meta.num_decode or meta.decode_mask is not None:
+            return super().attend(meta)
+        # decode rows only: straight to the kernel, nothing between a layer and it
+        op, tables, lens = self.decode_op, meta.decode_block_tables, meta.decode_context_lens
+
+        def attend_decodes(q, k_cache, v_cache, scale):
+            return op(q, k_cache, v_cache, tables, lens, scale)
+
+        return attend_decodes
 
     def decode(self, q, k_cache, v_cache, meta, scale):
         if meta.decode_mask is not None:

@@ -3,7 +3,7 @@
     linear     panels | onednn | torch    how each matmul runs, per weight format (model/loader.py packs for it)
     attention  cpu | triton | sdpa        how attention reads the paged KV cache (model/attention.py)
     ops        torch | cpu | triton       norms, rotary, SwiGLU (model/ops.py)
-    flat       on | off                   layers call their linears as plain functions (model/llama.py `bind`)
+    flat       on | off                   layers call linears as plain functions (model/layers.py `bound_linear`)
     graphs     on | off (why)             decode steps replay CUDA graphs (runner/cuda_graphs.py)
 
 `resolve_backends` is the one place an "auto" becomes a name and an explicit choice that
@@ -39,15 +39,13 @@ def resolve_backends(device: torch.device, dtype: torch.dtype, fields: Mapping[s
     attention_name = _attention(attention, device, dtype, int(fields["head_dim"]))
     ops_name = _ops(ops, device, dtype, attention_name)
     fused_kv_write = ops_name != "torch" and not compile
-    # The flat loop calls our CPU ops and decode kernel with everything as arguments; a
-    # tensor-parallel shard's linear also communicates, and torch.compile traces the
-    # modules' custom ops: those keep module calls.
-    flat = (ops_name == "cpu" and fused_kv_write and attention_name == "cpu" and not fields["qk_norm"]
-            and fields.get("sliding_window") is None and not tp)
+    # Linears called as plain functions, without nn.Module's dispatch; torch.compile traces
+    # the modules (their custom ops), so there they keep module calls.
+    flat = not compile
     graphs_off = _graphs_off(device, enforce_eager, tp, compile, attention_name)
     return BackendPlan(device=device.type, dtype=str(dtype).removeprefix("torch."), linear=linear_name,
                        quantization=quantization, attention=attention_name, ops=ops_name,
-                       fused_kv_write=fused_kv_write, flat_decode=flat, compile=compile,
+                       fused_kv_write=fused_kv_write, flat_calls=flat, compile=compile,
                        cuda_graphs=graphs_off is None, cuda_graphs_off=graphs_off)
 
 

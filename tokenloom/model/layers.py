@@ -1,4 +1,5 @@
-"""Building blocks shared by the decoder families: RMSNorm, rotary embeddings, SwiGLU MLP.
+"""Building blocks shared by the decoder families: RMSNorm, rotary embeddings, SwiGLU MLP,
+and how a layer calls its linears (`bound_linear`).
 
 Rotary embeddings are what make a decode step position-aware without recomputing the
 past: the new token's Q and K are rotated by *its* position, the cached K of earlier
@@ -8,7 +9,11 @@ needs nothing recomputed (the seed: "Decode 不是把全部 token 再算一遍")
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.model.ops import TORCH, Ops, rotate  # noqa: F401 (rotate: the reference, re-exported)
@@ -20,7 +25,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.ops: Ops = TORCH  # the model's ops backend (CausalLM.set_ops)
+        self.ops: Ops = TORCH  # the model's ops backend (CausalLM.bind)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`, the residual stream's add first: returns (norm(x +
@@ -42,7 +47,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
-        self.ops: Ops = TORCH  # the model's ops backend (CausalLM.set_ops)
+        self.ops: Ops = TORCH  # the model's ops backend (CausalLM.bind)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`rotate`'s tables for `positions`: the cos rows and the sin rows with rotate-half's
@@ -62,14 +67,27 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP with gate and up projections fused into one matmul at load time."""
+    """SwiGLU MLP's weights, gate and up projections fused into one matmul at load time:
+    down(silu(gate) * up), run by the layer that holds it (model/llama.py `LayerStep`)."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool):
         super().__init__()
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.ops: Ops = TORCH  # the model's ops backend (CausalLM.set_ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def bound_linear(m: nn.Module, flat: bool) -> Linear:
+    """How a layer calls the linear `m`: with `flat`, its forward as a plain function of x
+    where it has one (packed, panel and quantized linears' `as_function`, plain nn.Linear),
+    which skips nn.Module's dispatch on every call; otherwise, and for a linear whose
+    forward also communicates (a tensor-parallel shard), the module itself."""
+    if flat:
+        if hasattr(m, "as_function"):
+            return m.as_function()
+        if type(m) is nn.Linear:
+            return functools.partial(F.linear, weight=m.weight, bias=m.bias)
+    return m

@@ -10,15 +10,22 @@ requests: the paged-attention metadata tells each token where its history is.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from tokenloom.model.attention import AttentionMetadata, paged_attention
-from tokenloom.model.flat_decode import FlatDecode
-from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from tokenloom.model.ops import TORCH, Ops, rotate
+from tokenloom.model.attention import AttentionBackend, AttentionMetadata
+from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, bound_linear
+from tokenloom.model.ops import Ops, rotate
+
+RopeKV = Callable  # (qkv, StepInputs, k_cache, v_cache) -> q: `Attention.bind_rope_kv`
+
+
+def _no_tables(positions: torch.Tensor, dtype: torch.dtype) -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,8 @@ class ModelArgs:
 
 
 class Attention(nn.Module):
+    """The attention block's weights and shape; it runs as part of its layer's `LayerStep`."""
+
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
@@ -65,34 +74,49 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.scale = a.head_dim ** -0.5
-        self.ops: Ops = TORCH  # the model's ops backend (CausalLM.set_ops)
 
-    def forward(self, x, positions, rope, cs, k_cache, v_cache, meta: AttentionMetadata):
-        """`cs`: this step's rotation tables (`RotaryEmbedding.at`), shared by every layer."""
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if self.ops.rope_write_kv is not None and self.q_norm is None:
+    def bind_rope_kv(self, ops: Ops, rope: RotaryEmbedding, backend: AttentionBackend) -> RopeKV:
+        """This block's step from the qkv projection to the query: rotate q and k, normalise
+        them first where the family does (Qwen3), and write k and v into the paged cache --
+        in one op where the ops backend has it.  Chosen here, once, not on every call."""
+        hq, hk, d, q_size, kv_size = self.num_heads, self.num_kv_heads, self.head_dim, self.q_size, self.kv_size
+        cos, sin, write_kv = rope.cos, rope.sin, backend.write_kv
+        if ops.rope_write_kv is not None and self.q_norm is None:
             # rotation and the KV cache write in one op (kernels/cpu_fused.cpp, kernels/triton/fused.py)
-            q = self.ops.rope_write_kv(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
-                                       self.num_heads, self.num_kv_heads)
-            o = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale)
-            return self.o_proj(o.reshape(t, self.q_size))
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+            rope_write_kv = ops.rope_write_kv
+
+            def fused(qkv, s, k_cache, v_cache):
+                return rope_write_kv(qkv, s.positions, cos, sin, k_cache, v_cache, s.slots, hq, hk)
+
+            return fused
         if self.q_norm is None:
-            # q and k sit side by side in the qkv output and share positions: one rotation
-            # for both (half the ops; on a GPU, half the launches).
-            qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = rotate(qk, *cs)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
-        else:
-            q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size: self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
-            q, k = rope(positions, q, k, cs)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+            def together(qkv, s, k_cache, v_cache):
+                # q and k sit side by side in the qkv output and share positions: one rotation
+                # for both (half the ops; on a GPU, half the launches).
+                t = qkv.shape[0]
+                qk = rotate(qkv[:, : q_size + kv_size].view(t, hq + hk, d), *s.cs)
+                write_kv(qk[:, hq:], qkv[:, q_size + kv_size:].view(t, hk, d), k_cache, v_cache, s.slots)
+                return qk[:, :hq]
+
+            return together
+        rms_norm, rope_op, eps = ops.rms_norm, ops.rope, self.q_norm.eps
+        qw, kw = self.q_norm.weight, self.k_norm.weight
+
+        def normed(qkv, s, k_cache, v_cache):
+            t = qkv.shape[0]
+            q = rms_norm(qkv[:, :q_size].view(t, hq, d), qw, eps)
+            k = rms_norm(qkv[:, q_size: q_size + kv_size].view(t, hk, d), kw, eps)
+            q, k = rope_op(q, k, s.positions, cos, sin, s.cs)
+            write_kv(k, qkv[:, q_size + kv_size:].view(t, hk, d), k_cache, v_cache, s.slots)
+            return q
+
+        return normed
 
 
 class DecoderLayer(nn.Module):
+    """One layer's weights (what loading, sharding, packing and quantizing act on); it runs
+    as the `LayerStep` that `bind` makes of it."""
+
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
@@ -100,17 +124,54 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
 
-    def forward(self, x, residual, positions, rope, cs, k_cache, v_cache, meta):
-        """x: the previous layer's output, not yet added to `residual`, the stream of sums
-        before it (None at the first layer); each add happens inside the norm that follows
-        it (RMSNorm's `residual`).  Returns this layer's (output, residual)."""
+    def bind(self, ops: Ops, rope: RotaryEmbedding, backend: AttentionBackend, flat: bool) -> "LayerStep":
+        attn, mlp = self.self_attn, self.mlp
+        call = functools.partial(bound_linear, flat=flat)
+        return LayerStep(self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                         self.input_layernorm.eps, call(attn.qkv_proj), call(attn.o_proj), call(mlp.gate_up_proj),
+                         call(mlp.down_proj), attn.bind_rope_kv(ops, rope, backend), attn.q_size, attn.scale, ops)
+
+
+class StepInputs:
+    """What every layer reads of one step: positions, KV slots, the rotation tables (where
+    a layer rotates with them) and the step's attention (`AttentionBackend.attend`)."""
+
+    __slots__ = ("positions", "slots", "cs", "attend")
+
+    def __init__(self, positions, slots, cs, attend):
+        self.positions, self.slots, self.cs, self.attend = positions, slots, cs, attend
+
+
+class LayerStep:
+    """One decoder layer of the Llama family, bound for running: its norm weights, its four
+    linears as callables and the model's ops.  The family's layer is written here once;
+    how each piece is called (our CPU ops or PyTorch's, linears as plain functions or
+    through their modules, the fused rotary + KV write or not) was bound by
+    `DecoderLayer.bind` from the backend plan (model/backends.py), so the same code runs a
+    batch-1 CPU decode step, a chunked prefill, a tensor-parallel shard and a CUDA graph.
+
+    x: the previous layer's output, not yet added to `residual`, the stream of sums before
+    it (None at the first layer); each add happens inside the norm that follows it."""
+
+    __slots__ = ("input_norm", "post_norm", "eps", "qkv", "o", "gate_up", "down", "rope_kv", "q_size", "scale",
+                 "rms_norm", "add_rms_norm", "silu_and_mul")
+
+    def __init__(self, input_norm, post_norm, eps, qkv, o, gate_up, down, rope_kv, q_size, scale, ops: Ops):
+        self.input_norm, self.post_norm, self.eps = input_norm, post_norm, eps
+        self.qkv, self.o, self.gate_up, self.down, self.rope_kv = qkv, o, gate_up, down, rope_kv
+        self.q_size, self.scale = q_size, scale
+        self.rms_norm, self.add_rms_norm, self.silu_and_mul = ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul
+
+    def __call__(self, x, residual, s: StepInputs, k_cache, v_cache):
+        """Returns this layer's (output, residual)."""
         if residual is None:
-            h, residual = self.input_layernorm(x), x
+            h, residual = self.rms_norm(x, self.input_norm, self.eps), x
         else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rope, cs, k_cache, v_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+            h, residual = self.add_rms_norm(x, residual, self.input_norm, self.eps)
+        q = self.rope_kv(self.qkv(h), s, k_cache, v_cache)
+        x = self.o(s.attend(q, k_cache, v_cache, self.scale).reshape(x.shape[0], self.q_size))
+        h, residual = self.add_rms_norm(x, residual, self.post_norm, self.eps)
+        return self.down(self.silu_and_mul(self.gate_up(h))), residual
 
 
 class CausalLM(nn.Module):
@@ -125,7 +186,24 @@ class CausalLM(nn.Module):
         self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         with torch.device("cpu"):  # real tables even when the rest is built on the meta device
             self.rope = RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling)
-        self.flat: FlatDecode | None = None  # set_ops builds it where it applies
+        self.steps: list[LayerStep] = []  # `bind` makes them, after loading and packing
+
+    def bind(self, ops: Ops, backend: AttentionBackend, flat: bool = True) -> None:
+        """Bind every layer for running, as the backend plan chose (model/backends.py): its
+        small ops through `ops` (model/ops.py), its KV writes through `backend`, its linears
+        as plain functions where `flat` (no nn.Module dispatch per call: a batch-1 CPU decode
+        step is weights streamed with little else, and the module machinery around a dozen
+        calls a layer shows), else through their modules (torch.compile traces those).
+        Called once the weights are in their final form (loaded, sharded, packed)."""
+        self.ops = ops
+        for m in self.modules():
+            if hasattr(m, "ops"):
+                m.ops = ops
+        self.steps = [layer.bind(ops, self.rope, backend, flat) for layer in self.layers]
+        self._embed = self.embed_tokens.forward if flat else self.embed_tokens
+        # the rotation tables of a step, where some layer rotates with them (not the fused op)
+        fused = ops.rope_write_kv is not None and not self.args.qk_norm
+        self._tables = _no_tables if fused else self.rope.at
 
     def forward(
         self,
@@ -134,13 +212,13 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        if self.flat is not None and self.flat.applies(input_ids, meta):
-            return self.flat.forward(input_ids, positions, kv_caches, meta)
-        x, residual = self.embed_tokens(input_ids), None
-        cs = self.rope.at(positions, x.dtype)
-        for layer, (kc, vc) in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, self.rope, cs, kc, vc, meta)
-        return x + residual  # final norm is applied in compute_logits, only on the rows that need it
+        """The hidden states of every row, before the final norm (applied in `compute_logits`,
+        only on the rows that need it)."""
+        x, residual = self._embed(input_ids), None
+        s = StepInputs(positions, meta.slot_mapping, self._tables(positions, x.dtype), meta.backend.attend(meta))
+        for layer, (k_cache, v_cache) in zip(self.steps, kv_caches):
+            x, residual = layer(x, residual, s, k_cache, v_cache)
+        return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = self.norm(hidden)
@@ -177,17 +255,6 @@ class CausalLM(nn.Module):
             self._tie_through_panels()
             n += 1
         return n
-
-    def set_ops(self, ops: Ops, flat: bool = False) -> None:
-        """Every norm, rotary embedding, SwiGLU activation and attention layer through one ops
-        backend (model/ops.py), as the backend plan chose it (model/backends.py); with `flat`,
-        decode-only steps without the module machinery (model/flat_decode.py), built here,
-        after loading and packing, from the modules as they now are."""
-        self.ops = ops
-        for m in self.modules():
-            if hasattr(m, "ops"):
-                m.ops = ops
-        self.flat = FlatDecode.build(self, ops) if flat else None
 
     def _tie_through_panels(self) -> None:
         """Tied embeddings packed once, into the panels the lm_head streams; the embedding

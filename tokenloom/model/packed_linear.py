@@ -88,7 +88,7 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def as_function(self):
-        """forward as a plain function of x (model/flat_decode.py): no module dispatch per call."""
+        """forward as a plain function of x (model/layers.py `bound_linear`): no module dispatch per call."""
         op, weight, bias = torch.ops.mkldnn._linear_pointwise, self.weight, self.bias
         return lambda x: op(x, weight, bias, "none", [], "")
 
@@ -121,7 +121,7 @@ class PanelLinear(nn.Module):
         return self._op(x, self.weight, self.out_features, self.bias)
 
     def as_function(self):
-        """forward as a plain function of x (model/flat_decode.py): no module dispatch per call."""
+        """forward as a plain function of x (model/layers.py `bound_linear`): no module dispatch per call."""
         op, weight, n, bias = self._op, self.weight, self.out_features, self.bias
         return lambda x: op(x, weight, n, bias)
 

@@ -102,7 +102,7 @@ class QuantizedMatrix(nn.Module):
         raise NotImplementedError
 
     def matmul_function(self, bias: torch.Tensor | None):
-        """x -> matmul(x, bias) as a plain function (model/flat_decode.py)."""
+        """x -> matmul(x, bias) as a plain function (model/layers.py `bound_linear`)."""
         return functools.partial(self.matmul, bias=bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -209,7 +209,7 @@ class QuantLinear(nn.Module):
         return self.matrix.matmul(x, self.bias)
 
     def as_function(self):
-        """forward as a plain function of x (model/flat_decode.py): no module dispatch per call."""
+        """forward as a plain function of x (model/layers.py `bound_linear`): no module dispatch per call."""
         return self.matrix.matmul_function(self.bias)
 
 

@@ -121,7 +121,7 @@ class ModelRunner:
         self.attn = build_backend(plan.attention, self.device, loaded.dtype, a.head_dim, a.num_kv_heads,
                                   a.sliding_window)
         self.ops = build_ops(plan.ops, loaded.dtype, plan.fused_kv_write)
-        self.model.set_ops(self.ops, flat=plan.flat_decode)
+        self.model.bind(self.ops, self.attn, flat=plan.flat_calls)  # model/llama.py: the layers as they run
         self.max_blocks = -(-(max_model_len or a.max_position_embeddings) // block_size)
         self._forward = self.model.forward
         if plan.compile:
