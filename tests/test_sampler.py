@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.kernels import cpu as cpu_kernels
-from tokenloom.runner.sampler import SamplingRow, _apply_penalties, _top_p, sample
+from tokenloom.runner.sampler import SamplingRow, sample
+from tokenloom.sampling import apply_penalties, top_p_filter
 from tokenloom.sampling_params import SamplingParamError
 
 
@@ -49,7 +50,7 @@ def test_top_p_keeps_what_a_full_sort_keeps(rows, vocab, candidates, spread, see
     top_p = torch.rand(rows, 1, generator=g) * 0.98 + 0.01
     vals, order = logits.softmax(dim=1).sort(dim=1, descending=True)
     expect = torch.zeros_like(logits, dtype=torch.bool).scatter(1, order, (vals.cumsum(dim=1) - vals) < top_p)
-    assert torch.equal(_top_p(logits, top_p, candidates, kernel=False) > float("-inf"), expect)
+    assert torch.equal(top_p_filter(logits, top_p, candidates, kernel=False) > float("-inf"), expect)
 
 
 def _nucleus_float64(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -82,7 +83,7 @@ def test_top_p_kernel_keeps_what_the_definition_keeps(rows, vocab, kind, seed):
     logits = _logits(g, rows, vocab, kind)
     top_p = torch.rand(rows, 1, generator=g) * 0.999 + 0.0005
     expect = _nucleus_float64(logits, top_p)
-    assert torch.equal(_top_p(logits.clone(), top_p) > float("-inf"), expect)
+    assert torch.equal(top_p_filter(logits.clone(), top_p) > float("-inf"), expect)
 
 
 @pytest.mark.skipif(not cpu_kernels.fused_enabled(), reason="our CPU kernels do not build here")
@@ -93,7 +94,7 @@ def test_top_p_kernel_on_a_full_vocabulary(kind):
     g = torch.Generator().manual_seed(3)
     logits = _logits(g, 4, 151936, kind)
     top_p = torch.tensor([[0.5], [0.9], [0.95], [0.99]])
-    kept = _top_p(logits.clone(), top_p) > float("-inf")
+    kept = top_p_filter(logits.clone(), top_p) > float("-inf")
     assert torch.equal(kept, _nucleus_float64(logits, top_p))
     assert kept.sum() < logits.numel()
 
@@ -158,11 +159,11 @@ def test_penalties_follow_their_definitions():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     r = SamplingRow("r", SamplingParams(repetition_penalty=2.0), [0], [1], frozenset(), None)
     x = logits.clone()
-    _apply_penalties(x, [r])
+    apply_penalties(x, [r])
     assert x.tolist() == [[1.0, -4.0, 1.0, 0.5]]  # positive logits divided, negative multiplied
     r = SamplingRow("r", SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [3], [2, 2, 0], frozenset(), None)
     x = logits.clone()
-    _apply_penalties(x, [r])
+    apply_penalties(x, [r])
     # token 2 seen twice: 1 - 0.25*2 - 0.5 ; token 0 once: 2 - 0.25 - 0.5 ; prompt-only token 3 untouched
     assert x.tolist() == [[1.25, -2.0, 0.0, 0.5]]
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenloom.kernels import cpu as cpu_kernels
-from tokenloom.runner.sampler import SamplingRow, _apply_constraints, _draw, _filter
+from tokenloom.sampling import SamplingRow, apply_constraints, draw, filter_logits
 
 
 @dataclass
@@ -44,14 +44,14 @@ def verify(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]
     flat_rows = [r for r, n in zip(rows, n_rows) for _ in range(n)]
     if any(r.params.constrains_logits for r in rows):
         logits = logits.clone()
-        _apply_constraints(logits, flat_rows)
+        apply_constraints(logits, flat_rows)
     out: list[Verified] = []
     greedy_top = cpu_kernels.argmax_rows(logits).tolist()
     sampled_idx = [i for i, r in enumerate(flat_rows) if not r.params.greedy]
     probs = None
     if sampled_idx:
         idx = torch.tensor(sampled_idx, device=logits.device)
-        probs = _filter(logits[idx], [flat_rows[i] for i in sampled_idx]).softmax(dim=-1)
+        probs = filter_logits(logits[idx], [flat_rows[i] for i in sampled_idx]).softmax(dim=-1)
     where = {row: k for k, row in enumerate(sampled_idx)}  # flat row -> its row in probs
     start = 0
     for row, d, n in zip(rows, drafts, n_rows):
@@ -80,5 +80,5 @@ def _verify_sampled(probs: torch.Tensor, draft: list[int], row: SamplingRow) -> 
             if u[j] >= p_draft[j]:  # rejected: draw from p without the draft token
                 residual = probs[j:j + 1].clone()
                 residual[0, draft[j]] = 0.0
-                return Verified(draft[:j], int(_draw(residual, [row])[0]))
-    return Verified(list(draft), int(_draw(probs[k:k + 1], [row])[0]))
+                return Verified(draft[:j], int(draw(residual, [row])[0]))
+    return Verified(list(draft), int(draw(probs[k:k + 1], [row])[0]))
