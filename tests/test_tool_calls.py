@@ -19,7 +19,9 @@ pytest.importorskip("xgrammar")
 from server_fixtures import ThreadedServer  # noqa: E402
 
 from tokenloom.bench.launcher import free_port  # noqa: E402
-from tokenloom.entrypoints.openai.tool_calls import HermesParser, Llama3JsonParser  # noqa: E402
+from tokenloom.entrypoints.openai.tool_calls import MAX_PARALLEL_CALLS  # noqa: E402
+from tokenloom.entrypoints.openai.tool_parsers import (HermesParser, Llama3JsonParser,  # noqa: E402
+                                                       parser_for_template)
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -240,11 +242,113 @@ def test_invalid_tools_are_a_400_naming_the_field(client, kw, param):
     assert r.choices[0].finish_reason == "tool_calls"
 
 
-def test_auto_without_a_parser_is_a_400(tiny_llama):
-    from tokenloom.entrypoints.openai.errors import OpenAIError
+def test_auto_without_a_parser_answers_in_text():
     from tokenloom.entrypoints.openai.tool_calls import plan_tools
 
-    with pytest.raises(OpenAIError) as e:
-        plan_tools(TOOLS, "auto", None)
-    assert e.value.param == "tool_choice" and "--tool-call-parser" in str(e.value)
+    # No parser for this model: "auto" (explicit or LangChain's default, no tool_choice) is
+    # text, with the tools left out of the prompt as for "none" -- not a 400.
+    for choice in ("auto", None):
+        plan = plan_tools(TOOLS, choice, None)
+        assert plan.mode == "none" and plan.template_tools is None and plan.constraint is None
     assert plan_tools(TOOLS, "none", None).template_tools is None
+    assert plan_tools(TOOLS, None, "hermes").mode == "auto"
+
+
+def test_parser_for_template_families():
+    qwen = ("{%- if tools %}# Tools\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
+            "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>{% endif %}")
+    llama31 = ("{%- if tools %}<|start_header_id|>user<|end_header_id|>Respond in the format "
+               "{\"name\": function name, \"parameters\": dictionary of argument name and its value}."
+               "{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}<|python_tag|>")
+    assert parser_for_template(qwen) == "hermes"
+    assert parser_for_template(llama31) == "llama3_json"
+    assert parser_for_template(TEMPLATE) is None  # prints tools, but asks for no known format
+    assert parser_for_template("{{ messages }}") is None and parser_for_template(None) is None
+
+
+def test_required_with_parallel_calls_allowed_ends_with_calls(client, tiny_llama):
+    from transformers import AutoTokenizer
+
+    # A random-weight model at temperature 1 closes the array when it happens to: 1..N calls.
+    for seed in range(4):
+        r = client.chat.completions.create(model=NAME, messages=CHAT, tools=TOOLS, temperature=1.0, seed=seed,
+                                           max_tokens=400, tool_choice="required")
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls", (seed, ch.message.content)
+        assert ch.message.content is None and 1 <= len(ch.message.tool_calls) <= MAX_PARALLEL_CALLS
+        for call in ch.message.tool_calls:
+            _check_call(call)
+    # A model that never closes it of its own accord (every token holding "]" pushed down by
+    # logit_bias): the bound closes it, so the answer is MAX_PARALLEL_CALLS calls, not a run of
+    # calls to max_tokens and no answer.
+    vocab = AutoTokenizer.from_pretrained(str(tiny_llama)).get_vocab()
+    never_close = {str(i): -100 for tok, i in vocab.items() if "]" in tok}
+    for parallel, want in ((None, MAX_PARALLEL_CALLS), (False, 1)):
+        r = client.chat.completions.create(model=NAME, messages=CHAT, tools=TOOLS, temperature=1.0, seed=7,
+                                           max_tokens=700, tool_choice="required", logit_bias=never_close,
+                                           **({} if parallel is None else {"parallel_tool_calls": parallel}))
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == want, ch
+        for call in ch.message.tool_calls:
+            _check_call(call)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_call_cut_off_by_max_tokens_is_an_error_not_an_empty_answer(client, choice):
+    import openai
+
+    # Too few tokens for any call to finish: OpenAI's "could not finish the message" 400, naming
+    # the limit the client sent -- never a 200 whose tool_calls are missing.
+    for limit in ({"max_tokens": 4}, {"max_completion_tokens": 4}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=NAME, messages=CHAT, tools=TOOLS, temperature=1.0, seed=2,
+                                           tool_choice=choice, **limit)
+        err = e.value.body
+        assert err["param"] == next(iter(limit)) and err["code"] == "length_limit_reached", err
+        assert "Could not finish the message because max_tokens" in err["message"]
+    # Streamed, the same error arrives as an error event (the status is 200 by then).
+    stream = client.chat.completions.create(model=NAME, messages=CHAT, tools=TOOLS, temperature=1.0, seed=2,
+                                            tool_choice=choice, max_tokens=4, stream=True)
+    with pytest.raises(openai.APIError, match="Could not finish the message"):
+        for _ in stream:
+            pass
+
+
+def test_required_cut_after_a_finished_call_returns_the_finished_calls(client):
+    # Room for one call but not for the next: the finished calls are the answer, with
+    # finish_reason "length" (the array itself was cut), each call well formed.
+    seen_length = False
+    for seed in range(8):
+        probe = client.chat.completions.create(model=NAME, messages=CHAT, tools=TOOLS, temperature=1.0, seed=seed,
+                                               max_tokens=400, tool_choice="required")
+        if len(probe.choices[0].message.tool_calls) < 2:
+            continue
+        full = probe.usage.completion_tokens
+        r = client.chat.completions.create(model=NAME, messages=CHAT, tools=TOOLS, temperature=1.0, seed=seed,
+                                           max_tokens=full - 8, tool_choice="required")
+        ch = r.choices[0]
+        assert ch.finish_reason == "length" and ch.message.content is None
+        assert 1 <= len(ch.message.tool_calls) <= len(probe.choices[0].message.tool_calls)
+        for got, want in zip(ch.message.tool_calls, probe.choices[0].message.tool_calls):
+            _check_call(got)
+            assert (got.function.name, got.function.arguments) == (want.function.name, want.function.arguments)
+        seen_length = True
+        break
+    assert seen_length, "no seed wrote two calls"
+
+
+def test_streamed_tool_calls_carry_no_empty_content(server):
+    import httpx
+    from server_fixtures import sse_events
+
+    # OpenAI's deltas for a tool call: the role first (content null), then the call; never a
+    # run of `"content": ""` chunks while the call is being written.
+    for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+        body = {"model": NAME, "messages": CHAT, "tools": TOOLS, "tool_choice": choice, "temperature": 1.0,
+                "seed": 5, "max_tokens": 200, "parallel_tool_calls": False, "stream": True}
+        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
+            events = sse_events(r.iter_lines())
+        deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+        assert deltas[0] == {"role": "assistant", "content": None}, deltas[0]
+        assert all(d.get("content") is None for d in deltas), deltas
+        assert sum("tool_calls" in d for d in deltas) == 1 and len(deltas) == 2, deltas

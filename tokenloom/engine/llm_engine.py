@@ -62,9 +62,16 @@ PromptType = str | list[int] | dict
 
 
 class PromptTooLongError(ValueError):
-    """The prompt (plus requested output) does not fit in max_model_len."""
+    """The prompt (plus requested output) does not fit in max_model_len.  The numbers travel
+    with the message, so a server can word it as its clients expect (OpenAI's phrasing)."""
 
     param = "prompt"
+
+    def __init__(self, message: str, *, prompt_tokens: int, max_model_len: int, max_tokens: int | None = None):
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.max_model_len = max_model_len
+        self.max_tokens = max_tokens  # None: the prompt alone does not fit
 
 
 class LLMEngine:
@@ -229,8 +236,8 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens, but this model's max_model_len is {self.max_model_len} "
-                f"(the prompt must be shorter, leaving room for at least one generated token)"
-            )
+                f"(the prompt must be shorter, leaving room for at least one generated token)",
+                prompt_tokens=len(ids), max_model_len=self.max_model_len)
         return text, ids
 
     def resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> int:
@@ -242,8 +249,8 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"this model's max_model_len is {self.max_model_len} tokens, but {prompt_len + params.max_tokens} "
                 f"were requested ({prompt_len} in the prompt, {params.max_tokens} in max_tokens); "
-                f"lower max_tokens or shorten the prompt"
-            )
+                f"lower max_tokens or shorten the prompt",
+                prompt_tokens=prompt_len, max_model_len=self.max_model_len, max_tokens=params.max_tokens)
         return params.max_tokens
 
     def add_request(

@@ -83,7 +83,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use for the model; the first is reported by /v1/models")
+                   help="name(s) clients use for the model, all listed by /v1/models; default: MODEL as "
+                        "given for a hub id, the directory's name for a path (the path itself is still "
+                        "accepted), tokenloom/py-tiny for the bundled model")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM; then they are aborted")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
@@ -96,7 +98,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "--no-exit-on-engine-failure the server stays up answering 503")
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="read the model's own tool calls for tool_choice \"auto\": hermes (Hermes, Qwen2.5 "
-                        "<tool_call> JSON) or llama3_json (Llama 3.1 JSON); without it \"auto\" is a 400")
+                        "<tool_call> JSON) or llama3_json (Llama 3.1 JSON); default: chosen by the chat "
+                        "template's family, and with none that fits \"auto\" answers in text")
     g.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the live step picture at /dashboard (guarded by --api-key: open "
                         "/dashboard?key=KEY); --no-dashboard answers 404 there")

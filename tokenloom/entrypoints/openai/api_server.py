@@ -39,6 +39,7 @@ from tokenloom.entrypoints.openai.errors import bad_request, error_body, install
 from tokenloom.entrypoints.openai.body_limit import BodySizeLimitMiddleware
 from tokenloom.entrypoints.openai.dashboard_routes import install_dashboard
 from tokenloom.entrypoints.openai.limits import ServerLimits
+from tokenloom.entrypoints.openai.model_names import default_served_names
 from tokenloom.entrypoints.openai.openapi_doc import (GENERATION_ERRORS, TOKENIZER_ERRORS, describe_api_key,
                                                       error_responses, generation_ok, install_openapi)
 from tokenloom.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -263,8 +264,12 @@ def build_server(args: argparse.Namespace) -> tuple[_Server, AsyncLLMEngine]:
     # threads that tokenize requests concurrently never need to change it (which would fail
     # with "Already borrowed" while another thread is encoding).
     engine.tokenizer.encode("warm-up")
-    names = args.served_model_name or [engine.model_name]
-    ctx = ServingContext(engine, names, limits, tool_call_parser=getattr(args, "tool_call_parser", None))
+    if args.served_model_name:
+        names, aliases = list(args.served_model_name), []
+    else:  # a path is served under its directory's name, and still accepted as given
+        names, aliases = default_served_names(args.model, engine.model_name)
+    ctx = ServingContext(engine, names, limits, tool_call_parser=getattr(args, "tool_call_parser", None),
+                         model_aliases=aliases)
     app = build_app(ctx, api_key=args.api_key, dashboard=getattr(args, "dashboard", True))
     grace = max(0.0, args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -57,6 +57,51 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
     return OpenAIError(400, message, param=param, code=code)
 
 
+def context_length_exceeded(max_model_len: int, prompt_tokens: int | str, max_tokens: int | None, *,
+                            where: str, param: str) -> OpenAIError:
+    """The 400 for a prompt (plus max_tokens) beyond max_model_len, in OpenAI's words: clients
+    match on them (LiteLLM maps "This model's maximum context length is" to its
+    ContextWindowExceededError, which drives its context-window fallbacks).  `where`:
+    "messages" (chat) or "prompt" (completions); `max_tokens` None: the prompt alone is too long
+    (then `prompt_tokens` may be a bound in words, "at least N")."""
+    head = f"This model's maximum context length is {max_model_len} tokens. "
+    if max_tokens is None:
+        msg = (head + f"However, your {where} resulted in {prompt_tokens} tokens, and the completion needs at least "
+               f"one more. Please reduce the length of the {where}.")
+    else:
+        assert isinstance(prompt_tokens, int)
+        msg = (head + f"However, you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {where}, "
+               f"{max_tokens} in the completion). Please reduce the length of the {where} or completion.")
+    return OpenAIError(400, msg, param=param, code="context_length_exceeded")
+
+
+def grammar_error(e: Exception, param: str) -> OpenAIError:
+    """A grammar that could not be had (structured.GrammarError: a bad schema, no xgrammar, a
+    compile over its limits) as the answer to a request, naming `param`: the field the client
+    sent the constraint in (`response_format`, `guided_json`, `tool_choice`, ...), in the
+    `param` and at the head of the message, whatever field the compiler assumed."""
+    msg, own = str(e), getattr(e, "param", None)
+    if own and msg.startswith(f"{own}: "):
+        msg = msg[len(own) + 2:]
+    status = getattr(e, "status", 400)
+    return OpenAIError(status, f"{param}: {msg}", param=param, code=getattr(e, "code", "invalid_value"),
+                       headers={"Retry-After": "1"} if status == 429 else None)
+
+
+def output_cut_off(param: str, num_tokens: int, *, explicit: bool) -> OpenAIError:
+    """The 400 for a forced tool call (tool_choice "required" or a named function) that the
+    token limit cut off before any call was complete: OpenAI's wording for an answer its
+    constraint could not finish.  `param`: the limit the client sent (max_tokens or
+    max_completion_tokens); `explicit`: whether it sent one (else the context ran out)."""
+    if explicit:
+        limit, fix = f"{param} ({num_tokens} tokens)", f"a higher {param}"
+    else:
+        limit, fix = f"the room left in the context ({num_tokens} tokens)", "a shorter conversation"
+    return OpenAIError(400, f"Could not finish the message because max_tokens or model output limit was reached: "
+                            f"{limit} ran out before a tool call was complete. Please try again with {fix}.",
+                       param=param, code="length_limit_reached")
+
+
 def error_response(err: OpenAIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 

@@ -319,12 +319,27 @@ class TokenizerInfo(_Response):
             tok = getattr(tokenizer, name, None)
             return None if tok is None else str(tok)
 
-        def flag(name: str) -> bool | None:
-            v = getattr(tokenizer, name, None)
-            return v if isinstance(v, bool) else None
-
         template = getattr(tokenizer, "chat_template", None)
         return cls(tokenizer_class=type(tokenizer).__name__, model_max_length=max_model_len, vocab_size=vocab_size,
                    bos_token=special("bos_token"), eos_token=special("eos_token"), pad_token=special("pad_token"),
-                   unk_token=special("unk_token"), add_bos_token=flag("add_bos_token"),
-                   add_eos_token=flag("add_eos_token"), chat_template=template if isinstance(template, str) else None)
+                   unk_token=special("unk_token"), **added_special_tokens(tokenizer),
+                   chat_template=template if isinstance(template, str) else None)
+
+
+def added_special_tokens(tokenizer: Any) -> dict[str, bool | None]:
+    """`add_bos_token` / `add_eos_token` as the tokenizer *behaves*: whether encoding with
+    special tokens (what /tokenize and the engine do) puts BOS first / EOS last.  The attributes
+    of that name can disagree with the tokenizer's post-processor (a Llama tokenizer.json adds
+    `<s>` while transformers reports add_bos_token False), and a client mirroring the tokenizer
+    must count the tokens the server will see.  None where the tokenizer has no such token."""
+    out: dict[str, bool | None] = {"add_bos_token": None, "add_eos_token": None}
+    try:
+        plain = tokenizer.encode("a", add_special_tokens=False)
+        full = tokenizer.encode("a", add_special_tokens=True)
+    except Exception:  # a tokenizer that cannot encode cannot be described either
+        return out
+    for key, attr, at in (("add_bos_token", "bos_token_id", 0), ("add_eos_token", "eos_token_id", -1)):
+        tid = getattr(tokenizer, attr, None)
+        if isinstance(tid, int):
+            out[key] = len(full) > len(plain) and full[at] == tid and (not plain or plain[at] != tid)
+    return out

@@ -6,7 +6,8 @@ program the server would run.  Rendering happens here, on the request, in a work
 (a slow template stalls no stream), so a template error is a 400 for this request alone.
 Streaming follows OpenAI: each choice's first chunk carries `delta.role`, later ones
 `delta.content`, the last one `finish_reason`; with `stream_options.include_usage` a final
-chunk with empty `choices` carries the usage.
+chunk with empty `choices` carries the usage.  Text held back because it may be a tool call
+sends no chunk until it is known (OpenAI's deltas carry `content: null`, never runs of "").
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenloom.engine.async_engine import RequestStream
 from tokenloom.engine.detokenizer import TokenTexts
-from tokenloom.entrypoints.openai.errors import bad_request
+from tokenloom.entrypoints.openai.errors import OpenAIError, bad_request, grammar_error, output_cut_off, sse_error
 from tokenloom.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                                    ChatLogprobs, ChatMessage, ChatResponseMessage,
                                                    ChatTokenLogprob, TopLogprob)
@@ -31,7 +32,8 @@ from tokenloom.entrypoints.openai.serving_common import (ChunkFrame, ServingCont
                                                          encode_text, finite_logprob, make_usage, merge_streams, new_id,
                                                          off_loop, sampling_params, sse_body, structured_outputs,
                                                          validate_prompt)
-from tokenloom.entrypoints.openai.tool_calls import ToolPlan, constrained_calls, get_parser, plan_tools
+from tokenloom.entrypoints.openai.tool_calls import ToolPlan, constrained_calls, plan_tools
+from tokenloom.entrypoints.openai.tool_parsers import get_parser, parser_for_template
 from tokenloom.structured import GrammarError
 from tokenloom.outputs import PositionLogprobs, RequestOutput
 
@@ -163,10 +165,30 @@ def _render_and_validate(ctx: ServingContext, req: ChatCompletionRequest, params
     return validate_prompt(ctx, ids, params, param="messages")[1]
 
 
+def _have_xgrammar() -> bool:
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def tool_call_parser(ctx: ServingContext, chat_template: str | None) -> str | None:
+    """`--tool-call-parser`, or else the one for the chat template's family (None: no parser
+    fits, and tool_choice "auto" answers in text)."""
+    if ctx.tool_call_parser is not None:
+        return ctx.tool_call_parser
+    template = chat_template if chat_template is not None else getattr(ctx.engine.tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: any of them may be the tool one
+        template = "\n".join(t for t in template.values() if isinstance(t, str))
+    return parser_for_template(template if isinstance(template, str) else None)
+
+
 async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[_Prepared, list[RequestStream]]:
     check_request(ctx, req)
     check_chat_template_request(ctx, req.chat_template, req.chat_template_kwargs)
-    plan = plan_tools(req.tools, req.tool_choice, ctx.tool_call_parser, req.parallel_tool_calls)
+    parser_name = tool_call_parser(ctx, req.chat_template) if req.tools else None
+    plan = plan_tools(req.tools, req.tool_choice, parser_name, req.parallel_tool_calls)
     if plan.constraint is not None and structured_outputs(req)[0] is not None:
         raise bad_request("tool_choice \"required\" or a named function constrains the output already; "
                           f"drop {structured_outputs(req)[1]}", param="tool_choice")
@@ -184,24 +206,39 @@ async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[_Pr
         try:  # a function's parameters that are not a usable JSON schema: the tools' fault
             await off_loop(ctx.engine.engine.grammars.compile, plan.constraint, "tools")
         except GrammarError as e:
-            raise bad_request(str(e), param="tools") from None
+            # The functions' schemas are the tools' fault; a missing xgrammar is not: then the
+            # tool_choice asked for what this environment cannot do.
+            raise grammar_error(e, "tools" if _have_xgrammar() else "tool_choice") from None
     else:
         await compile_grammar(ctx, req, params)
     rid = new_id("chatcmpl")
     streams = add_requests(ctx, rid, [(None, ids)], params, priority=req.priority, cache_salt=req.cache_salt)
     return _Prepared(rid, req.model or ctx.model_name, req, top_n, ctx.engine.tokenizer, plan,
-                     ctx.tool_call_parser), streams
+                     parser_name), streams
 
 
-def _answer(p: _Prepared, text: str, finish_reason: str | None) -> tuple[str | None, list[dict] | None, str | None]:
+def _answer(p: _Prepared, text: str, finish_reason: str | None,
+            num_tokens: int = 0) -> tuple[str | None, list[dict] | None, str | None]:
     """A finished choice's (content, tool_calls, finish_reason): tool calls read from the
-    constrained document or, for tool_choice "auto", from the model's own format."""
+    constrained document or, for tool_choice "auto", from the model's own format.
+
+    `required` / a named function never answer without a call (OpenAI's contract, which
+    LangChain's `tool_choice="any"` relies on): when max_tokens cut the document, the calls
+    finished before the cut are the answer (`finish_reason` "length"), and if there are none
+    the request fails with OpenAI's "could not finish the message" 400 (`output_cut_off`)."""
     plan = p.tools
     if plan.constraint is not None:
-        calls = constrained_calls(plan, text) if finish_reason == "stop" else None
-        if calls is None:  # cut by max_tokens: the partial document is all there is
+        if finish_reason not in ("stop", "length"):  # aborted: nothing to read
             return text, None, finish_reason
-        return None, [c.to_openai() for c in calls], "tool_calls"
+        calls, complete = constrained_calls(plan, text)
+        if not calls:
+            if finish_reason == "length" or not complete:
+                req = p.req
+                raise output_cut_off("max_completion_tokens" if req.max_completion_tokens is not None
+                                     else "max_tokens", num_tokens, explicit=req.max_completion_tokens is not None
+                                     or req.max_tokens is not None)
+            raise OpenAIError(500, "the constrained tool-call answer held no call", code="internal_error")
+        return None, [c.to_openai() for c in calls], "tool_calls" if complete else "length"
     if plan.mode == "auto" and p.parser_name and finish_reason in ("stop", "length"):
         content, calls = get_parser(p.parser_name).parse(text, plan.names)
         if calls:
@@ -222,7 +259,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         logprobs = None
         if p.top_n is not None:
             logprobs = chat_logprobs(c.token_ids, c.logprobs or [], p.top_n, _texts(p, out), last=True)
-        content, tool_calls, reason = _answer(p, c.text, c.finish_reason)
+        content, tool_calls, reason = _answer(p, c.text, c.finish_reason, len(c.token_ids))
         choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=tool_calls),
                                   logprobs=logprobs, finish_reason=reason, stop_reason=c.stop_reason))
     resp = ChatCompletionResponse(id=p.request_id, model=p.model, choices=choices, usage=make_usage(finals))
@@ -242,11 +279,12 @@ async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream
     plan = p.tools
     parser = get_parser(p.parser_name) if plan.mode == "auto" and p.parser_name else None
     hold_all = plan.constraint is not None
-    # The role comes first, before any token exists: clients show "assistant is typing".
+    # The role comes first, before any token exists: clients show "assistant is typing".  A
+    # constrained tool call has no content at all: null, as OpenAI sends it.
     for j in range(req.n):
         text_sent[j] = tokens_sent[j] = 0
-        yield frame.chunk({"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None}, latest)
+        yield frame.chunk({"index": j, "delta": {"role": "assistant", "content": None if hold_all else ""},
+                           "logprobs": None, "finish_reason": None}, latest)
     async for _, out in merge_streams(streams):
         latest = [out]
         for c in out.outputs:
@@ -265,7 +303,11 @@ async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream
             delta: dict[str, Any] = {}
             reason = c.finish_reason if finished else None
             if finished and (hold_all or parser is not None):
-                content, tool_calls, reason = _answer(p, c.text, c.finish_reason)
+                try:
+                    content, tool_calls, reason = _answer(p, c.text, c.finish_reason, len(c.token_ids))
+                except OpenAIError as e:  # the status is 200 already: the error goes in the stream
+                    yield sse_error(e)
+                    return
                 if tool_calls is not None:
                     # the content before the calls, less what was streamed; then the calls
                     visible = text_sent[j] + len((content or "")[text_sent[j]:])
@@ -279,9 +321,12 @@ async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream
             text_sent[j], tokens_sent[j] = max(text_sent[j], visible), len(c.token_ids)
             if finished:
                 done.add(j)
-            if delta_text or not (finished or delta):
+            held = (hold_all or parser is not None) and not delta_text
+            if held and not finished and logprobs is None:
+                continue  # nothing to say yet: the text so far may be (or is) a tool call
+            if delta_text or not (finished or delta or held):
                 delta = {"content": delta_text, **delta}
-            elif "tool_calls" in delta:
+            elif "tool_calls" in delta or (held and not finished):
                 delta = {"content": None, **delta}
             yield frame.chunk({"index": j, "delta": delta,
                                "logprobs": logprobs, "finish_reason": reason,

@@ -30,7 +30,8 @@ from tokenloom.engine.async_engine import (AsyncLLMEngine, EngineDeadError, Requ
                                            RequestStream, StallPolicy)
 from tokenloom.engine.llm_engine import PromptTooLongError
 from tokenloom.engine.prompt_bound import prompt_bound
-from tokenloom.entrypoints.openai.errors import OpenAIError, bad_request, sse_error
+from tokenloom.entrypoints.openai.errors import (OpenAIError, bad_request, context_length_exceeded, grammar_error,
+                                                 sse_error)
 from tokenloom.entrypoints.openai.limits import ServerLimits, check_sampling_limits
 from tokenloom.entrypoints.openai.protocol import PromptTokensDetails, Usage, _SamplingFields
 from tokenloom.outputs import RequestOutput
@@ -49,13 +50,14 @@ class ServingContext:
     limits: ServerLimits = field(default_factory=ServerLimits)
     created: int = field(default_factory=lambda: int(time.time()))
     tool_call_parser: str | None = None  # --tool-call-parser: reads tool_choice "auto" answers
+    model_aliases: list[str] = field(default_factory=list)  # accepted in requests, not listed (model_names.py)
 
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+        if model is not None and model not in self.served_model_names and model not in self.model_aliases:
             raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
                                    f"{', '.join(repr(n) for n in self.served_model_names)}",
                               param="model", code="model_not_found")
@@ -207,8 +209,8 @@ async def compile_grammar(ctx: ServingContext, req: _SamplingFields, params: Sam
     field_name = structured_outputs(req)[1]
     try:
         await off_loop(ctx.engine.engine.grammars.compile, params.structured_outputs, field_name)
-    except GrammarError as e:
-        raise bad_request(str(e), param=e.param) from None
+    except GrammarError as e:  # named after the field the client sent, whatever the compiler said
+        raise grammar_error(e, field_name) from None
 
 
 def check_prompt_bound(ctx: ServingContext, text: str, param: str = "prompt") -> None:
@@ -218,9 +220,7 @@ def check_prompt_bound(ctx: ServingContext, text: str, param: str = "prompt") ->
     max_len = ctx.engine.max_model_len
     least = prompt_bound(ctx.engine.tokenizer).min_tokens(text)
     if least >= max_len:
-        raise bad_request(f"the prompt has at least {least} tokens, but this model's max_model_len is {max_len} "
-                          f"(the prompt must be shorter, leaving room for at least one generated token)",
-                          param=param, code="context_length_exceeded")
+        raise context_length_exceeded(max_len, f"at least {least}", None, where=param, param=param)
 
 
 def tokenize_limit(ctx: ServingContext) -> int:
@@ -262,15 +262,14 @@ def validate_prompt(ctx: ServingContext, prompt: str | list[int], params: Sampli
     if isinstance(prompt, str):
         check_prompt_bound(ctx, prompt, param)
     elif len(prompt) >= max_len:  # the length first, before any per-id check
-        raise bad_request(f"the prompt has {len(prompt)} tokens, but this model's max_model_len is {max_len} "
-                          f"(the prompt must be shorter, leaving room for at least one generated token)",
-                          param=param, code="context_length_exceeded")
+        raise context_length_exceeded(max_len, len(prompt), None, where=param, param=param)
     try:
         return ctx.engine.validate(prompt, params)
     except PromptTooLongError as e:
-        # Which field to blame: the prompt if it alone is too long, otherwise max_tokens.
-        blame = param if "max_tokens" not in str(e) else "max_tokens"
-        raise bad_request(str(e), param=blame, code="context_length_exceeded") from None
+        # In OpenAI's words (errors.context_length_exceeded); the field to blame: the prompt
+        # if it alone is too long, otherwise max_tokens.
+        raise context_length_exceeded(e.max_model_len, e.prompt_tokens, e.max_tokens, where=param,
+                                      param=param if e.max_tokens is None else "max_tokens") from None
     except SamplingParamError as e:
         raise bad_request(str(e), param=e.param) from None
     except ValueError as e:
