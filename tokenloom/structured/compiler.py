@@ -1,36 +1,62 @@
 """Compile a structured-output spec into an xgrammar grammar, once per distinct spec.
 
 Compiling walks the grammar against every token of the vocabulary: milliseconds for a small
-schema on a small vocabulary, much longer for a large one.  So compiling happens before a
-request reaches the engine -- the server compiles at admission in a worker thread, `LLM.generate`
-compiles its distinct specs before adding any request -- and the engine thread finds the
-grammar in this cache.  A request whose grammar was evicted in between is compiled on the
-engine thread, as a fallback.
+schema on a small vocabulary, much longer for a large one or a deeply nested one.  So
+compiling happens before a request reaches the engine -- the server compiles at admission,
+`LLM.generate` compiles its distinct specs before adding any request -- and the engine
+thread finds the grammar in this cache.  A request whose grammar was evicted in between is
+compiled again on the engine thread, as a fallback.
 
-The cache is keyed by `(kind, text)` (`StructuredOutputsParams.spec()`).  Its lock guards only
-the dictionary: two threads asking for the same new spec share one compilation (a Future), and
-a long compilation never blocks a lookup of another spec.
+Where it compiles:
+
+- offline (`LLM`), in this process, in threads (`precompile`);
+- in the server, in worker processes (`use_pool`, `compile_pool.py`) that can be killed: a
+  compilation that outlives `--max-grammar-compile-seconds`, or whose every client has
+  disconnected (`compile_async` cancelled), is stopped, and at most
+  `--max-concurrent-grammar-compiles` run at once.
+
+The cache is keyed by `(kind, text)` (`StructuredOutputsParams.spec()`) and bounded twice:
+by count (`CACHE_SIZE`) and by bytes (each grammar weighs its serialized size, which tracks
+the memory it holds; `memory_size_bytes` undercounts by ~4x), least recently used first.
+Its lock guards only the dictionary: requests for the same new spec share one compilation,
+and a long compilation never blocks a lookup of another spec.  A spec whose compilation ran
+out of time is remembered (by hash), so asking again is refused at once.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
+import hashlib
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 from tokenloom.sampling_params import SamplingParamError, StructuredOutputsParams
+from tokenloom.structured.compile_pool import CompileError, CompilePool, CompilersBusy, CompileTimeout, SpecError
+from tokenloom.structured.xgr_specs import SPEC_ERRORS, compile_spec, spec_error_message
 
 if TYPE_CHECKING:
     import xgrammar
 
+    from tokenloom.structured.state import GrammarState
+
 CACHE_SIZE = 256  # distinct specs kept compiled
+DEFAULT_CACHE_BYTES = 128 * 2**20
+_TOO_COSTLY_REMEMBERED = 1024
 
 
 class GrammarError(SamplingParamError):
-    """A spec xgrammar cannot compile (a bad schema, regex or grammar); `param` names the
-    field the caller should blame ("structured_outputs" unless told otherwise)."""
+    """A spec that gave no grammar; `param` names the field the caller should blame
+    ("structured_outputs" unless told otherwise).  `status` and `code` say how the server
+    answers: 400 `invalid_value` for a bad schema, regex or grammar, 400 `limit_exceeded`
+    for one that takes too long to compile, 429 when every compile worker stays busy."""
+
+    def __init__(self, param: str, message: str, *, status: int = 400, code: str = "invalid_value"):
+        super().__init__(param, message)
+        self.status = status
+        self.code = code
 
 
 def _require_xgrammar():
@@ -42,10 +68,14 @@ def _require_xgrammar():
     return xgrammar
 
 
-def _choice_grammar(choices: list[str]) -> str:
-    """An EBNF grammar that matches exactly one of `choices` (JSON string escapes are also
-    xgrammar's EBNF escapes)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+@dataclass
+class _Entry:
+    """A cached grammar, or one being compiled (`future` not done yet)."""
+
+    future: Future  # -> CompiledGrammar, or a CompileError
+    waiters: int = 0  # callers waiting on `future`; the last async one to leave cancels it
+    job: Any = None  # the pool's CompileJob, when compiled there
+    size: int = 0  # bytes, once compiled
 
 
 class GrammarCompiler:
@@ -56,66 +86,188 @@ class GrammarCompiler:
     `stop_token_ids` are the ids that end a request (the engine's EOS set): a grammar that
     is complete allows exactly these."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int], max_threads: int = 4):
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int], max_threads: int = 4,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES):
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
+        self.cache_bytes = cache_bytes
         self._max_threads = max_threads
+        self._info: "xgrammar.TokenizerInfo | None" = None
         self._xgr_compiler: "xgrammar.GrammarCompiler | None" = None
+        self._pool: CompilePool | None = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        self._bytes = 0
+        self._too_costly: OrderedDict[bytes, str] = OrderedDict()
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def use_pool(self, *, workers: int, compile_seconds: float, wait_seconds: float | None = None,
+                 cache_bytes: int | None = None) -> None:
+        """Compile in `workers` killable processes from now on, each compilation held to
+        `compile_seconds` (the server's way; see compile_pool.py).  Processes start on the
+        first compilation.  A job waits at most `wait_seconds` (default: `compile_seconds`)
+        for a free worker."""
+        _require_xgrammar()
+        with self._lock:
+            if self._pool is not None:
+                raise RuntimeError("this GrammarCompiler already compiles in a pool")
+            if cache_bytes is not None:
+                self.cache_bytes = cache_bytes
+            self._pool = CompilePool(lambda: self._tokenizer_info().serialize_json(), workers=workers,
+                                     compile_seconds=compile_seconds,
+                                     wait_seconds=compile_seconds if wait_seconds is None else wait_seconds)
+
+    def close(self) -> None:
+        """Stop the compile workers, if any (the server's shutdown)."""
+        pool = self._pool
+        if pool is not None:
+            pool.close()
+
+    def _tokenizer_info(self) -> "xgrammar.TokenizerInfo":
+        xgr = _require_xgrammar()
+        with self._lock:
+            if self._info is None:  # built on first use: it reads the whole vocabulary
+                self._info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                                stop_token_ids=self.stop_token_ids or None)
+            return self._info
 
     def _compiler(self) -> "xgrammar.GrammarCompiler":
         xgr = _require_xgrammar()
+        info = self._tokenizer_info()
         with self._lock:
-            if self._xgr_compiler is None:  # built on first use: it reads the whole vocabulary
-                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids or None)
-                # xgrammar keeps its own cache too; ours bounds the count and shares in-flight work.
+            if self._xgr_compiler is None:
+                # xgrammar keeps its own cache too; ours bounds it and shares in-flight work.
                 self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads, cache_enabled=False)
             return self._xgr_compiler
 
+    # -- compiling ------------------------------------------------------------------------
+
     def compile(self, params: StructuredOutputsParams, param: str = "structured_outputs") -> "xgrammar.CompiledGrammar":
         """The compiled grammar of `params` (from the cache when it is there).  Blocking:
-        call it off the event loop.  Raises GrammarError naming `param` if it does not compile."""
+        call it off the event loop.  Raises GrammarError naming `param`."""
+        key = self._key(params, param)
+        entry, owner = self._join(key, param)
         try:
-            key = params.spec()
+            if owner:
+                self._start(key, entry)
+            return self._result(entry.future, key, param)
+        finally:
+            self._leave(key, entry)
+
+    async def compile_async(self, params: StructuredOutputsParams,
+                            param: str = "structured_outputs") -> "xgrammar.CompiledGrammar":
+        """`compile` for the event loop.  With a pool, cancelling this (the client left)
+        stops the compilation once no other request waits for the same spec."""
+        if self._pool is None:
+            return await asyncio.to_thread(self.compile, params, param)
+        key = self._key(params, param)
+        entry, owner = self._join(key, param)
+        try:
+            if owner:
+                self._start(key, entry)
+            await _wait_on_loop(entry.future)
+            return self._result(entry.future, key, param)
+        finally:
+            self._leave(key, entry)
+
+    def _key(self, params: StructuredOutputsParams, param: str) -> tuple[str, str]:
+        try:
+            return params.spec()
         except SamplingParamError as e:
             raise GrammarError(param, str(e).removeprefix("structured_outputs: ")) from None
-        compiler = self._compiler()
+
+    def _join(self, key: tuple[str, str], param: str) -> tuple[_Entry, bool]:
+        """The entry for `key` with one more waiter, and whether the caller must start it."""
         with self._lock:
-            fut = self._cache.get(key)
-            owner = fut is None
-            if owner:
-                fut = self._cache[key] = Future()
-                if len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)
-            else:
+            refused = self._too_costly.get(_digest(key))
+            if refused is not None:
+                raise GrammarError(param, refused, code="limit_exceeded")
+            entry = self._cache.get(key)
+            if entry is not None:
                 self._cache.move_to_end(key)
-        if owner:
-            try:
-                fut.set_result(self._compile(compiler, *key))
-            except Exception as e:
-                with self._lock:  # a bad spec is not cached: the next request gets its own error
-                    if self._cache.get(key) is fut:
+                entry.waiters += 1
+                return entry, False
+            entry = self._cache[key] = _Entry(Future(), waiters=1)
+            return entry, True
+
+    def _start(self, key: tuple[str, str], entry: _Entry) -> None:
+        """Compile in the pool (returns at once) or here (returns when done)."""
+        pool = self._pool
+        if pool is not None:
+            xgr = _require_xgrammar()
+            info = self._tokenizer_info()
+
+            def decode(serialized: str) -> tuple[Any, int]:  # runs on the pool's slot thread
+                return xgr.CompiledGrammar.deserialize_json(serialized, info), len(serialized)
+
+            entry.job = pool.submit(key[0], key[1], decode)
+            entry.job.future.add_done_callback(lambda f: self._settle(key, entry, f))
+            return
+        done: Future = Future()
+        try:
+            compiled = compile_spec(self._compiler(), *key)
+            done.set_result((compiled, len(compiled.serialize_json())))
+        except SPEC_ERRORS as e:
+            done.set_exception(SpecError(f"{key[0]}: {spec_error_message(e)}"))
+        except BaseException as e:  # noqa: BLE001 - handed to every waiter, raised there
+            done.set_exception(e)
+        self._settle(key, entry, done)
+
+    def _settle(self, key: tuple[str, str], entry: _Entry, done: Future) -> None:
+        """A compilation ended: cache the grammar (within the bounds) or forget the spec."""
+        exc = done.exception()
+        with self._lock:
+            if exc is not None:
+                if self._cache.get(key) is entry:  # a failure is not cached: the next request tries again
+                    del self._cache[key]
+                if isinstance(exc, CompileTimeout):
+                    self._too_costly[_digest(key)] = f"{key[0]}: {exc}"
+                    while len(self._too_costly) > _TOO_COSTLY_REMEMBERED:
+                        self._too_costly.popitem(last=False)
+            else:
+                compiled, entry.size = done.result()
+                if self._cache.get(key) is entry:
+                    if entry.size > self.cache_bytes:  # would flush everything else: used, not kept
                         del self._cache[key]
-                fut.set_exception(e)
+                    else:
+                        self._bytes += entry.size
+                        self._evict_locked()
+        if exc is not None:
+            entry.future.set_exception(exc)
+        else:
+            entry.future.set_result(compiled)
+
+    def _evict_locked(self) -> None:
+        for k in list(self._cache):  # least recently used first; entries being compiled stay
+            if self._bytes <= self.cache_bytes and len(self._cache) <= CACHE_SIZE:
+                return
+            e = self._cache[k]
+            if e.future.done() and e.size:
+                del self._cache[k]
+                self._bytes -= e.size
+
+    def _leave(self, key: tuple[str, str], entry: _Entry) -> None:
+        with self._lock:
+            entry.waiters -= 1
+            if entry.waiters > 0 or entry.future.done():
+                return
+            if self._cache.get(key) is entry:  # nobody waits: stop it, and let a later request start afresh
+                del self._cache[key]
+            job = entry.job
+        if job is not None:
+            job.cancel()
+
+    def _result(self, fut: Future, key: tuple[str, str], param: str) -> "xgrammar.CompiledGrammar":
         try:
             return fut.result()
-        except RuntimeError as e:  # xgrammar reports parse errors as RuntimeError
-            raise GrammarError(param, f"{key[0]}: {_short(e)}") from None
-
-    @staticmethod
-    def _compile(compiler: "xgrammar.GrammarCompiler", kind: str, text: str) -> "xgrammar.CompiledGrammar":
-        if kind == "json":
-            return _compile_schema(compiler, text)
-        if kind == "json_object":  # OpenAI's json_object: an object, not any JSON value
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if kind == "regex":
-            return compiler.compile_regex(text)
-        if kind == "choice":
-            return compiler.compile_grammar(_choice_grammar(json.loads(text)))
-        return compiler.compile_grammar(text)
+        except CompilersBusy as e:
+            raise GrammarError(param, str(e), status=429, code=e.code) from None
+        except CompileTimeout as e:
+            raise GrammarError(param, f"{key[0]}: {e}", code=e.code) from None
+        except CompileError as e:
+            raise GrammarError(param, str(e), code=e.code) from None
 
     def precompile(self, specs: Iterable[StructuredOutputsParams | None]) -> None:
         """Compile the distinct specs among `specs` in parallel, before their requests are
@@ -146,33 +298,33 @@ class GrammarCompiler:
 
         return GrammarState(self.compile(params, param), self.vocab_size)
 
+    # -- what /metrics shows ----------------------------------------------------------------
 
-# xgrammar (0.2.9) spells a character of a length-bounded string (minLength/maxLength) as
-# [^"\\\r\n], which lets raw control characters through -- and no JSON parser accepts those
-# inside a string.  Its unbounded strings exclude them; the bounded ones are made to as well.
-_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+    def stats(self) -> dict[str, Any]:
+        """The cache's entries and bytes against its bound, and the pool's picture (if any)."""
+        with self._lock:
+            out: dict[str, Any] = {"cache_entries": sum(1 for e in self._cache.values() if e.future.done()),
+                                   "cache_bytes": self._bytes, "cache_limit_bytes": self.cache_bytes}
+        if self._pool is not None:
+            out["pool"] = self._pool.snapshot()
+        return out
 
 
-def _compile_schema(compiler: "xgrammar.GrammarCompiler", schema: str) -> "xgrammar.CompiledGrammar":
-    """A JSON schema as compact JSON (one space after ':' and ','): no runs of free whitespace
-    for a model to wander in before it closes the document."""
-    import xgrammar as xgr
+def _digest(key: tuple[str, str]) -> bytes:
+    return hashlib.sha256(f"{key[0]}\0{key[1]}".encode("utf-8", "surrogatepass")).digest()
 
-    grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
-    if _LOOSE_STRING_CHAR in grammar:
+
+async def _wait_on_loop(fut: Future) -> None:
+    """Wait for a concurrent Future without tying its fate to ours: cancelling this wait
+    leaves `fut` alone (the caller decides, in `_leave`, whether to cancel the job)."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake(_: Future) -> None:
         try:
-            return compiler.compile_grammar(grammar.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
-        except RuntimeError:  # the printed grammar did not parse back: keep xgrammar's own
+            loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+        except RuntimeError:  # the loop closed meanwhile: nobody is waiting
             pass
-    return compiler.compile_json_schema(schema, any_whitespace=False)
 
-
-def _short(e: BaseException) -> str:
-    """xgrammar's message without its C++ source location prefix."""
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if "] " in msg and msg.startswith("["):
-        msg = msg.split("] ", 1)[1]
-    if ": " in msg and ".cc:" in msg.split(": ", 1)[0]:
-        msg = msg.split(": ", 1)[1]
-    return msg
+    fut.add_done_callback(wake)
+    await waiter

@@ -99,6 +99,7 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None, dashboard: boo
                 hub.close()
             # join() blocks; run it off the loop so uvicorn can finish closing connections.
             await asyncio.to_thread(engine.shutdown)
+            await asyncio.to_thread(ctx.close)  # the grammar compile workers
 
     app = FastAPI(title="tokenloom", version=__version__, lifespan=lifespan)
     install_error_handlers(app)

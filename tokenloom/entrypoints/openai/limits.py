@@ -14,7 +14,8 @@ per-token work is done.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 # No FastAPI at import time: the CLI builds its parser from this module (`tokenloom --help`
 # should not pay for the web stack); the checks import the error helpers when they run.
@@ -43,6 +44,12 @@ class ServerLimits:
     # windows), up to this many tokens or max_model_len if larger; a text that certainly has
     # more is refused by its length, before it is tokenized (engine/prompt_bound.py).
     max_tokenize_tokens: int = 131072
+    # Grammar compilation (structured output, tool_choice "required"/named) runs in killable
+    # worker processes (structured/compile_pool.py): each compile is held to a time limit, at
+    # most this many run at once (one core each), and the compiled grammars kept are bounded in bytes.
+    max_grammar_compile_seconds: float = 10.0
+    max_concurrent_grammar_compiles: int = field(default_factory=lambda: default_grammar_compiles())
+    max_grammar_cache_bytes: int = 128 * 2**20
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerLimits":
@@ -61,12 +68,19 @@ class ServerLimits:
             stalled_stream_timeout=getattr(args, "stalled_stream_timeout", cls.stalled_stream_timeout),
             max_unsent_bytes=getattr(args, "max_unsent_bytes", cls.max_unsent_bytes),
             max_tokenize_tokens=getattr(args, "max_tokenize_tokens", cls.max_tokenize_tokens),
+            max_grammar_compile_seconds=getattr(args, "max_grammar_compile_seconds", cls.max_grammar_compile_seconds),
+            max_concurrent_grammar_compiles=getattr(args, "max_concurrent_grammar_compiles",
+                                                    default_grammar_compiles()),
+            max_grammar_cache_bytes=getattr(args, "max_grammar_cache_bytes", cls.max_grammar_cache_bytes),
         )
+        if not limits.max_grammar_compile_seconds > 0:
+            raise ValueError(f"--max-grammar-compile-seconds must be > 0, got {limits.max_grammar_compile_seconds}")
         if not limits.stalled_stream_timeout > 0:
             raise ValueError(f"--stalled-stream-timeout must be > 0, got {limits.stalled_stream_timeout}")
         for flag, value in (("--max-request-body-bytes", limits.max_request_body_bytes),
                             ("--max-prompts-per-request", limits.max_prompts_per_request),
                             ("--max-tokenize-tokens", limits.max_tokenize_tokens),
+                            ("--max-concurrent-grammar-compiles", limits.max_concurrent_grammar_compiles),
                             ("--max-n", limits.max_n)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -74,10 +88,16 @@ class ServerLimits:
                             ("--max-stop-string-chars", limits.max_stop_string_chars),
                             ("--max-unread-stream-tokens", limits.max_unread_stream_tokens),
                             ("--max-unsent-bytes", limits.max_unsent_bytes),
+                            ("--max-grammar-cache-bytes", limits.max_grammar_cache_bytes),
                             ("--max-logit-bias", limits.max_logit_bias)):
             if value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
         return limits
+
+
+def default_grammar_compiles() -> int:
+    """Half the cores, 1 to 4: compilation never takes the cores the engine decodes on."""
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 def add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -100,6 +120,16 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokenize-tokens", type=int, default=d.max_tokenize_tokens,
                    help=f"most tokens /tokenize counts in one text, or max_model_len if larger "
                         f"(default {d.max_tokenize_tokens})")
+    g.add_argument("--max-grammar-compile-seconds", type=float, default=d.max_grammar_compile_seconds,
+                   help=f"stop compiling a request's grammar (JSON schema, regex, EBNF, tool schema) after this long "
+                        f"and answer 400 (default {d.max_grammar_compile_seconds:g})")
+    g.add_argument("--max-concurrent-grammar-compiles", type=int, default=d.max_concurrent_grammar_compiles,
+                   help=f"grammar compile worker processes (one core each); a request waits for one at most "
+                        f"--max-grammar-compile-seconds, then gets 429 (default here "
+                        f"{d.max_concurrent_grammar_compiles}: half the cores, at most 4)")
+    g.add_argument("--max-grammar-cache-bytes", type=int, default=d.max_grammar_cache_bytes,
+                   help=f"bytes of compiled grammars kept for reuse, least recently used dropped first "
+                        f"(default {d.max_grammar_cache_bytes})")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="honour a `chat_template` sent in a request (refused by default: a template is code, "
                         "and rendering it runs on this server)")

@@ -52,6 +52,23 @@ class ServingContext:
     tool_call_parser: str | None = None  # --tool-call-parser: reads tool_choice "auto" answers
     model_aliases: list[str] = field(default_factory=list)  # accepted in requests, not listed (model_names.py)
 
+    def __post_init__(self) -> None:
+        # The server compiles grammars in worker processes it can kill (started on the first
+        # grammar), bounded by the --max-grammar-* limits; see `compile_grammar`.
+        grammars = self.engine.engine.grammars
+        with contextlib.suppress(GrammarError):  # no xgrammar: each request for structure is a 400
+            grammars.use_pool(workers=self.limits.max_concurrent_grammar_compiles,
+                              compile_seconds=self.limits.max_grammar_compile_seconds,
+                              cache_bytes=self.limits.max_grammar_cache_bytes)
+        if self.engine.metrics is not None:
+            from tokenloom.entrypoints.openai.grammar_metrics import register_grammar_metrics
+
+            register_grammar_metrics(self.engine.metrics.registry, grammars, self.served_model_names[0])
+
+    def close(self) -> None:
+        """Stop what the server started beside the engine: the grammar compile workers."""
+        self.engine.engine.grammars.close()
+
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
@@ -200,15 +217,33 @@ def structured_outputs(req: _SamplingFields) -> tuple[StructuredOutputsParams | 
     return spec, field_name
 
 
-async def compile_grammar(ctx: ServingContext, req: _SamplingFields, params: SamplingParams) -> None:
-    """Compile the request's grammar at admission, in a worker thread, so that the engine
-    thread finds it compiled (`tokenloom.structured.compiler`); a bad schema, regex or grammar
-    is a 400 naming the field it came from."""
+async def compile_grammar(ctx: ServingContext, req: _SamplingFields, params: SamplingParams,
+                          raw: Request | None = None, *, param: str | None = None) -> None:
+    """Compile the request's grammar at admission, so that the engine thread finds it
+    compiled (`tokenloom.structured.compiler`), in a worker process held to
+    --max-grammar-compile-seconds.  A bad schema, regex or grammar, or one that takes too
+    long, is a 400 naming the field it came from (`param`, else the structured-output field
+    the request used); a 429 when every compile worker stayed busy.  Given the request
+    (`raw`), a client that disconnects meanwhile stops the compilation (unless another
+    request waits for the same grammar)."""
     if params.structured_outputs is None:
         return
-    field_name = structured_outputs(req)[1]
+    field_name = param or structured_outputs(req)[1]
+    work = asyncio.ensure_future(ctx.engine.engine.grammars.compile_async(params.structured_outputs, field_name))
+    watch = asyncio.ensure_future(_wait_disconnect(raw)) if raw is not None else None
     try:
-        await off_loop(ctx.engine.engine.grammars.compile, params.structured_outputs, field_name)
+        await asyncio.wait({work} if watch is None else {work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled: the compilation is not left running for nobody
+        if watch is not None:
+            watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.wait({work})  # its way out tells the compiler nobody waits any more
+    if work.cancelled():
+        raise OpenAIError(499, "the client disconnected while its grammar was being compiled",
+                          param=field_name, code="client_disconnected")
+    try:
+        work.result()
     except GrammarError as e:  # named after the field the client sent, whatever the compiler said
         raise grammar_error(e, field_name) from None
 

@@ -143,7 +143,8 @@ def _tokenize_all(ctx: ServingContext, prompts: list[str | list[int]], params: S
     return out, texts
 
 
-async def _prepare(ctx: ServingContext, req: CompletionRequest) -> tuple[_Prepared, list[RequestStream]]:
+async def _prepare(ctx: ServingContext, req: CompletionRequest,
+                   raw: Request | None = None) -> tuple[_Prepared, list[RequestStream]]:
     check_request(ctx, req)
     if req.suffix:
         raise bad_request("suffix is not supported by this server", param="suffix", code="unsupported")
@@ -160,7 +161,7 @@ async def _prepare(ctx: ServingContext, req: CompletionRequest) -> tuple[_Prepar
     params = sampling_params(req, max_tokens=1 if score_only else req.max_tokens, logprobs=req.logprobs,
                              prompt_logprobs=prompt_lp)
     prompts, texts = await off_loop(_tokenize_all, ctx, single, params, req)
-    await compile_grammar(ctx, req, params)
+    await compile_grammar(ctx, req, params, raw)  # stopped if the client leaves meanwhile
     rid = new_id("cmpl")
     streams = add_requests(ctx, rid, prompts, params, priority=req.priority, cache_salt=req.cache_salt)
     return _Prepared(rid, req.model or ctx.model_name, texts, req, ctx.engine.tokenizer, score_only), streams
@@ -175,7 +176,7 @@ def _jsonable_prompt_logprobs(out: RequestOutput) -> list | None:
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
-    p, streams = await _prepare(ctx, req)
+    p, streams = await _prepare(ctx, req, raw)
     if req.stream:
         return SSEResponse(sse_body(ctx, streams, _stream(ctx, p, streams)), on_close=lambda: abort_all(ctx, streams))
     finals = await collect_final(ctx, streams, raw)
