@@ -131,6 +131,9 @@ def test_context_length_error_in_openai_words(server):
     assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
     assert err["message"].startswith(f"This model's maximum context length is {MAX_LEN} tokens. However, you "
                                      f"requested ") and "in the messages, 600 in the completion" in err["message"]
+    r = httpx.post(url + "/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                    "max_completion_tokens": 600})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"  # as the client spelled it
     r = httpx.post(url + "/completions", json={"prompt": "hello " * 600, "max_tokens": 5})
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt"

@@ -348,7 +348,29 @@ def test_streamed_tool_calls_carry_no_empty_content(server):
                 "seed": 5, "max_tokens": 200, "parallel_tool_calls": False, "stream": True}
         with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
             events = sse_events(r.iter_lines())
-        deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+        choices = [e["choices"][0] for e in events[:-1] if e["choices"]]
+        deltas = [ch["delta"] for ch in choices]
         assert deltas[0] == {"role": "assistant", "content": None}, deltas[0]
         assert all(d.get("content") is None for d in deltas), deltas
-        assert sum("tool_calls" in d for d in deltas) == 1 and len(deltas) == 2, deltas
+        # the role, the call (whole), and the finish -- which may come with the call
+        assert sum("tool_calls" in d for d in deltas) == 1 and len(deltas) <= 3, deltas
+        assert choices[-1]["finish_reason"] == "tool_calls"
+
+
+def test_streamed_parallel_calls_go_out_one_by_one_as_each_completes(client, tiny_llama):
+    from transformers import AutoTokenizer
+
+    # Eight calls (the array is made to run to its bound): each is sent whole, with its index,
+    # as soon as it is complete -- not all at the end -- and they are the non-streamed answer's.
+    vocab = AutoTokenizer.from_pretrained(str(tiny_llama)).get_vocab()
+    kw = dict(model=NAME, messages=CHAT, tools=TOOLS, temperature=1.0, seed=11, max_tokens=700,
+              tool_choice="required", logit_bias={str(i): -100 for tok, i in vocab.items() if "]" in tok})
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    chunks = [ch for chunk in client.chat.completions.create(**kw, stream=True) for ch in chunk.choices]
+    carrying = [ch.delta.tool_calls for ch in chunks if ch.delta.tool_calls]
+    calls = [tc for group in carrying for tc in group]
+    assert len(carrying) > 1 and chunks[-1].finish_reason == "tool_calls"
+    assert [tc.index for tc in calls] == list(range(MAX_PARALLEL_CALLS)) == list(range(len(whole)))
+    for got, want in zip(calls, whole):
+        _check_call(got)
+        assert (got.function.name, got.function.arguments) == (want.function.name, want.function.arguments)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, AsyncIterator, Literal, Sequence
@@ -36,6 +37,9 @@ from tokenloom.entrypoints.openai.tool_calls import ToolPlan, constrained_calls,
 from tokenloom.entrypoints.openai.tool_parsers import get_parser, parser_for_template
 from tokenloom.structured import GrammarError
 from tokenloom.outputs import PositionLogprobs, RequestOutput
+
+logger = logging.getLogger("tokenloom.server")
+_noted_auto_as_text: set[str] = set()  # the templates already named in the log
 
 
 def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
@@ -162,7 +166,12 @@ def _render_and_validate(ctx: ServingContext, req: ChatCompletionRequest, params
     ids = render_messages(ctx, req.messages, chat_template=req.chat_template,
                           add_generation_prompt=req.add_generation_prompt, template_kwargs=req.chat_template_kwargs,
                           tools=tools)
-    return validate_prompt(ctx, ids, params, param="messages")[1]
+    try:
+        return validate_prompt(ctx, ids, params, param="messages")[1]
+    except OpenAIError as e:  # name the limit the client sent, as it spelled it
+        if e.param == "max_tokens" and req.max_completion_tokens is not None:
+            e.param = "max_completion_tokens"
+        raise
 
 
 def _have_xgrammar() -> bool:
@@ -184,11 +193,22 @@ def tool_call_parser(ctx: ServingContext, chat_template: str | None) -> str | No
     return parser_for_template(template if isinstance(template, str) else None)
 
 
+def _note_auto_as_text(template: str) -> None:
+    """Say once per template, in the server log, why tool_choice "auto" answers in text."""
+    if template in _noted_auto_as_text or len(_noted_auto_as_text) > 64:
+        return
+    _noted_auto_as_text.add(template)
+    logger.warning("tool_choice \"auto\": no tool-call parser fits this chat template, so answers are text and "
+                   "the tools are left out of the prompt; start the server with --tool-call-parser to read calls")
+
+
 async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[_Prepared, list[RequestStream]]:
     check_request(ctx, req)
     check_chat_template_request(ctx, req.chat_template, req.chat_template_kwargs)
     parser_name = tool_call_parser(ctx, req.chat_template) if req.tools else None
     plan = plan_tools(req.tools, req.tool_choice, parser_name, req.parallel_tool_calls)
+    if req.tools and plan.mode == "none" and req.tool_choice != "none":
+        _note_auto_as_text(req.chat_template or "the server's chat template")
     if plan.constraint is not None and structured_outputs(req)[0] is not None:
         raise bad_request("tool_choice \"required\" or a named function constrains the output already; "
                           f"drop {structured_outputs(req)[1]}", param="tool_choice")
@@ -274,15 +294,18 @@ async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream
     done: set[int] = set()
     latest: list[RequestOutput] = []
     walkers: dict[int, TokenTexts] = {}
-    # Tool calls: a constrained answer streams nothing until it is complete (then one delta
-    # carries the calls); with tool_choice "auto" the text that may begin a call is held back.
+    # Tool calls: a constrained answer streams no content; each call goes out whole as soon as
+    # it is complete (for `required`, as each array item closes; a call is never sent half
+    # written, so one that max_tokens cuts off is never sent at all).  With tool_choice "auto"
+    # the text that may begin a call is held back.
+    calls_sent: dict[int, int] = {}
     plan = p.tools
     parser = get_parser(p.parser_name) if plan.mode == "auto" and p.parser_name else None
     hold_all = plan.constraint is not None
     # The role comes first, before any token exists: clients show "assistant is typing".  A
     # constrained tool call has no content at all: null, as OpenAI sends it.
     for j in range(req.n):
-        text_sent[j] = tokens_sent[j] = 0
+        text_sent[j] = tokens_sent[j] = calls_sent[j] = 0
         yield frame.chunk({"index": j, "delta": {"role": "assistant", "content": None if hold_all else ""},
                            "logprobs": None, "finish_reason": None}, latest)
     async for _, out in merge_streams(streams):
@@ -302,6 +325,11 @@ async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream
                 visible = max(text_sent[j], parser.safe_prefix(c.text))
             delta: dict[str, Any] = {}
             reason = c.finish_reason if finished else None
+            if not finished and plan.mode == "required":
+                ready = constrained_calls(plan, c.text)[0][calls_sent[j]:]
+                if ready:
+                    delta["tool_calls"] = [call.to_openai(calls_sent[j] + k) for k, call in enumerate(ready)]
+                    calls_sent[j] += len(ready)
             if finished and (hold_all or parser is not None):
                 try:
                     content, tool_calls, reason = _answer(p, c.text, c.finish_reason, len(c.token_ids))
@@ -311,7 +339,9 @@ async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream
                 if tool_calls is not None:
                     # the content before the calls, less what was streamed; then the calls
                     visible = text_sent[j] + len((content or "")[text_sent[j]:])
-                    delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(tool_calls)]
+                    unsent = [{"index": k, **tc} for k, tc in enumerate(tool_calls) if k >= calls_sent[j]]
+                    if unsent:
+                        delta["tool_calls"] = unsent
             delta_text = c.text[text_sent[j]:visible]
             logprobs = None
             if p.top_n is not None:
@@ -322,7 +352,7 @@ async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream
             if finished:
                 done.add(j)
             held = (hold_all or parser is not None) and not delta_text
-            if held and not finished and logprobs is None:
+            if held and not finished and logprobs is None and not delta:
                 continue  # nothing to say yet: the text so far may be (or is) a tool call
             if delta_text or not (finished or delta or held):
                 delta = {"content": delta_text, **delta}
