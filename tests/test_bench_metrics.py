@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from tokenloom.bench.metrics import (
+from tokenloom.measure.metrics import (
     RequestRecord,
     distribution,
     e2e_latency,

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from tokenloom.bench.workloads import (
+from tokenloom.measure.workloads import (
     WORKLOADS,
     BenchRequest,
     WorkloadSpec,

@@ -12,8 +12,8 @@ from collections import defaultdict
 
 import pytest
 
-from tokenloom.bench.metrics import summarize
-from tokenloom.bench.workloads import BenchRequest, WorkloadSpec, generate_workload
+from tokenloom.measure.metrics import summarize
+from tokenloom.measure.workloads import BenchRequest, WorkloadSpec, generate_workload
 from tokenloom.entrypoints.cli import main
 from tokenloom.router.policy import POLICIES
 from tokenloom.sim.estimate import CostModel

@@ -17,7 +17,7 @@ import math
 
 import pytest
 
-from tokenloom.bench.workloads import BenchRequest, WorkloadSpec, generate_workload, workload_stats
+from tokenloom.measure.workloads import BenchRequest, WorkloadSpec, generate_workload, workload_stats
 from tokenloom.sim.calibrate import calibration_key
 from tokenloom.sim.engine_cost import Calibration, EngineCostModel
 from tokenloom.sim.engine_cost import predict as _predict

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from tokenloom.bench.metrics import summarize
-from tokenloom.bench.workloads import BenchRequest, WorkloadSpec, generate_workload
+from tokenloom.measure.metrics import summarize
+from tokenloom.measure.workloads import BenchRequest, WorkloadSpec, generate_workload
 from tokenloom.entrypoints.cli import main
 from tokenloom.sim.estimate import CostModel
 from tokenloom.specs.hardware import Hardware, get_hardware

@@ -311,7 +311,7 @@ def test_spec_decode_metrics_on_the_server(hf_checkpoint):
 # ---- the simulator ------------------------------------------------------------------------------
 
 def test_simulator_knows_accepted_tokens_per_step():
-    from tokenloom.bench.workloads import BenchRequest
+    from tokenloom.measure.workloads import BenchRequest
     from tokenloom.sim.estimate import CostModel
     from tokenloom.sim.simulator import SimConfig, Simulator
     from tokenloom.specs.hardware import Hardware

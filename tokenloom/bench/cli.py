@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from tokenloom.bench.workloads import add_workload_args
+from tokenloom.measure.workloads import add_workload_args
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:

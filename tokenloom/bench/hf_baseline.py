@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from tokenloom.bench.workloads import BenchRequest
+from tokenloom.measure.workloads import BenchRequest
 
 
 @dataclass

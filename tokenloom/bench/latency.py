@@ -18,9 +18,9 @@ import argparse
 import numpy as np
 from rich.console import Console
 
-from tokenloom.bench import metrics, report
+from tokenloom.measure import metrics, report
 from tokenloom.bench.offline import build_llm, engine_vocab_range, run_generate
-from tokenloom.bench.workloads import BenchRequest, WorkloadSpec, generate_workload
+from tokenloom.measure.workloads import BenchRequest, WorkloadSpec, generate_workload
 
 
 def fixed_batch(batch_size: int, input_len: int, output_len: int, vocab: tuple[int, int], seed: int) -> list[BenchRequest]:

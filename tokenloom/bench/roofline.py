@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from tokenloom.bench import report
+from tokenloom.measure import report
 from tokenloom.bench.offline import build_llm, engine_vocab_range, run_generate
-from tokenloom.bench.workloads import BenchRequest, WorkloadSpec, generate_workload
+from tokenloom.measure.workloads import BenchRequest, WorkloadSpec, generate_workload
 
 
 def _ints(text: str) -> list[int]:

@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 import httpx
 
-from tokenloom.bench.metrics import RequestRecord
-from tokenloom.bench.workloads import BenchRequest
+from tokenloom.measure.metrics import RequestRecord
+from tokenloom.measure.workloads import BenchRequest
 
 
 @dataclass
@@ -208,7 +208,7 @@ def _vocab_range(args: Any, info: dict[str, Any] | None) -> tuple[int, int]:
     directory (--tokenizer, --launch, or the server's model id when it is a local path)."""
     from pathlib import Path
 
-    from tokenloom.bench.workloads import MIN_TOKEN_ID, vocab_range_for, vocab_range_for_model
+    from tokenloom.measure.workloads import MIN_TOKEN_ID, vocab_range_for, vocab_range_for_model
 
     if args.vocab_size:
         return (MIN_TOKEN_ID if args.vocab_size > MIN_TOKEN_ID + 1 else 0), args.vocab_size
@@ -241,9 +241,9 @@ def _model_max_len(args: Any, info: dict[str, Any] | None) -> int | None:
 def main(args: Any) -> int:
     from rich.console import Console
 
-    from tokenloom.bench import metrics, report
+    from tokenloom.measure import metrics, report
     from tokenloom.bench.launcher import engine_flags_from_args, start_server
-    from tokenloom.bench.workloads import workload_from_args, workload_stats
+    from tokenloom.measure.workloads import workload_from_args, workload_stats
 
     console = Console()
     if bool(args.base_url) == bool(args.launch):

@@ -21,8 +21,8 @@ from typing import Any, Sequence
 
 from rich.console import Console
 
-from tokenloom.bench import metrics, report
-from tokenloom.bench.workloads import BenchRequest, WorkloadSpec, workload_from_args, workload_stats
+from tokenloom.measure import metrics, report
+from tokenloom.measure.workloads import BenchRequest, WorkloadSpec, workload_from_args, workload_stats
 
 
 def _ints(text: str) -> list[int]:
@@ -100,7 +100,7 @@ def run_point_serve(args: argparse.Namespace, point: dict[str, Any], reqs: Seque
 
 def _workload(args: argparse.Namespace) -> tuple[WorkloadSpec, list[BenchRequest]]:
     """The workload every point replays: vocab and max length from the model directory."""
-    from tokenloom.bench.workloads import vocab_range_for_model
+    from tokenloom.measure.workloads import vocab_range_for_model
 
     model_dir = args.model
     if model_dir is None:

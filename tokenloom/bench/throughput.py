@@ -17,10 +17,10 @@ from typing import Any
 
 from rich.console import Console
 
-from tokenloom.bench import metrics, report
+from tokenloom.measure import metrics, report
 from tokenloom.bench.offline import (build_llm, current_rss_bytes, engine_vocab_range, peak_device_bytes,
                                      peak_rss_bytes, run_generate, warmup)
-from tokenloom.bench.workloads import BenchRequest, workload_from_args, workload_stats
+from tokenloom.measure.workloads import BenchRequest, workload_from_args, workload_stats
 
 
 def _gib(x: int | None) -> float | None:

@@ -83,7 +83,7 @@ def calibration_plan(vocab: tuple[int, int], max_model_len: int, seed: int = 0) 
 
 
 def _requests(items: Sequence[tuple[list[int], int, float]], step_s: float) -> list:
-    from tokenloom.bench.workloads import BenchRequest
+    from tokenloom.measure.workloads import BenchRequest
 
     return [BenchRequest(p, o, arrival_time=a * step_s) for p, o, a in items]
 
@@ -127,7 +127,7 @@ def run_calibration(model: str, dtype: str = "auto", *, block_size: int = 16, mo
     if neighbors:
         raise ValueError("busy neighbors are servers: calibrate them in serve mode")
     from tokenloom.bench.offline import run_offline
-    from tokenloom.bench.workloads import vocab_range_for
+    from tokenloom.measure.workloads import vocab_range_for
     from tokenloom.entrypoints.llm import LLM
     from tokenloom.sampling_params import SamplingParams
 
@@ -186,7 +186,7 @@ def _run_calibration_served(model: str, dtype: str, *, block_size: int, num_thre
 
     from tokenloom.bench.launcher import ServerProcess, free_port
     from tokenloom.bench.serve import run_serve_benchmark
-    from tokenloom.bench.workloads import BenchRequest, vocab_range_for_model
+    from tokenloom.measure.workloads import BenchRequest, vocab_range_for_model
 
     limits = _engine_limits(model, block_size)
     flags = ["--dtype", dtype, "--max-num-seqs", str(limits["max_num_seqs"]),
@@ -267,7 +267,7 @@ class _BusyNeighbors:
 
     def _feed(self, base_url: str, vocab: tuple[int, int], seed: int) -> None:
         from tokenloom.bench.serve import run_serve_benchmark
-        from tokenloom.bench.workloads import WorkloadSpec, generate_workload
+        from tokenloom.measure.workloads import WorkloadSpec, generate_workload
 
         burst = 0
         while not self._stop.is_set():

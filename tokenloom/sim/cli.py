@@ -99,7 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
-    from tokenloom.bench.workloads import add_workload_args
+    from tokenloom.measure.workloads import add_workload_args
     from tokenloom.router.policy import POLICIES
 
     p = subparsers.add_parser(
@@ -186,7 +186,7 @@ def _catalog_table() -> "object":
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    from tokenloom.bench.report import wide_console
+    from tokenloom.measure.report import wide_console
     from tokenloom.sim.estimate import estimate
     from tokenloom.specs.hardware import get_hardware
     from tokenloom.specs.model_spec import load_model_spec
@@ -339,8 +339,8 @@ def step_lines(events) -> list[str]:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from tokenloom.bench import metrics, report
-    from tokenloom.bench.workloads import MIN_TOKEN_ID, workload_from_args, workload_stats
+    from tokenloom.measure import metrics, report
+    from tokenloom.measure.workloads import MIN_TOKEN_ID, workload_from_args, workload_stats
     from tokenloom.model.presets import PRESETS
     from tokenloom.sim.estimate import CostModel
     from tokenloom.specs.hardware import get_hardware
@@ -351,7 +351,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         from tokenloom.sim.validate import main as validate_main
 
         return validate_main(args)
-    from tokenloom.bench.report import wide_console
+    from tokenloom.measure.report import wide_console
 
     console = wide_console()
     try:

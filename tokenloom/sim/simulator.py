@@ -42,9 +42,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Sequence
 
-from tokenloom.bench.metrics import RequestRecord
-from tokenloom.bench.offline import StepRecorder
-from tokenloom.bench.workloads import BenchRequest
+from tokenloom.measure.metrics import RequestRecord
+from tokenloom.measure.steps import StepRecorder
+from tokenloom.measure.workloads import BenchRequest
 from tokenloom.config import EngineArgs, EngineConfig, SchedulerConfig, default_max_num_batched_tokens, parse_size
 from tokenloom.core.kv_cache import KVCacheManager
 from tokenloom.core.scheduler import Scheduler, SchedulerOutput

@@ -132,7 +132,7 @@ class BenchInputs:
 
 def workload_spec_from_dict(d: Mapping[str, Any]):
     """`WorkloadSpec` from its recorded `to_dict()` form."""
-    from tokenloom.bench.workloads import WorkloadSpec
+    from tokenloom.measure.workloads import WorkloadSpec
 
     kw = {k: d[k] for k in WorkloadSpec.__dataclass_fields__ if k in d}
     rate = kw.get("request_rate", math.inf)
@@ -143,7 +143,7 @@ def workload_spec_from_dict(d: Mapping[str, Any]):
 def rebuild_requests(doc: Mapping[str, Any]) -> list:
     """The benchmark's requests: the replayed workload file if it still exists, else regenerated
     from the recorded spec; checked against the recorded workload stats."""
-    from tokenloom.bench.workloads import generate_workload, load_jsonl, workload_stats
+    from tokenloom.measure.workloads import generate_workload, load_jsonl, workload_stats
 
     cfg = doc.get("config", {})
     wl = doc.get("workload") or {}
@@ -256,7 +256,7 @@ class Validation:
         return all_targets_ok(self.rows)
 
     def to_dict(self) -> dict[str, Any]:
-        from tokenloom.bench.report import to_jsonable
+        from tokenloom.measure.report import to_jsonable
 
         return to_jsonable({
             "measured": self.measured_path,
@@ -280,7 +280,7 @@ class Validation:
 
 def validate(measured_path: str | Path, *, tolerance: float = DEFAULT_TOLERANCE, recalibrate: bool = False,
              log=None) -> Validation:
-    from tokenloom.bench import metrics
+    from tokenloom.measure import metrics
     from tokenloom.sim.calibrate import calibrated_cost_model
     from tokenloom.specs.model_spec import load_config, max_position_embeddings
     from tokenloom.sim.simulator import Simulator
@@ -337,7 +337,7 @@ class SweepValidation:
         return all(all_targets_ok(rows) for _, rows in self.points)
 
     def to_dict(self) -> dict[str, Any]:
-        from tokenloom.bench.report import to_jsonable
+        from tokenloom.measure.report import to_jsonable
 
         return to_jsonable({
             "measured": self.measured_path, "model": self.model, "dtype": self.dtype,
@@ -351,7 +351,7 @@ class SweepValidation:
 def validate_sweep(measured_path: str | Path, doc: Mapping[str, Any], *, tolerance: float = DEFAULT_TOLERANCE,
                    recalibrate: bool = False, log=None) -> SweepValidation:
     """Every point of a `bench sweep` JSON, simulated with the same limits and workload."""
-    from tokenloom.bench import metrics
+    from tokenloom.measure import metrics
     from tokenloom.sim.calibrate import calibrated_cost_model
     from tokenloom.specs.model_spec import load_config, max_position_embeddings
     from tokenloom.sim.simulator import Simulator
@@ -447,7 +447,7 @@ def print_validation(v: Validation, console: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """`tokenloom simulate --compare-with FILE`."""
-    from tokenloom.bench.report import wide_console, write_json
+    from tokenloom.measure.report import wide_console, write_json
 
     console = wide_console()
     log = lambda s: console.print(s, markup=False)  # noqa: E731

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from rich.console import Console
 from rich.table import Table
 
-from tokenloom.bench.metrics import BenchSummary, Distribution
+from tokenloom.measure.metrics import BenchSummary, Distribution
 from tokenloom.specs.host import cpu_model_name
 
 SCHEMA_VERSION = 1
