@@ -1,11 +1,13 @@
 """Tensor parallel on CPUs: two processes (gloo) give transformers' greedy tokens.
 
 Each rank holds half of every layer (model/parallel.py) and its own half of the KV cache;
-rank 0 schedules and samples, rank 1 is a spawned worker running the same steps.  Checked
-under chunked prefill, 4-token blocks and preemption, for the families' differences (q/k/v
-biases, q/k norms, a KV head replicated on both ranks), and launched the two ways a user
-would: spawned by `LLM(tensor_parallel_size=2)`, and as two processes of one `tokenloom
-serve` command with torchrun's environment (how a group spans machines)."""
+rank 0 schedules and samples, rank 1 is a worker process running the same steps (forked
+here: no CUDA context; runner/worker_procs.py).  Checked under chunked prefill, 4-token
+blocks and preemption, for the families' differences (q/k/v biases, q/k norms, a KV head
+replicated on both ranks), and launched the two ways a user would: started by
+`LLM(tensor_parallel_size=2)`, and as two processes of one `tokenloom serve` command with
+torchrun's environment (how a group spans machines).  Plain user scripts, and how every
+process tree ends: tests/test_plain_scripts.py."""
 
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ def test_two_ranks_give_transformers_tokens(model_factory, preset, overrides):
         assert eng.scheduler.num_preemptions > 0
         assert eng.kv.pool.num_free == STRESS["num_kv_blocks"]
         workers = eng.tp_launcher.procs
-        assert len(workers) == 1 and workers[0].is_alive()
+        assert len(workers) == 1 and workers[0].is_alive() and workers[0].method == "fork"
     finally:
         llm.shutdown()
     assert not workers[0].is_alive() and workers[0].exitcode == 0  # left when told

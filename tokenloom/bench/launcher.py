@@ -7,7 +7,9 @@ Used by `tokenloom bench serve --launch MODEL` and by tests that need a live ser
         httpx.get(server.base_url + "/health")
 
 The server's output goes to a log file rather than a pipe: a pipe nobody reads fills up
-and blocks the server mid-benchmark.
+and blocks the server mid-benchmark.  Started from the main thread on Linux, the server gets
+SIGTERM when the launching process dies, SIGKILL included (`die_with_parent`), so a killed
+benchmark leaves no server behind.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import httpx
+
+from tokenloom.runner.worker_procs import die_with_parent
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -111,7 +115,8 @@ def start_server(model: str, engine_flags: Sequence[str] = (), *, host: str = "1
     # Unbuffered so the log tail in an error message shows the real last words.
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                preexec_fn=die_with_parent(signal.SIGTERM))
     server = ServerProcess(proc=proc, host=host, port=port, log_path=log_path, cmd=cmd)
     try:
         server.wait_healthy(timeout=timeout)

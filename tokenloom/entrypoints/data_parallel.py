@@ -16,14 +16,15 @@ The front process waits until every replica is healthy, then serves the router o
 user's address.  `/metrics` carries every replica's series labelled `engine="<i>"` plus the
 router's own.  On SIGINT/SIGTERM the router stops first (in-flight requests finish through
 the still-running replicas), then the replicas are stopped; a replica also gets SIGTERM
-from the kernel if the front process dies without cleaning up (Linux), so none outlives it.
+from the kernel if the front process dies without cleaning up, SIGKILL included (Linux:
+`runner.worker_procs.die_with_parent`), so none outlives it -- nor its tensor-parallel
+workers, which die with their replica.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -42,6 +43,7 @@ from tokenloom.config import CUDA_KV_SHARE_OF_FREE, default_kv_cache_bytes
 from tokenloom.config import spell_flags as config_spell_flags
 from tokenloom.router.policy import DEFAULT_BALANCE_THRESHOLD
 from tokenloom.router.server import RouterServer, build_router_server
+from tokenloom.runner.worker_procs import die_with_parent
 
 logger = logging.getLogger("tokenloom.router")
 
@@ -63,12 +65,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the front process dies (Linux prctl)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -160,7 +156,8 @@ def start_replicas(args: argparse.Namespace, flags: list[str]) -> list[Replica]:
                "--disable-access-log",  # the router logs each request once
                *place.flags, *flags]
         env = {**os.environ, **place.env, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        # SIGTERM when the front dies: a replica stops as on Ctrl-C, its workers with it
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent(signal.SIGTERM))
         replicas.append(Replica(i, port, proc))
     return replicas
 

@@ -1,6 +1,6 @@
 """The processes of a tensor-parallel group: rank 0 is the engine, ranks 1..N-1 workers.
 
-    rank 0 (the engine's process)            rank r (a worker process, spawned)
+    rank 0 (the engine's process)            rank r (a worker process, runner/worker_procs.py)
     ----------------------------             ----------------------------------
     join the group (torch.distributed)       join the group
     load the model, keep shard 0             load the model, keep shard r
@@ -9,8 +9,9 @@
     shutdown: send the end                   leave
 
 The group is torch.distributed's default group: gloo on CPUs, NCCL on GPUs (rank r on
-cuda:r).  Spawned locally, the rendezvous is tcp://127.0.0.1 on a free port (or the one
-given); under `torchrun` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), env:// is used
+cuda:r).  Started locally (forked, or spawned once a CUDA context exists: worker_procs.py),
+the workers are tied to rank 0's life and the rendezvous is tcp://127.0.0.1 on a free port
+(or the one given); under `torchrun` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), env:// is used
 and nothing is spawned: rank 0 serves, the others call `run_worker` (`tokenloom serve`
 does this), which is how a group spans machines.  CPU threads are divided between the
 ranks on one machine.
@@ -18,10 +19,13 @@ ranks on one machine.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
-import multiprocessing as mp
+import logging
 import os
 import socket
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,9 +35,19 @@ import torch.distributed as dist
 
 from tokenloom.config import BackendPlan
 from tokenloom.model.parallel import TPGroup
+from tokenloom.runner.worker_procs import WorkerProcess, Workers
+
+logger = logging.getLogger(__name__)
 
 # A worker waits for the next step as long as the server is idle: no timeout that matters.
 _IDLE = datetime.timedelta(days=365)
+# Rank 0 never waits idle (it sends the steps); what it waits for -- the rendezvous with the
+# workers it started, a worker still loading its shard, a partial sum inside a step -- takes
+# seconds to minutes.  A dead worker fails it at once (gloo sees the closed connection); this
+# bounds a worker that is alive but stuck.
+_RANK0_WAIT = datetime.timedelta(minutes=30)
+# How long shutdown waits for the workers to leave after the end is sent.
+_STOP_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -72,11 +86,12 @@ def _threads(size: int, asked: int | None) -> int:
     return max(1, (os.cpu_count() or 1) // local)
 
 
-def _join(rank: int, size: int, device: str, init_method: str) -> TPGroup:
+def _join(rank: int, size: int, device: str, init_method: str,
+          timeout: datetime.timedelta = _IDLE) -> TPGroup:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=_IDLE)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
     return TPGroup(rank, size)
 
 
@@ -85,27 +100,42 @@ def _device(device: str, rank: int) -> torch.device:
 
 
 class TPLauncher:
-    """Rank 0's handle on the group: spawns the workers (unless torchrun did) and joins."""
+    """Rank 0's handle on the group: starts the workers (unless torchrun did) and joins.
+
+    Started here, the workers die with this process however it ends, and a worker that
+    exits before it runs is an error within a second (runner/worker_procs.py); rank 0 waits
+    at most `_RANK0_WAIT` for the rendezvous."""
 
     def __init__(self, size: int, spec: WorkerSpec, port: int | None = None):
         self.size = size
         self._closed = False
-        self.procs: list[mp.Process] = []
+        self.workers: Workers | None = None
+        self.procs: list[WorkerProcess] = []
         if launched_by_torchrun():
             if int(os.environ["WORLD_SIZE"]) != size:
                 raise ValueError(f"--tensor-parallel-size {size} but torchrun started {os.environ['WORLD_SIZE']} "
                                  "processes")
-            init = "env://"
+            init, wait = "env://", _IDLE  # the other ranks are torchrun's to start, on its schedule
         else:
-            init = f"tcp://127.0.0.1:{port or free_port()}"
-            ctx = mp.get_context("spawn")
-            for rank in range(1, size):
-                p = ctx.Process(target=_worker_main, args=(rank, size, init, spec), daemon=True,
-                                name=f"tokenloom-tp{rank}")
-                p.start()
-                self.procs.append(p)
+            init, wait = f"tcp://127.0.0.1:{port or free_port()}", _RANK0_WAIT
+            self.workers = Workers()
+            try:
+                for rank in range(1, size):
+                    self.procs.append(self.workers.start(f"tokenloom-tp{rank}", _worker_main, rank, size, init, spec))
+                self.workers.wait_started()
+            except BaseException:
+                self.workers.kill()
+                raise
+            # Registered after multiprocessing's own exit hook, so it runs first: the workers are
+            # told to stop before multiprocessing would SIGTERM them mid-wait.
+            atexit.register(_shutdown_at_exit, weakref.ref(self))
         torch.set_num_threads(_threads(size, spec.num_threads))
-        self.group = _join(0, size, spec.device, init)
+        try:
+            self.group = _join(0, size, spec.device, init, wait)
+        except BaseException:
+            if self.workers:
+                self.workers.kill()
+            raise
         self.spec = spec
 
     def send_runner_spec(self, num_blocks: int, block_size: int, **runner_kwargs: Any) -> None:
@@ -115,27 +145,38 @@ class TPLauncher:
     def abort(self) -> None:
         """Rank 0 failed before the group could work: stop the workers without a handshake."""
         self._closed = True
-        for p in self.procs:
-            p.kill()
-            p.join(timeout=10)
+        if self.workers:
+            self.workers.kill()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
 
     def shutdown(self) -> None:
-        """Send the end, wait for the workers, leave the group."""
+        """Send the end, wait for the workers (at most `_STOP_TIMEOUT_S`), leave the group.
+        Idempotent; also run when the engine is collected or the process exits.  A worker
+        that died already is reported, not waited for."""
         from tokenloom.runner.tp_comm import send_stop
 
-        if self._closed or not dist.is_initialized():
+        if self._closed:
             return
         self._closed = True
         try:
-            send_stop()
+            if dist.is_initialized():
+                send_stop()
+        except RuntimeError as e:  # a worker is gone: gloo saw its connection close
+            logger.warning("tensor-parallel shutdown: could not reach every worker (%s)", str(e).splitlines()[0])
         finally:
-            for p in self.procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-            dist.destroy_process_group()
+            if self.workers:
+                self.workers.stop(_STOP_TIMEOUT_S)
+            if dist.is_initialized():
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
+
+
+def _shutdown_at_exit(ref: weakref.ref[TPLauncher]) -> None:
+    launcher = ref()
+    if launcher is not None:
+        launcher.shutdown()
 
 
 def run_worker(rank: int, size: int, init_method: str, spec: WorkerSpec) -> None:
