@@ -152,7 +152,7 @@ def test_data_parallel_replicas_inherit_the_users_flags_and_split_the_cpu():
 # a plain `tokenloom serve`.  The replicas double as the backends of the `tokenloom router`
 # tests; the last tests kill one replica mid-run, then stop the front with SIGTERM.
 
-MODEL_NAME = [""]  # what the servers serve: the model's path as given to `serve`
+MODEL_NAME = [""]  # what the servers serve: the model directory's name (serve's default id for a path)
 
 
 def _children(pid: int) -> list[int]:
@@ -186,7 +186,7 @@ class Fleet:
 def fleet(tiny_llama, tmp_path_factory) -> Fleet:
     if not Path("/proc/self/task").exists():
         pytest.skip("reads the process tree from /proc")
-    MODEL_NAME[0] = str(tiny_llama)  # 1024 positions: room for the long requests below
+    MODEL_NAME[0] = tiny_llama.name  # 1024 positions: room for the long requests below
     port = free_port()
     cmd = [sys.executable, "-m", "tokenloom.entrypoints.cli", "serve", str(tiny_llama), "--port", str(port),
            "--data-parallel-size", "2", "--num-threads", "1"]
