@@ -203,8 +203,8 @@ def test_sigkill_of_a_generating_script_takes_its_worker_down(tiny, tmp_path):
 
 
 # Workers busy outside any collective (loading a large shard, say: nothing from gloo would
-# reach them), started from the main thread (fork: PDEATHSIG and the death pipe) or from
-# another thread (spawn, where no PDEATHSIG is set: the death pipe alone).
+# reach them), started from the main thread (PDEATHSIG and the death pipe) or from another
+# thread (where no PDEATHSIG is set: the death pipe alone).
 BUSY_WORKERS = """\
 import json, sys, threading, time
 from tokenloom.runner.worker_procs import Workers
@@ -219,7 +219,7 @@ time.sleep(600)
 """
 
 
-@pytest.mark.parametrize("case", ["fork-main-thread", "spawn-other-thread"])
+@pytest.mark.parametrize("case", ["fork-main-thread", "fork-other-thread", "spawn-other-thread"])
 def test_sigkill_of_the_parent_ends_workers_that_wait_on_nothing(tmp_path, case):
     method, where = case.split("-", 1)
     call = "start()" if where == "main-thread" else "t = threading.Thread(target=start)\nt.start()\nt.join()"

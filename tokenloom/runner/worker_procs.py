@@ -44,7 +44,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
-import select
+import selectors
 import signal
 import subprocess
 import sys
@@ -197,22 +197,26 @@ class Workers:
         status) as soon as one exits first, or when `timeout` passes."""
         deadline = time.monotonic() + timeout
         pending = {w.ready_fd: w for w in self.procs if w.ready_fd >= 0}
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                names = ", ".join(f"{w.name} (pid {w.pid})" for w in pending.values())
-                raise WorkerStartError(f"{names} did not start within {timeout:.0f}s ({self.method})")
-            readable, _, _ = select.select(list(pending), [], [], min(left, 1.0))
-            for fd in readable:
-                w = pending.pop(fd)
-                got = os.read(fd, 1)
-                os.close(fd)
-                w.ready_fd = -1
-                if not got:
-                    w.join(5.0)
-                    raise WorkerStartError(
-                        f"{w.name} (pid {w.pid}, started by {self.method}) exited with status {w.exitcode} "
-                        "before it started; its own error, if any, is printed above")
+        with selectors.DefaultSelector() as sel:  # not select(): a busy process may hold fds past 1024
+            for fd in pending:
+                sel.register(fd, selectors.EVENT_READ)
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    names = ", ".join(f"{w.name} (pid {w.pid})" for w in pending.values())
+                    raise WorkerStartError(f"{names} did not start within {timeout:.0f}s ({self.method})")
+                for key, _ in sel.select(min(left, 1.0)):
+                    fd = int(key.fd)
+                    sel.unregister(fd)
+                    w = pending.pop(fd)
+                    got = os.read(fd, 1)
+                    os.close(fd)
+                    w.ready_fd = -1
+                    if not got:
+                        w.join(5.0)
+                        raise WorkerStartError(
+                            f"{w.name} (pid {w.pid}, started by {self.method}) exited with status {w.exitcode} "
+                            "before it started; its own error, if any, is printed above")
 
     def stop(self, timeout: float) -> None:
         """Wait up to `timeout` s in all for the workers to leave by themselves, then kill the rest."""
