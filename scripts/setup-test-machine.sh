@@ -2,6 +2,7 @@
 # What `python -m pytest tests` needs besides the Python packages of `pip install -e ".[test]"`:
 #
 #   - a C++ compiler: our CPU kernels are built at first use (torch.utils.cpp_extension);
+#   - curl: tests/test_readme.py runs the README's quick start, whose request is a curl line;
 #   - Debian's `chromium`: tests/test_dashboard.py drives it headless through Playwright
 #     (Playwright's own browser download is not used).
 #
@@ -22,6 +23,14 @@ if command -v c++ >/dev/null || command -v g++ >/dev/null; then
 else
   say "C++ compiler: none; tokenloom's CPU kernels are built at first use, so it needs g++"
   missing+=(g++)
+fi
+
+# ---- curl for the README's quick start
+if command -v curl >/dev/null; then
+  say "curl: $(command -v curl) (the README's quick start, run by tests/test_readme.py)"
+else
+  say "curl: none; tests/test_readme.py runs the README's quick start, which asks the server with curl"
+  missing+=(curl)
 fi
 
 # ---- Chromium for the dashboard's browser test
@@ -72,5 +81,7 @@ for pkg in "${missing[@]}"; do
       say "Chromium: installed $exe ($version)";;
     g++)
       say "C++ compiler: installed $(command -v g++)";;
+    curl)
+      say "curl: installed $(command -v curl)";;
   esac
 done

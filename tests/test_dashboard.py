@@ -224,7 +224,7 @@ def chromium_or_fail() -> str:
         (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
     missing = None
     if exe is None:
-        missing = "no Chromium on this machine: `apt-get install -y chromium` (what .ci/run does)"
+        missing = "no Chromium on this machine: run scripts/setup-test-machine.sh (it apt-get installs chromium)"
     else:
         try:
             import playwright.sync_api  # noqa: F401
