@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenloom",
         description="tokenloom: an LLM inference engine you can watch decode.",
+        epilog="A mistake in a command (a path that is not a model, a flag value the model cannot take) "
+               "is reported as one 'error:' line with exit status 2; TOKENLOOM_TRACEBACK=1 shows the traceback.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
