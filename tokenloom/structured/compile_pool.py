@@ -196,6 +196,9 @@ class CompilePool:
         self._busy = 0
         self._threads: list[threading.Thread] = []
         self._closed = False
+        # The first worker's start (which starts the forkserver, which imports xgrammar and with
+        # it torch) takes seconds; queued jobs' waits start counting once a worker is ready.
+        self._warm = False
         self.stats = PoolStats()
 
     # -- the caller's side --------------------------------------------------------------
@@ -255,6 +258,8 @@ class CompilePool:
                 self._cond.wait(1.0)
 
     def _expire_waiting_locked(self) -> None:
+        if not self._warm:
+            return
         now = time.monotonic()
         while self._queue and self._queue[0].wait_deadline <= now:  # FIFO: deadlines in order
             job = self._queue.popleft()
@@ -274,6 +279,11 @@ class CompilePool:
                 w.kill()
                 raise CompileAbandoned("the server is shutting down")
             self._live[slot] = w
+            if not self._warm:
+                self._warm = True
+                restart = time.monotonic() + self.wait_seconds
+                for job in self._queue:
+                    job.wait_deadline = max(job.wait_deadline, restart)
         return w
 
     def _retire(self, slot: int, w: _Worker) -> None:
@@ -284,6 +294,11 @@ class CompilePool:
 
     def _slot(self, slot: int) -> None:
         worker: _Worker | None = None
+        try:  # start at once, not on the first job: a cold start is not charged to a job's compile time
+            worker = self._start_worker(slot)
+        except CompileError as e:
+            if not isinstance(e, CompileAbandoned):
+                logger.error("grammar compile worker: %s", e)
         while True:
             job = self._next_job()
             if job is None:

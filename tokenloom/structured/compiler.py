@@ -233,18 +233,21 @@ class GrammarCompiler:
                         del self._cache[key]
                     else:
                         self._bytes += entry.size
-                        self._evict_locked()
+                        self._evict_locked(keep=entry)
         if exc is not None:
             entry.future.set_exception(exc)
         else:
             entry.future.set_result(compiled)
 
-    def _evict_locked(self) -> None:
-        for k in list(self._cache):  # least recently used first; entries being compiled stay
+    def _evict_locked(self, keep: _Entry) -> None:
+        # Least recently used first.  Entries being compiled have no size yet and stay; an
+        # entry whose waiters are about to be told (its size set, its future not yet) may go:
+        # they hold the entry itself.
+        for k in list(self._cache):
             if self._bytes <= self.cache_bytes and len(self._cache) <= CACHE_SIZE:
                 return
             e = self._cache[k]
-            if e.future.done() and e.size:
+            if e is not keep and e.size:
                 del self._cache[k]
                 self._bytes -= e.size
 
@@ -255,6 +258,7 @@ class GrammarCompiler:
                 return
             if self._cache.get(key) is entry:  # nobody waits: stop it, and let a later request start afresh
                 del self._cache[key]
+                self._bytes -= entry.size  # non-zero only if it settled a moment ago
             job = entry.job
         if job is not None:
             job.cancel()

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenloom.engine.async_engine import RequestStream
 from tokenloom.engine.detokenizer import TokenTexts
-from tokenloom.entrypoints.openai.errors import OpenAIError, bad_request, grammar_error, output_cut_off, sse_error
+from tokenloom.entrypoints.openai.errors import OpenAIError, bad_request, output_cut_off, sse_error
 from tokenloom.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                                    ChatLogprobs, ChatMessage, ChatResponseMessage,
                                                    ChatTokenLogprob, TopLogprob)
@@ -35,7 +35,6 @@ from tokenloom.entrypoints.openai.serving_common import (ChunkFrame, ServingCont
                                                          validate_prompt)
 from tokenloom.entrypoints.openai.tool_calls import ToolPlan, constrained_calls, plan_tools
 from tokenloom.entrypoints.openai.tool_parsers import get_parser, parser_for_template
-from tokenloom.structured import GrammarError
 from tokenloom.outputs import PositionLogprobs, RequestOutput
 
 logger = logging.getLogger("tokenloom.server")
@@ -202,7 +201,8 @@ def _note_auto_as_text(template: str) -> None:
                    "the tools are left out of the prompt; start the server with --tool-call-parser to read calls")
 
 
-async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[_Prepared, list[RequestStream]]:
+async def _prepare(ctx: ServingContext, req: ChatCompletionRequest,
+                   raw: Request) -> tuple[_Prepared, list[RequestStream]]:
     check_request(ctx, req)
     check_chat_template_request(ctx, req.chat_template, req.chat_template_kwargs)
     parser_name = tool_call_parser(ctx, req.chat_template) if req.tools else None
@@ -222,15 +222,10 @@ async def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[_Pr
     if plan.constraint is not None:
         params.structured_outputs = plan.constraint
     ids = await off_loop(_render_and_validate, ctx, req, params, plan.template_tools)
-    if plan.constraint is not None:
-        try:  # a function's parameters that are not a usable JSON schema: the tools' fault
-            await off_loop(ctx.engine.engine.grammars.compile, plan.constraint, "tools")
-        except GrammarError as e:
-            # The functions' schemas are the tools' fault; a missing xgrammar is not: then the
-            # tool_choice asked for what this environment cannot do.
-            raise grammar_error(e, "tools" if _have_xgrammar() else "tool_choice") from None
-    else:
-        await compile_grammar(ctx, req, params)
+    # A function's parameters that are not a usable JSON schema are the tools' fault; a
+    # missing xgrammar is not: then the tool_choice asked for what this environment cannot do.
+    tools_param = ("tools" if _have_xgrammar() else "tool_choice") if plan.constraint is not None else None
+    await compile_grammar(ctx, req, params, raw, param=tools_param)
     rid = new_id("chatcmpl")
     streams = add_requests(ctx, rid, [(None, ids)], params, priority=req.priority, cache_salt=req.cache_salt)
     return _Prepared(rid, req.model or ctx.model_name, req, top_n, ctx.engine.tokenizer, plan,
@@ -267,7 +262,7 @@ def _answer(p: _Prepared, text: str, finish_reason: str | None,
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
-    p, streams = await _prepare(ctx, req)
+    p, streams = await _prepare(ctx, req, raw)
     if req.stream:
         return SSEResponse(sse_body(ctx, streams, _stream(ctx, p, streams)), on_close=lambda: abort_all(ctx, streams))
     finals = await collect_final(ctx, streams, raw)
