@@ -1,9 +1,16 @@
 """The live server against its own OpenAPI document, fuzzed by schemathesis.
 
 Every operation in /openapi.json gets schema-valid and schema-breaking requests (wrong types,
-missing fields, odd strings); every answer must be no 5xx, a status the document lists, the
-content type it declares, and a body matching the declared schema.  The server runs with a
-short context and small `n`, so a fuzzed generation request stays cheap.
+missing fields, out-of-range values, odd strings), and every answer goes through
+schemathesis's default checks -- all of them: no 5xx, a status and content type the document
+lists, a body matching the declared schema, *schema-breaking data refused* and *schema-valid
+data accepted*.  The last two hold the document to exactly what the server accepts: each
+limit the server enforces is in the document (openapi_doc / openapi_limits, per server:
+vocabulary, max_model_len, --max-n, ...).  What no JSON Schema can state is the short list of
+runtime rules the document itself carries (`openapi_limits.RUNTIME_RULES`): valid requests
+are generated to respect them, each rule checked here by its own oracle (the tokenizer, the
+grammar compiler, the chat template), never by asking the route under test.  The server runs
+with a short context and small `n`, so a fuzzed generation request stays cheap.
 
 Then a disconnect storm: 50 streams cut at random points (before the headers, mid-stream,
 after the first chunk) must leave nothing running, the KV cache empty, and the next greedy
@@ -24,23 +31,20 @@ schemathesis = pytest.importorskip("schemathesis")  # a test extra; CI installs 
 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
-from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,  # noqa: E402
-                                               status_code_conformance)
 
 from server_fixtures import ThreadedServer, make_tiny_model, metric, wait_until  # noqa: E402
 from tokenloom.bench.launcher import free_port  # noqa: E402
 
 EXAMPLES_PER_OPERATION = int(os.environ.get("TOKENLOOM_FUZZ_EXAMPLES", 25))
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+MAX_MODEL_LEN = 64
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = make_tiny_model(tmp_path_factory.mktemp("fuzz") / "tiny")
-    srv = ThreadedServer([str(model), "--port", str(free_port()), "--max-model-len", "64", "--num-kv-blocks", "96",
-                          "--max-num-seqs", "16", "--max-n", "2", "--seed", "0", "--served-model-name", "tiny",
-                          "--log-level", "critical", "--disable-access-log"]).start()
+    srv = ThreadedServer([str(model), "--port", str(free_port()), "--max-model-len", str(MAX_MODEL_LEN),
+                          "--num-kv-blocks", "96", "--max-num-seqs", "16", "--max-n", "2", "--seed", "0",
+                          "--served-model-name", "tiny", "--log-level", "critical", "--disable-access-log"]).start()
     yield srv
     srv.stop()
 
@@ -50,14 +54,92 @@ def _idle(url: str) -> bool:
             and metric(url, "tokenloom:kv_cache_usage_perc") == 0)
 
 
-def test_openapi_fuzz_no_server_errors(server):
+_CONSTRAINTS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _compiles(srv: ThreadedServer, body: dict) -> bool:
+    """Runtime rules: at most one output constraint, and a JSON schema, regex or grammar the
+    grammar compiler accepts (a shape the document rules out is left to the server: the checks
+    must see it refused)."""
+    from tokenloom.sampling_params import StructuredOutputsParams
+
+    specs = [StructuredOutputsParams(**{key: body[f]}) for f, key in _CONSTRAINTS.items() if body.get(f) is not None]
+    so = body.get("structured_outputs")
+    if isinstance(so, dict):
+        keys = ("json", "regex", "choice", "grammar", "json_object")  # the server ignores other keys
+        specs.append(StructuredOutputsParams(**{k: v for k, v in so.items() if k in keys and v is not None}))
+    rf = body.get("response_format")
+    if isinstance(rf, dict) and rf.get("type", "text") != "text":
+        js = (rf.get("json_schema") or {}).get("schema")
+        specs.append(StructuredOutputsParams(json_object=True) if rf["type"] == "json_object"
+                     else StructuredOutputsParams(json=js))
+    if len(specs) > 1:
+        return False
+    for spec in specs:
+        if all(getattr(spec, k) is None for k in ("json", "regex", "grammar")):
+            continue  # choice, json_object: their shape is the document's to state
+        try:  # a JSON schema (also its text), a regex or a grammar: only compiling tells
+            spec.spec()
+            srv.engine.engine.grammars.compile(spec, "structured_outputs")
+        except Exception:
+            return False
+    return True
+
+
+def _prompt_lengths(srv: ThreadedServer, body: dict) -> list[int] | None:
+    """Runtime rule: the prompt's tokens, by the tokenizer (chat: the template renders them)."""
+    tok = srv.engine.tokenizer
+    if "messages" in body:
+        msgs = []
+        for m in body["messages"]:
+            content = m.get("content")
+            if isinstance(content, list):
+                content = "\n".join(part["text"] for part in content)
+            msgs.append({**m, "content": content or ""})
+        try:
+            text = tok.apply_chat_template(msgs, add_generation_prompt=body.get("add_generation_prompt", True),
+                                           tokenize=False, **(body.get("chat_template_kwargs") or {}))
+        except Exception:
+            return None  # the template cannot render these messages
+        return [len(tok.encode(text, add_special_tokens=False))]
+    prompt = body["prompt"]
+    prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], (int, float))) else prompt
+    special = body.get("add_special_tokens", True)
+    return [len(tok.encode(p, add_special_tokens=special)) if isinstance(p, str) else len(p) for p in prompts]
+
+
+def _runtime_rules_hold(srv: ThreadedServer, label: str, body: object) -> bool:
+    """Whether a schema-valid body also keeps `openapi_limits.RUNTIME_RULES` (which the
+    document states but JSON Schema cannot): only such bodies must be accepted."""
+    if label not in ("POST /v1/completions", "POST /v1/chat/completions") or not isinstance(body, dict):
+        return True
+    chat = label.endswith("chat/completions")
+    max_tokens = body.get("max_completion_tokens") if chat else None
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens", None if chat else 16)
+    if not chat and max_tokens == 0 and not body.get("echo"):
+        return False
+    if not chat and body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
+        return False
+    if max_tokens is not None and body.get("min_tokens", 0) > max(max_tokens, 1):
+        return False
+    lengths = _prompt_lengths(srv, body)
+    if lengths is None or max(lengths) + max(max_tokens or 1, 1) > MAX_MODEL_LEN:
+        return False
+    return _compiles(srv, body)
+
+
+def test_openapi_document_is_what_the_server_accepts(server):
     url = server.base_url
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.label for op in operations} >= {"POST /v1/completions", "POST /v1/chat/completions", "GET /health",
                                                "GET /v1/models/{model_id}", "GET /tokenizer_info"}
     for op in operations:
-        strategy = op.as_strategy(GenerationMode.POSITIVE) | op.as_strategy(GenerationMode.NEGATIVE)
+        label = op.label
+        valid = op.as_strategy(GenerationMode.POSITIVE).filter(
+            lambda case, label=label: _runtime_rules_hold(server, label, case.body))
+        strategy = valid | op.as_strategy(GenerationMode.NEGATIVE)
 
         @given(case=strategy)
         # derandomize: the same examples every run, so CI cannot pass one day and fail the next
@@ -65,9 +147,66 @@ def test_openapi_fuzz_no_server_errors(server):
         @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None, derandomize=True,
                   phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
         def run(case) -> None:
-            case.call_and_validate(base_url=url, timeout=60, checks=CHECKS)
+            case.call_and_validate(base_url=url, timeout=60)  # schemathesis's default checks, all of them
 
         run()
+    assert wait_until(lambda: _idle(url), 30)
+
+
+def _edge_cases(vocab: int) -> list[tuple[str, str, dict]]:
+    """(route, request schema, body): each limit the server enforces, just inside and just outside."""
+    c, chat = "/v1/completions", "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    g = {"prompt": "hi", "max_tokens": 2}
+    return [
+        (c, "CompletionRequest", {**g, "guided_choice": []}), (c, "CompletionRequest", {**g, "guided_choice": ["a"]}),
+        (c, "CompletionRequest", {**g, "stop_token_ids": [10**9]}),
+        (c, "CompletionRequest", {**g, "stop_token_ids": [vocab - 1]}),
+        (c, "CompletionRequest", {**g, "prompt": [vocab]}), (c, "CompletionRequest", {**g, "prompt": [vocab - 1]}),
+        (c, "CompletionRequest", {**g, "prompt": [5.0, 6]}), (c, "CompletionRequest", {**g, "prompt": [True]}),
+        (c, "CompletionRequest", {**g, "prompt": []}), (c, "CompletionRequest", {**g, "prompt": ""}),
+        (c, "CompletionRequest", {**g, "logit_bias": {"+5": 1}}), (c, "CompletionRequest", {**g, "logit_bias": {"05": 1}}),
+        (c, "CompletionRequest", {**g, "logit_bias": {str(vocab): 1}}),
+        (c, "CompletionRequest", {**g, "logit_bias": {str(vocab - 1): 100}}),
+        (c, "CompletionRequest", {**g, "n": 3}), (c, "CompletionRequest", {**g, "n": 2}),
+        (c, "CompletionRequest", {**g, "max_tokens": MAX_MODEL_LEN}), (c, "CompletionRequest", {**g, "max_tokens": 8}),
+        (c, "CompletionRequest", {**g, "seed": 2**63 - 1, "n": 2}), (c, "CompletionRequest", {**g, "seed": 2**63}),
+        (c, "CompletionRequest", {**g, "temperature": -0.5}), (c, "CompletionRequest", {**g, "top_p": 0}),
+        (c, "CompletionRequest", {**g, "stream_options": {"include_usage": True}}),
+        (c, "CompletionRequest", {**g, "suffix": "x"}), (c, "CompletionRequest", {**g, "stop": [""]}),
+        (c, "CompletionRequest", {**g, "structured_outputs": {"choice": ["a"], "regex": "b"}}),
+        (c, "CompletionRequest", {**g, "structured_outputs": {"json_object": False}}),
+        (c, "CompletionRequest", {**g, "structured_outputs": {"choice": ["a"], "json_object": False}}),
+        (c, "CompletionRequest", {**g, "response_format": {"type": "json_schema"}}),
+        (c, "CompletionRequest", {**g, "response_format": {"type": "json_object"}}),
+        (chat, "ChatCompletionRequest", {"messages": msgs, "max_tokens": 2, "chat_template": "{{ 1 }}"}),
+        (chat, "ChatCompletionRequest", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}],
+                                         "max_tokens": 2}),
+        (chat, "ChatCompletionRequest", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+                                         "max_tokens": 2}),
+        ("/tokenize", "TokenizeRequest", {"prompt": "a", "messages": msgs}), ("/tokenize", "TokenizeRequest", {}),
+        ("/tokenize", "TokenizeRequest", {"messages": []}), ("/tokenize", "TokenizeRequest", {"messages": msgs}),
+        ("/detokenize", "DetokenizeRequest", {"tokens": [vocab]}), ("/detokenize", "DetokenizeRequest", {"tokens": [-1]}),
+        ("/detokenize", "DetokenizeRequest", {"tokens": [vocab - 1, 5]}),
+    ]
+
+
+def test_document_and_server_agree_at_each_limit(server):
+    """Deterministic companion of the fuzz test (which samples): at every limit the server
+    enforces, a body just outside is refused by the server (400) *and* by the document's
+    schema, one just inside is served (200) and valid -- the mismatches schemathesis found
+    (guided_choice [], out-of-vocabulary ids) among them."""
+    import jsonschema
+
+    url = server.base_url
+    doc = httpx.get(url + "/openapi.json").json()
+    vocab = server.engine.engine.vocab_size
+    for route, name, body in _edge_cases(vocab):
+        validator = jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", **doc})
+        valid = validator.is_valid(body)
+        status = httpx.post(url + route, json=body, timeout=60).status_code
+        assert status in (200, 400), (route, body, status)
+        assert valid == (status == 200), f"{route} {body}: server {status}, document says {'valid' if valid else 'invalid'}"
     assert wait_until(lambda: _idle(url), 30)
 
 

@@ -158,8 +158,10 @@ class SamplingParams:
             bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20):
             bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63 - self.n):
-            bad("seed", f"must be an integer in the signed 64-bit range, got {self.seed!r}")
+        # Sample i of n is seeded with seed + i, and torch.Generator takes -2**63 .. 2**64 - 1: so
+        # every signed 64-bit seed works whatever n is (the HTTP API's documented range).
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed <= 2**64 - self.n):
+            bad("seed", f"must be an integer in [-2**63, 2**64 - n] (torch.Generator's range), got {self.seed!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 bad("stop", "stop strings must be non-empty strings")

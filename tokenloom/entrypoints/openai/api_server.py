@@ -39,6 +39,7 @@ from tokenloom.entrypoints.openai.errors import bad_request, error_body, install
 from tokenloom.entrypoints.openai.body_limit import BodySizeLimitMiddleware
 from tokenloom.entrypoints.openai.dashboard_routes import install_dashboard
 from tokenloom.entrypoints.openai.limits import ServerLimits
+from tokenloom.entrypoints.openai.openapi_limits import ServerFacts
 from tokenloom.entrypoints.openai.model_names import default_served_names
 from tokenloom.entrypoints.openai.openapi_doc import (GENERATION_ERRORS, TOKENIZER_ERRORS, describe_api_key,
                                                       error_responses, generation_ok, install_openapi)
@@ -82,6 +83,17 @@ class APIKeyMiddleware:
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def server_facts(ctx: ServingContext) -> ServerFacts:
+    """This server's limits, for its OpenAPI document."""
+    engine, limits = ctx.engine, ctx.limits
+    return ServerFacts(vocab_size=engine.engine.vocab_size, max_model_len=engine.max_model_len, max_n=limits.max_n,
+                       max_stop_strings=limits.max_stop_strings, max_stop_string_chars=limits.max_stop_string_chars,
+                       max_prompts_per_request=limits.max_prompts_per_request, max_logit_bias=limits.max_logit_bias,
+                       tokenize_limit=tokenize_limit(ctx),
+                       trust_request_chat_template=limits.trust_request_chat_template,
+                       empty_text_has_tokens=bool(engine.tokenizer.encode("", add_special_tokens=True)))
 
 
 def build_app(ctx: ServingContext, *, api_key: str | None = None, dashboard: bool = True) -> FastAPI:
@@ -196,7 +208,7 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None, dashboard: boo
     if dashboard:  # checks the key itself: ?key= and a cookie count there, not only the header
         hub = install_dashboard(app, engine.engine, ctx.served_model_names, api_key)
     app.state.dashboard = hub
-    install_openapi(app)
+    install_openapi(app, server_facts(ctx))
 
     return app
 

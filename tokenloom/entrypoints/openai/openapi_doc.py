@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from tokenloom.entrypoints.openai.openapi_limits import ServerFacts, apply_server_facts
 from tokenloom.entrypoints.openai.protocol import ErrorResponse
 
 _WHY = {
@@ -78,13 +79,15 @@ def _truthful(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-def install_openapi(app: FastAPI) -> None:
-    """Serve the corrected document (built once, on first request) at /openapi.json."""
+def install_openapi(app: FastAPI, facts: ServerFacts | None = None) -> None:
+    """Serve the corrected document (built once, on first request) at /openapi.json, with
+    this server's own limits written in (`openapi_limits`) when `facts` are given."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            doc = get_openapi(title=app.title, version=app.version, routes=app.routes, description=app.description)
-            app.openapi_schema = _truthful(doc)
+            doc = _truthful(get_openapi(title=app.title, version=app.version, routes=app.routes,
+                                        description=app.description))
+            app.openapi_schema = apply_server_facts(doc, facts) if facts is not None else doc
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -12,9 +12,9 @@ echo, so such a body is a 400 naming the field before any handler sees it.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
 from tokenloom.entrypoints.openai.errors import INVALID_UNICODE
@@ -48,6 +48,21 @@ def _find_lone_surrogate(value: Any, path: str) -> str | None:
     return None
 
 
+# Constrained types: the OpenAPI document carries them, so a generated client (or a schema
+# fuzzer) knows what the server accepts; limits that depend on the served model or the
+# server's flags (vocabulary size, max_model_len, --max-n, ...) are added to the document per
+# server by openapi_doc.install_openapi.
+def _integral(v: Any) -> Any:
+    """1.0 is an integer in JSON Schema (and to any JSON encoder that writes floats): take it as 1."""
+    return int(v) if type(v) is float and v.is_integer() else v
+
+
+TokenId = Annotated[StrictInt, Field(ge=0), BeforeValidator(_integral)]  # strict: true and "5" are not ids
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+Logprobs = Annotated[int, Field(ge=0, le=20)]
+LOGIT_BIAS_KEY = r"^(0|[1-9][0-9]*)$"  # a token id in canonical decimal
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN/Infinity are not numbers a sampler can use
 
@@ -66,51 +81,73 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
+def _add_rules(schema: dict[str, Any], *rules: dict[str, Any]) -> None:
+    """Cross-field rules (JSON Schema if/then), so the document states them too."""
+    schema.setdefault("allOf", []).extend(rules)
+
+
+def _needs(field: str, other: str, value: Any) -> dict[str, Any]:
+    """The rule "a non-null `field` only with `other` equal to `value`"."""
+    return {"if": {"required": [field], "not": {"properties": {field: {"type": "null"}}}},
+            "then": {"required": [other], "properties": {other: {"const": value}}}}
+
+
+_STREAM_OPTIONS_RULE = _needs("stream_options", "stream", True)  # as vLLM answers
+_TOP_LOGPROBS_RULE = _needs("top_logprobs", "logprobs", True)
+
+
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
+    model_config = ConfigDict(json_schema_extra=lambda schema: _add_rules(schema, _STREAM_OPTIONS_RULE))
+
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # torch.Generator's range
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    # OpenAI's shape: token ids written as decimal strings, each biased by -100..100 (checked by
+    # serving_common.sampling_params, so a 400 names `logit_bias` itself; the document says it)
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={
+        "propertyNames": {"pattern": LOGIT_BIAS_KEY}, "additionalProperties": {"minimum": -100, "maximum": 100}})
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[StrictInt] | None = None
-    allowed_token_ids: list[StrictInt] | None = None
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Logprobs | None = None
     # structured output (serving_common.structured_outputs): OpenAI's response_format, vLLM's
     # structured_outputs {json, regex, choice, grammar, json_object} and its older guided_* fields
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_regex: NonEmptyStr | None = None
+    guided_choice: list[NonEmptyStr] | None = Field(None, min_length=1)
+    guided_grammar: NonEmptyStr | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    max_tokens: int | None = 16  # OpenAI's default for legacy completions
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for legacy completions; 0 only with echo
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    logprobs: Logprobs | None = None
+    best_of: int | None = Field(None, ge=1, description="only n itself: no other best_of is supported")
+    suffix: str | None = Field(None, description="not supported: only empty",
+                               json_schema_extra={"maxLength": 0})  # refused by the handler, in its words
     add_special_tokens: bool = True
 
 
@@ -123,11 +160,13 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra=lambda schema: _add_rules(schema, _STREAM_OPTIONS_RULE,
+                                                                          _TOP_LOGPROBS_RULE))
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Logprobs | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None  # tool_calls.plan_tools: "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool | None = None
@@ -138,9 +177,14 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Request):
+    """Exactly one of `prompt` (a text) or `messages` (rendered by the chat template)."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]})
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template: str | None = None
@@ -148,7 +192,7 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[StrictInt]
+    tokens: list[TokenId]
 
 
 # ---- responses -------------------------------------------------------------

@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from tokenloom.engine.prompt_bound import prompt_bound
 from tokenloom.entrypoints.openai.errors import (OpenAIError, bad_request, context_length_exceeded, grammar_error,
                                                  sse_error)
 from tokenloom.entrypoints.openai.limits import ServerLimits, check_sampling_limits
-from tokenloom.entrypoints.openai.protocol import PromptTokensDetails, Usage, _SamplingFields
+from tokenloom.entrypoints.openai.protocol import LOGIT_BIAS_KEY, PromptTokensDetails, Usage, _SamplingFields
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParamError, SamplingParams, StructuredOutputsParams
 from tokenloom.structured import GrammarError
@@ -41,6 +42,7 @@ from tokenloom.structured import GrammarError
 logger = logging.getLogger("tokenloom.server")
 _T = TypeVar("_T")
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator.manual_seed takes a 64-bit value
+_LOGIT_BIAS_KEY = re.compile(LOGIT_BIAS_KEY.strip("^$"), re.ASCII)
 
 
 @dataclass
@@ -131,11 +133,12 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
     (Call `check_request` first: it bounds the sizes this loops over.)"""
     logit_bias = None
     if req.logit_bias:
-        try:  # JSON object keys are strings; OpenAI's are token ids written as strings
-            logit_bias = {int(k): v for k, v in req.logit_bias.items()}
-        except ValueError:
-            raise bad_request("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
-    if req.seed is not None and not _SEED_MIN <= req.seed <= _SEED_MAX - req.n:
+        # JSON object keys are strings; OpenAI's are token ids in decimal ("5", not "+5", "05" or "5_0",
+        # which int() would take): the pattern the OpenAPI document states
+        if not all(_LOGIT_BIAS_KEY.fullmatch(k) for k in req.logit_bias):
+            raise bad_request("logit_bias keys must be token ids (integers as strings)", param="logit_bias")
+        logit_bias = {int(k): v for k, v in req.logit_bias.items()}
+    if req.seed is not None and not _SEED_MIN <= req.seed <= _SEED_MAX:
         raise bad_request(f"seed must fit in a signed 64-bit integer, got {req.seed}", param="seed")
     kw: dict = dict(
         n=req.n,
