@@ -17,6 +17,8 @@ Why the order is what it is:
   microbenchmarks, model arithmetic) sits on `model` so that both `bench` and `sim` read it.
 - `runner` drives the model for one step; `engine` runs steps; `router` spreads requests over
   servers (it knows HTTP, not the engine); `entrypoints` serve the engine and start routers.
+- `sampling` holds the pieces the runner's sampler and the speculative verifier share;
+  `measure` (workloads, metrics, reports) is what `bench` and `sim` both stand on.
 - `bench` measures the engine; `sim` predicts it and calibrates against `bench`'s tools;
   `trace` renders a run.  Nothing below imports them.
 - On top: the package root (public names, imported lazily) and the `tokenloom` command,
@@ -40,12 +42,14 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
               "tokenloom.outputs", "tokenloom.bundled")},
     {"core": ("tokenloom.core",), "structured": ("tokenloom.structured",),
      "spec_decode": ("tokenloom.spec_decode",)},  # drafting; its verification sits with the runner
+    {"sampling": ("tokenloom.sampling",)},  # the sampling pieces the runner and the verifier share
     {"model": ("tokenloom.model",)},
     {"specs": ("tokenloom.specs",)},
     {"runner": ("tokenloom.runner", "tokenloom.spec_decode.verify")},
     {"engine": ("tokenloom.engine",), "router": ("tokenloom.router",), "dashboard": ("tokenloom.dashboard",)},
     {"router": ("tokenloom.router",)},
     {"entrypoints": ("tokenloom.entrypoints",)},
+    {"measure": ("tokenloom.measure",)},  # workloads, metrics, reports: what bench and sim share
     {"bench": ("tokenloom.bench",)},
     {"sim": ("tokenloom.sim",), "trace": ("tokenloom.trace",)},
     {"top": ("tokenloom", "tokenloom.entrypoints.cli")},  # "tokenloom": the root module alone
