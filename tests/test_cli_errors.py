@@ -89,11 +89,11 @@ def test_the_other_benchmarks_and_estimates_too(mistakes) -> None:
 
 
 def test_serve_reports_the_same_mistakes_in_one_line(mistakes) -> None:
-    """`serve` (its own handler: exit status 1, the server's documented status for a model that
-    cannot be loaded) is the pattern the other commands follow."""
+    """`serve` reports a model it cannot load as every other command does: one line, status 2
+    (status 1 stays the running server's answer to a broken engine)."""
     for mistake in ("directory without weights", "--max-model-len over the model's limit"):
         flags, names = mistakes[mistake]
-        assert_one_error_line(run_cli(["serve", *flags, "--port", "0"]), names, status=1)
+        assert_one_error_line(run_cli(["serve", *flags, "--port", "0"]), names, status=2)
 
 
 def test_tokenloom_traceback_shows_where(mistakes) -> None:

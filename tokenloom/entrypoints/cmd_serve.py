@@ -31,7 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
         if not (BUNDLED_MODEL_DIR / "config.json").exists():
             print(f"error: no MODEL given and the bundled model is missing ({BUNDLED_MODEL_DIR}); "
                   "pass a model directory, e.g. one made by `tokenloom make-model`", file=sys.stderr)
-            return 1
+            return 2
     dp = getattr(args, "data_parallel_size", 1)
     if dp < 1:
         print(f"error: --data-parallel-size must be at least 1, got {dp}", file=sys.stderr)
@@ -51,9 +51,8 @@ def _serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted while loading the model; exiting", file=sys.stderr)
         return 0
-    except (ValueError, OSError) as e:  # bad path, bad flag combination, no bundled model yet, ...
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    # A bad path or flag combination raises on to `cli.main`: one `error:` line, status 2,
+    # as for every other subcommand.
     print(engine.engine.summary(), file=sys.stderr, flush=True)
     try:
         server.run()
