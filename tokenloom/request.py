@@ -59,7 +59,8 @@ class Request:
     # speculative decoding: draft tokens proposed for the next step (not part of the request's
     # tokens until the model accepts them; the scheduler feeds them after the last token)
     spec_token_ids: list[int] = field(default_factory=list)
-    # engine-side bookkeeping
+    # timestamps, each set by the scheduler only (on the clock its caller passes; None
+    # without one): first admission, first / latest appended token, end
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

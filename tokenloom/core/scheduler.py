@@ -53,9 +53,14 @@ Driving it (the engine and the simulator do exactly this, nothing else):
     sched = Scheduler(SchedulerConfig(...), KVCacheManager(num_blocks, block_size))
     sched.add_request(Request(...))
     while sched.has_unfinished():
-        out = sched.schedule()                      # SchedulerOutput
+        out = sched.schedule(now)                   # SchedulerOutput
         sampled = executor(out)                     # {request_id: token_id} for out.scheduled with .sample
-        finished = sched.update_from_output(out, sampled)
+        finished = sched.update_from_output(out, sampled, now)
+
+A request's timestamps are the scheduler's to set, and only its (`now` is the caller's
+clock; without one they stay None): `first_scheduled_time` at its first admission,
+`first_token_time` / `last_token_time` when tokens are appended, `finished_time` when it
+ends here (stop rules, `finish_request`).
 
 Pure Python, no torch.
 """
@@ -161,8 +166,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> Request | None:
-        """End a request from outside (abort, stop string): free its blocks at once."""
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None,
+                       now: float | None = None) -> Request | None:
+        """End a request from outside (abort, stop string): free its blocks at once.
+        None if the scheduler does not hold it (unknown, finished, never added)."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -179,6 +186,8 @@ class Scheduler:
         req.status = status
         if stop_reason is not None:
             req.stop_reason = stop_reason
+        if now is not None and req.finished_time is None:
+            req.finished_time = now
         self.kv.free(req)
         return req
 
@@ -264,11 +273,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _phase(self, req: Request, computed: int, num_new: int) -> Phase:
+    @staticmethod
+    def _phase(req: Request, computed: int, num_new: int) -> Phase:
+        """What `num_new` tokens from `computed` on are for this request (a query: it reads
+        `req.chunked`, which `_make` sets first, and changes nothing)."""
         if req.num_output_tokens > 0 and computed == req.num_tokens - 1 and num_new == 1:
             return "decode"
-        if computed + num_new < req.num_tokens:
-            req.chunked = True
         return "prefill_chunk" if req.chunked else "prefill"
 
     @staticmethod
@@ -287,7 +297,9 @@ class Scheduler:
         """How many requests may run at once: each must get a token in every step."""
         return min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Pick the step's requests and token counts.  `now`: the caller's clock, recorded as
+        `first_scheduled_time` of requests admitted for the first time (None: not recorded)."""
         cfg = self.config
         self._seat_resumed()
         self._order()
@@ -350,6 +362,8 @@ class Scheduler:
                 self.waiting.popleft()
                 if req.num_cached_tokens < 0:  # first admission: this is what users see as cached
                     req.num_cached_tokens = cached_tokens
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
                 self.kv.record_prefix_query(req.num_tokens, cached_tokens)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
@@ -369,6 +383,8 @@ class Scheduler:
             return ScheduledRequest(request=req, num_new_tokens=num_new, num_computed_before=computed,
                                     phase="decode", sample=True, block_ids=self.kv.block_ids(req.request_id),
                                     spec_token_ids=list(drafts))
+        if computed + num_new < req.num_tokens:
+            req.chunked = True  # its prompt is split over several steps this admission
         phase = self._phase(req, computed, num_new)
         return ScheduledRequest(
             request=req,

@@ -4,27 +4,37 @@ The engine's step is schedule -> execute -> update; everything after that -- app
 logprobs, detokenizing, stop strings, letting the siblings of an n>1 request in, and
 building the cumulative `RequestOutput`s -- happens here, one request group at a time.
 
-Two rules shape it:
+Three rules shape it:
 
+- **Outputs flow one way.**  The processor never touches the scheduler or the runner: it
+  *decides* -- which samples end and why, how many trailing tokens a stop string cuts off,
+  which held-back siblings may enter, whose per-request runner state can go -- and returns
+  those `Decisions`; the engine applies them (`LLMEngine._apply`).  A step is therefore two
+  calls: `process` (decide) and, once the engine applied what it decided, `outputs` (build
+  the `RequestOutput`s from the state the decisions left).
 - **One finish path.**  A sample can end because the scheduler saw a stop token / the
   length limit, because the detokenizer found a stop string, because the caller aborted,
   or because it failed.  Whoever decided it, the sample is wrapped up by `_finish_sample`
-  (flush the detokenizer, drop the runner's per-request state), and a group leaves the
+  (flush the detokenizer, release the runner's per-request state), and a group leaves the
   books only in `_retire`.
 - **A failure stays with its request.**  Detokenizing, stop checks and logprob formatting
   run per request inside a `try`: if one raises, that request (all its samples) is failed
   -- its KV blocks are freed and its output carries `finish_reason="error"` and an
   `error` message -- and the other requests of the step carry on untouched.
+
+Timestamps have one owner each: a sample's (`Request.first_scheduled_time`,
+`first_token_time`, `last_token_time`, `finished_time`) are the scheduler's; a group keeps
+only its arrival and the time it left the books, and its `RequestMetrics` are derived from
+its samples whenever an output is built (`Group.metrics`).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable
 
-from tokenloom.core.scheduler import Scheduler, SchedulerOutput
+from tokenloom.core.scheduler import SchedulerOutput
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.engine.faults import FaultInjector
 from tokenloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -37,6 +47,48 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tokenloom")
 
 ERROR_FINISH_REASON = "error"
+
+
+@dataclass(frozen=True)
+class Finish:
+    """End one sample: the engine hands it to `Scheduler.finish_request` (KV blocks freed)."""
+
+    request: Request
+    status: RequestStatus
+    stop_reason: int | str | None = None
+    # tokens to cut off the end of its output first: accepted drafts that came after a
+    # stop string (speculative decoding) are not part of the output
+    drop_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """What output processing decided, for the engine to apply, in this order: `admit`
+    (held-back siblings enter the scheduler), `finish` (each ended sample leaves it, its
+    trailing tokens dropped first), `release` (the runner forgets these request ids)."""
+
+    admit: tuple[Request, ...] = ()
+    finish: tuple[Finish, ...] = ()
+    release: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.admit or self.finish or self.release)
+
+
+@dataclass
+class _Decider:
+    """The decisions of one call, collected in order (mutable while the call runs)."""
+
+    admit: list[Request] = field(default_factory=list)
+    finish: dict[str, Finish] = field(default_factory=dict)  # by scheduler request id
+    release: list[str] = field(default_factory=list)
+
+    def ended(self, req: Request) -> bool:
+        """Finished by the scheduler's token rules, or decided to end in this call."""
+        return req.is_finished or req.request_id in self.finish
+
+    def freeze(self) -> Decisions:
+        return Decisions(tuple(self.admit), tuple(self.finish.values()), tuple(dict.fromkeys(self.release)))
 
 
 @dataclass
@@ -60,19 +112,45 @@ class Group:
     params: SamplingParams
     samples: list[Sample]
     pending: list[Request]  # samples 1..n-1 held back until sample 0 has filled the prefix cache
-    metrics: RequestMetrics
+    arrival_time: float
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = False
+    finished_time: float | None = None  # when it left the books (None: still in, or aborted)
     error: str | None = None  # why the request failed (it is finished then)
+
+    def metrics(self) -> RequestMetrics:
+        """The request's figures, derived from its samples' timestamps (the scheduler's):
+        first scheduled / first token = the earliest sample's, last token = the latest."""
+        reqs = [s.req for s in self.samples]
+        scheduled = [r.first_scheduled_time for r in reqs if r.first_scheduled_time is not None]
+        first = [r.first_token_time for r in reqs if r.first_token_time is not None]
+        last = [r.last_token_time for r in reqs if r.last_token_time is not None]
+        return RequestMetrics(
+            arrival_time=self.arrival_time,
+            first_scheduled_time=min(scheduled, default=None),
+            first_token_time=min(first, default=None),
+            last_token_time=max(last, default=None),
+            finished_time=self.finished_time,
+            num_preemptions=sum(r.num_preemptions for r in reqs),
+        )
+
+
+@dataclass(frozen=True)
+class ProcessedStep:
+    """What `process` decided for one step, and whose outputs `outputs` builds after the
+    engine applied `decisions`: the requests failed in the step, then the others it touched."""
+
+    decisions: Decisions
+    failed: tuple[Group, ...]
+    touched: tuple[Group, ...]
 
 
 class OutputProcessor:
-    """Owns the engine's request groups and turns each step's results into outputs."""
+    """Owns the engine's request groups and turns each step's results into decisions and
+    outputs.  It reads the scheduler's requests but never calls the scheduler or the runner."""
 
-    def __init__(self, tokenizer, scheduler: Scheduler, release: Callable[[str], None]):
+    def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
-        self._release = release  # drops the runner's per-request state (its sampling generator)
         self.groups: dict[str, Group] = {}
         self.children: dict[str, tuple[Group, Sample]] = {}  # scheduler request id -> its group and sample
         self.faults: FaultInjector | None = None
@@ -90,45 +168,56 @@ class OutputProcessor:
         found = self.children.get(scheduler_request_id)
         return found[0] if found is not None else None
 
-    def abort(self, request_id: str) -> Group | None:
-        """End a request from outside (the caller gave up): free everything, no output."""
+    def abort(self, request_id: str) -> Decisions | None:
+        """End a request from outside (the caller gave up): it leaves the books, no output;
+        the returned decisions free everything.  None if the request is unknown."""
         g = self.groups.get(request_id)
         if g is None:
             return None
-        self._end_unfinished(g, RequestStatus.FINISHED_ABORTED)
+        d = _Decider()
+        self._end_unfinished(g, RequestStatus.FINISHED_ABORTED, d)
         self._retire(g, None)
-        return g
+        return d.freeze()
 
     # ---- failures -------------------------------------------------------
-    def fail(self, g: Group, message: str, now: float, culprits: Iterable[Sample] = ()) -> RequestOutput:
-        """Fail one request (all its samples): blocks freed, books cleared; returns its
-        final output (`error` set; finish_reason "error" for every sample that had not
-        finished yet and for the `culprits`, whose text state may be what broke)."""
+    def fail(self, g: Group, message: str, now: float,
+             culprits: Iterable[Sample] = ()) -> tuple[RequestOutput, Decisions]:
+        """Fail one request (all its samples) outside a step's processing: it leaves the
+        books; returns its final output (`error` set; finish_reason "error" for every sample
+        that had not finished yet and for the `culprits`, whose text state may be what broke)
+        and the decisions that free its blocks.  The output does not depend on those
+        decisions being applied: a failed sample's output reads nothing they change."""
+        d = _Decider()
+        self._fail(g, message, now, culprits, d)
+        return self._make_output(g), d.freeze()
+
+    def _fail(self, g: Group, message: str, now: float, culprits: Iterable[Sample], d: _Decider) -> None:
         if g.error is None:
             g.error = message
-        for s in [*self._end_unfinished(g, RequestStatus.FINISHED_ABORTED), *culprits]:
+        for s in [*self._end_unfinished(g, RequestStatus.FINISHED_ABORTED, d), *culprits]:
             s.failed = True
         self._retire(g, now)
-        return self._make_output(g)
 
-    def _end_unfinished(self, g: Group, status: RequestStatus) -> list[Sample]:
+    def _end_unfinished(self, g: Group, status: RequestStatus, d: _Decider) -> list[Sample]:
+        """Decide to end every sample not yet ended (also a sibling never handed to the
+        scheduler) and to release every sample's runner state; returns those it ends."""
         ended = []
         g.pending = []
         for s in g.samples:
-            if not s.req.is_finished:
-                self.scheduler.finish_request(s.req.request_id, status)  # frees its KV blocks
-                s.req.status = status  # also for a sibling never handed to the scheduler
+            if not d.ended(s.req):
+                d.finish[s.req.request_id] = Finish(s.req, status)
                 ended.append(s)
-            self._release(s.req.request_id)
+            d.release.append(s.req.request_id)
         return ended
 
     # ---- one step -------------------------------------------------------
-    def process(self, out: SchedulerOutput, res: RunnerOutput, start: float, now: float,
-                finished_only: bool) -> list[RequestOutput]:
-        """Apply one step's results (after `Scheduler.update_from_output`); returns the
-        cumulative outputs of the requests it touched (only finished ones if `finished_only`)."""
+    def process(self, out: SchedulerOutput, res: RunnerOutput, now: float) -> ProcessedStep:
+        """Decide what one step's results (after `Scheduler.update_from_output`) mean: which
+        samples end, what is trimmed, which siblings enter.  The engine applies the returned
+        decisions, then calls `outputs` with the same `ProcessedStep`."""
+        d = _Decider()
         touched: dict[str, Group] = {}
-        failed: list[RequestOutput] = []
+        failed: list[Group] = []
         for s in out.scheduled:
             found = self.children.get(s.request_id)
             if found is None:
@@ -138,13 +227,21 @@ class OutputProcessor:
                 continue
             touched[g.request_id] = g
             try:
-                self._apply(g, sample, s.request, res, start, now, s.emitted)
+                self._apply(g, sample, s.request, res, now, d, s.emitted)
             except Exception as e:
                 logger.exception("request %s failed while its output was processed; failing it alone", g.request_id)
                 del touched[g.request_id]
-                failed.append(self.fail(g, failure_message("processing its output", e), now, [sample]))
-        outputs = failed
-        for g in touched.values():
+                self._fail(g, failure_message("processing its output", e), now, [sample], d)
+                failed.append(g)
+        return ProcessedStep(d.freeze(), tuple(failed), tuple(touched.values()))
+
+    def outputs(self, step: ProcessedStep, now: float, finished_only: bool) -> tuple[list[RequestOutput], Decisions]:
+        """The cumulative outputs of the requests `step` touched (only finished ones if
+        `finished_only`), built once the engine applied `step.decisions`; plus the decisions
+        for any request that failed while its output was built (the engine applies those too)."""
+        d = _Decider()
+        outputs = [self._make_output(g) for g in step.failed]
+        for g in step.touched:
             try:
                 if all(x.req.is_finished for x in g.samples):
                     self._retire(g, now)
@@ -152,17 +249,16 @@ class OutputProcessor:
                     outputs.append(self._make_output(g))
             except Exception as e:
                 logger.exception("request %s failed while its output was built; failing it alone", g.request_id)
-                outputs.append(self.fail(g, failure_message("building its output", e), now, g.samples))
-        return outputs
+                self._fail(g, failure_message("building its output", e), now, g.samples, d)
+                outputs.append(self._make_output(g))
+        return outputs, d.freeze()
 
-    def _apply(self, g: Group, sample: Sample, req: Request, res: RunnerOutput, start: float, now: float,
+    def _apply(self, g: Group, sample: Sample, req: Request, res: RunnerOutput, now: float, d: _Decider,
                emitted: list[int] | None = None) -> None:
         """`emitted`: the tokens the scheduler appended this step (several with speculative
         decoding: accepted drafts, then the sampled token); each goes through the stop rules
         in order, and a stop string part-way drops the ones after it."""
         rid = req.request_id
-        if g.metrics.first_scheduled_time is None:
-            g.metrics.first_scheduled_time = start
         if g.prompt_logprobs is not None and req is g.samples[0].req and rid in res.prompt_logprobs:
             for pos, lp, rank, top in res.prompt_logprobs[rid]:
                 if pos != len(g.prompt_logprobs):  # already have it (recompute after preemption)
@@ -171,51 +267,45 @@ class OutputProcessor:
         tok = res.sampled.get(rid)
         if tok is None:  # a prefill chunk that did not reach the end of the prompt
             return
-        if g.metrics.first_token_time is None:
-            g.metrics.first_token_time = now
-        g.metrics.last_token_time = now
         if self.faults is not None:
             self.faults.check("detokenize", rid, g.prompt)
         tokens = emitted or [tok]
         finished_before = req.is_finished  # by the scheduler's token rules, at the last of `tokens`
+        ending: Finish | None = None  # a stop this processing found (grammar or stop string)
         for i, tok in enumerate(tokens):
             if sample.logprobs is not None and rid in res.logprobs:  # (never with drafts: one token)
                 lp, rank, top = res.logprobs[rid]
                 sample.logprobs.append(self._logprob_dict(tok, lp, rank, top))
                 sample.cumulative_logprob += lp
-            if req.grammar is not None and not req.is_finished:  # structured output: advance its grammar
+            if req.grammar is not None and not finished_before and ending is None:  # structured output
                 if not req.grammar.accept(tok):
                     raise RuntimeError(f"token {tok} is outside the request's grammar")
                 if req.grammar.terminated:  # the document is complete (it took a stop token)
-                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, tok)
+                    ending = d.finish[rid] = Finish(req, RequestStatus.FINISHED_STOPPED, tok)
             stop_str = sample.detok.add(tok) if g.params.detokenize else None
-            if stop_str is not None and not req.is_finished:
-                later = len(tokens) - i - 1
-                if later:  # accepted drafts after the stop string are not part of the output
-                    del req.output_token_ids[-later:]
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop_str)
-            if req.is_finished and not finished_before:
+            if stop_str is not None and not finished_before and ending is None:
+                # accepted drafts after the stop string are not part of the output
+                ending = d.finish[rid] = Finish(req, RequestStatus.FINISHED_STOPPED, stop_str,
+                                                drop_tokens=len(tokens) - i - 1)
+            if ending is not None:
                 break
-        if req.is_finished:
-            self._finish_sample(sample, now)
+        if finished_before or ending is not None:
+            self._finish_sample(sample, d)
         if g.pending and req is g.samples[0].req:
-            pending, g.pending = g.pending, []
-            for p in pending:  # the prompt's blocks are cached now: let the siblings in
-                self.scheduler.add_request(p)
+            # the prompt's blocks are cached now: let the siblings in
+            d.admit.extend(g.pending)
+            g.pending = []
 
-    def _finish_sample(self, sample: Sample, now: float) -> None:
+    def _finish_sample(self, sample: Sample, d: _Decider) -> None:
         """The one place a sample that reached a stop rule (token, string or length) is wrapped up."""
-        if sample.req.finished_time is None:
-            sample.req.finished_time = now
         sample.detok.flush()
-        self._release(sample.req.request_id)
+        d.release.append(sample.req.request_id)
 
     def _retire(self, g: Group, now: float | None) -> None:
         """The group is done (finished, failed or aborted): it leaves the books."""
         g.finished = True
         if now is not None:
-            g.metrics.finished_time = now
-        g.metrics.num_preemptions = sum(x.req.num_preemptions for x in g.samples)
+            g.finished_time = now
         self.groups.pop(g.request_id, None)
         for x in g.samples:
             self.children.pop(x.req.request_id, None)
@@ -253,7 +343,7 @@ class OutputProcessor:
             prompt_logprobs=list(g.prompt_logprobs) if g.prompt_logprobs is not None else None,
             outputs=comps,
             finished=g.finished,
-            metrics=copy.copy(g.metrics),
+            metrics=g.metrics(),
             num_cached_tokens=max(g.samples[0].req.num_cached_tokens, 0),
         )
         out.error = g.error
