@@ -33,7 +33,7 @@ from server_fixtures import ThreadedServer  # noqa: E402
 
 from tokenloom.bench.launcher import free_port  # noqa: E402
 from tokenloom.dashboard.aggregate import Aggregator  # noqa: E402
-from tokenloom.dashboard.recorder import StepRecord, StepRecorder  # noqa: E402
+from tokenloom.dashboard.recorder import StepBuffer, StepRecord  # noqa: E402
 
 
 class Periods:
@@ -119,7 +119,7 @@ def main() -> None:
 
     # The recorder's and the aggregator's own cost, on this run's real batch-size events.
     events = [e for e in periods.sample if len(e.entries) == a.batch_size] or periods.sample
-    rec = StepRecorder(engine)
+    rec = StepBuffer(engine)
     n = 2000
     t = time.perf_counter()
     for i in range(n):

@@ -2,7 +2,7 @@
 
     engine thread                      event loop (only while a page is open)
     -------------                      --------------------------------------
-    StepEvent -> StepRecorder  ----->  DashboardHub pump, every 0.25 s:
+    StepEvent -> StepBuffer  ------->  DashboardHub pump, every 0.25 s:
                  (bounded deque)         drain -> Aggregator -> one JSON update
                                          -> every open /dashboard/events stream
 

@@ -19,7 +19,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from tokenloom.dashboard.aggregate import Aggregator
-from tokenloom.dashboard.recorder import StepRecorder
+from tokenloom.dashboard.recorder import StepBuffer
 
 
 def sse(event: str, data: dict[str, Any]) -> str:
@@ -32,7 +32,7 @@ class DashboardHub:
                  window_s: float = 30.0, queue_size: int = 16, clock: Callable[[], float] = time.perf_counter):
         if interval <= 0:
             raise ValueError("the dashboard's update interval must be > 0")
-        self.recorder = StepRecorder(engine)
+        self.recorder = StepBuffer(engine)
         self.config = config
         self.interval = interval
         self.idle_interval = max(interval, idle_interval)

@@ -1,4 +1,4 @@
-"""StepRecorder: the dashboard's only code on the engine thread.
+"""StepBuffer: the dashboard's only code on the engine thread.
 
 The engine builds a `StepEvent` per step for its metrics anyway; the recorder keeps a
 reference to it in a bounded deque, plus the two facts the event does not carry: how many
@@ -25,8 +25,9 @@ class StepRecord(NamedTuple):
     arrivals: tuple[tuple[str, float], ...]  # (request id, arrival time) of requests in a prefill
 
 
-class StepRecorder:
-    """A step observer that fills a bounded buffer; `drain()` empties it from another thread."""
+class StepBuffer:
+    """A step observer that fills a bounded buffer; `drain()` empties it from another thread.
+    (The benchmarks' per-step statistics are `tokenloom.measure.steps.StepRecorder`.)"""
 
     def __init__(self, engine: Any, capacity: int = 4096):
         self._engine = engine  # an LLMEngine: read on the engine thread only
@@ -45,9 +46,9 @@ class StepRecorder:
 
     def _arrival(self, request_id: str) -> tuple[tuple[str, float], ...]:
         group = self._engine.processor.group_of(request_id)
-        if group is None or group.metrics is None:
+        if group is None:
             return ()
-        return ((request_id, group.metrics.arrival_time),)
+        return ((request_id, group.arrival_time),)
 
     def drain(self) -> list[StepRecord]:
         """Everything recorded since the last drain, oldest first (any thread)."""
