@@ -30,7 +30,7 @@ import torch
 from tokenloom.kernels import cpu
 from tokenloom.kernels import glibc_heap
 from tokenloom.specs.microbench import measure_bandwidth, measure_copy_bandwidth
-from tokenloom.model.packed_linear import _pack
+from tokenloom.model.weights.packed_linear import _pack
 
 LAYER_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]  # (N, K) per layer
 LAYERS = 24

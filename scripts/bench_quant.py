@@ -46,7 +46,7 @@ VARIANTS = {  # name -> LLM keywords
 def model_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg)
-    from tokenloom.model.make_model import make_model
+    from tokenloom.model.tools.make_model import make_model
 
     out = Path("/tmp/tokenloom-bench-quant/qwen2.5-0.5b")
     if not (out / "config.json").exists():
@@ -110,7 +110,7 @@ def bench_kernels(batches: list[int], rounds: int) -> None:
     down and the 151936 x 896 vocab projection; 988 MB in bf16, more than the caches) through our
     bf16 kernel and our int8 / int4 kernels, bf16 activations, alternating rounds, medians."""
     from tokenloom.kernels import cpu as cpu_kernels
-    from tokenloom.model.quantization import PanelQuantized, parse_scheme
+    from tokenloom.model.weights.quantization import PanelQuantized, parse_scheme
 
     g = torch.Generator().manual_seed(0)
     shapes = [(1152, 896), (896, 896), (9728, 896), (896, 4864)] * 24 + [(151936, 896)]
@@ -141,8 +141,8 @@ def bench_quality(variants: list[str]) -> None:
     from transformers import AutoModelForCausalLM
 
     from tokenloom.bundled import BUNDLED_MODEL_DIR, bits_per_byte
-    from tokenloom.model import tokenizer_builder as tb
-    from tokenloom.model.quantization import TorchQuantized, parse_scheme
+    from tokenloom.model.tools import tokenizer_builder as tb
+    from tokenloom.model.weights.quantization import TorchQuantized, parse_scheme
 
     report = json.loads((BUNDLED_MODEL_DIR / "training_report.json").read_text())
     texts = [p.read_text(encoding="utf-8") for p in tb.stdlib_corpus_files("val")]
@@ -174,7 +174,7 @@ def bench_logprobs(variants: list[str]) -> None:
 
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from tokenloom.model.tokenizer_builder import default_tokenizer, save_hf_tokenizer
+    from tokenloom.model.tools.tokenizer_builder import default_tokenizer, save_hf_tokenizer
 
     out = Path(tempfile.mkdtemp()) / "qwen2-ref"
     cfg = Qwen2Config(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,

@@ -2,29 +2,17 @@
 """Train, from scratch, a small Llama that copies from its prompt (a benchmark model).
 
 Why: n-gram speculative decoding (docs/speculative-decoding.md) pays off when the output
-repeats the prompt (code edits, extraction).  The bundled model (`tokenloom/py-tiny`) does not
-copy: shown a snippet and then the first third of it again, its greedy continuation follows
-the snippet for ~2% of the rest (held-out files).  Copying needs induction heads ("find the
-earlier occurrence of the current token, emit what followed it"), which its 805 steps of
-pretraining did not grow, and fine-tuning it toward copying did not grow them either in the
-runs tried (repeated random runs and code copy rows, up to 1,300 steps: 0-3% copied).
-So this script trains a fresh, shallow model on a mixture built to make induction the
-cheapest way to lower the loss.  The result is a benchmark model, not a shipped one.
+repeats the prompt (code edits, extraction).  The bundled model (`tokenloom/py-tiny`) hardly
+copies.  Copying needs induction heads ("find the earlier occurrence of the current token,
+emit what followed it"), which its short pretraining did not grow, and fine-tuning it toward
+copying did not grow them either.  So this script trains a fresh, shallow model on a mixture
+built to make induction the cheapest way to lower the loss.  The result is a benchmark model,
+not a shipped one.
 
-STATUS: this does NOT yet give a model that copies.  `scripts/wire_copy_model.py` does (the
-circuit set by hand), and is what the benchmark figures use.  Measured here, one thread of
-the shared 2-core machine, 2026-12-05 (loss = next-token loss on the masked-in tokens):
-  * one mixed phase (40% random-run rows, 40% copy/edit, 20% plain; context 256, batch 12,
-    lr 2e-3, default 0.02 embedding init): 1,050 steps (~15 minutes), loss 7.95 -> 5.2,
-    held-out copy check 1-2% throughout;
-  * random runs only (runs of 3..16): context 128, batch 16, lr 3e-3: 8.34 -> 8.18 in 550
-    steps; context 48, batch 32: 8.33 -> 7.6 in 550 steps, 7.4 with embeddings of ~unit
-    norm (`--embed-std`), 5.6 with a direction shared by all embeddings added as well;
-  * the defaults below (phase 1 = those short rows, unit-norm embeddings): 8.3 -> 5.3 by
-    step 900 and flattening, copy check 0%.  A copier gets ~0 on these rows; nowhere was
-    there the sudden drop that marks induction heads forming.
-Next things to try: many more steps (the plateau before induction grows with the context
-length), or initialising from the wired model and training on the mixture.
+This script does not yet give a model that copies: no run tried showed the sudden drop in
+loss that marks induction heads forming.  `scripts/wire_copy_model.py` (the circuit set by
+hand) does copy, and is what the benchmark figures use.  The runs tried, what they reached and
+what to try next: docs/speculative-decoding.md, "Training a copier from scratch".
 
 Model: LlamaForCausalLM from LlamaConfig (default 2 layers, hidden 256, 8 heads of 32, tied
 embeddings, 512 positions), the bundled tokenizer (vocab 4096) saved beside it, so tokenloom
@@ -82,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from copy_task import SEPARATORS, common_prefix_len, copy_text, cue_prompt, edited, snippet_lines  # noqa: E402
 
 from tokenloom.bundled import BUNDLED_MODEL_DIR  # noqa: E402
-from tokenloom.model.tokenizer_builder import BOS_ID, EOS_ID, PAD_ID, stdlib_corpus_files  # noqa: E402
+from tokenloom.model.tools.tokenizer_builder import BOS_ID, EOS_ID, PAD_ID, stdlib_corpus_files  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 FIRST_ORDINARY_ID = 10  # ids below are special tokens: never in random runs

@@ -10,7 +10,7 @@ the budget).  The decision is recorded; rerunning with `--steps N --decay-steps 
 --seed S` (the report's "reproduce" line) on the same Python/torch versions repeats the run.
 
 Pipeline:
-  1. byte-level BPE tokenizer trained on the train split (tokenloom.model.tokenizer_builder)
+  1. byte-level BPE tokenizer trained on the train split (tokenloom.model.tools.tokenizer_builder)
   2. train files tokenized and packed into one stream, documents separated by <|endoftext|>
   3. a small LlamaForCausalLM (tied embeddings) trained with AdamW + linear warmup + cosine decay
   4. held-out bits per byte on the val split, then save_pretrained + tokenizer + report
@@ -38,7 +38,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenloom.bundled import bits_per_byte  # noqa: E402
-from tokenloom.model.tokenizer_builder import (  # noqa: E402
+from tokenloom.model.tools.tokenizer_builder import (  # noqa: E402
     BOS_ID,
     EOS_ID,
     IM_END_ID,

@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_copy_model import copy_check, save  # noqa: E402
 
 from tokenloom.bundled import BUNDLED_MODEL_DIR  # noqa: E402
-from tokenloom.model.tokenizer_builder import BOS_ID, EOS_ID, PAD_ID, stdlib_corpus_files  # noqa: E402
+from tokenloom.model.tools.tokenizer_builder import BOS_ID, EOS_ID, PAD_ID, stdlib_corpus_files  # noqa: E402
 
 HIDDEN, HEAD_DIM, CODE = 256, 128, 48
 BACK, MATCH = 16, 7  # the match compares the last BACK tokens, MATCH dims of each one's code

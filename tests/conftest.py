@@ -21,7 +21,7 @@ def pytest_configure(config) -> None:
 
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
-    from tokenloom.model.make_model import make_model
+    from tokenloom.model.tools.make_model import make_model
 
     made: dict[str, Path] = {}
 

@@ -15,7 +15,7 @@ import httpx
 
 
 def make_tiny_model(out: Path) -> Path:
-    from tokenloom.model.make_model import make_model
+    from tokenloom.model.tools.make_model import make_model
 
     return make_model("tiny-llama", out)
 

@@ -39,7 +39,7 @@ def test_linear_backend_chosen_once_and_named(model_factory, linear):
     """`--linear-backend`: each way the matmuls run gives transformers' tokens, and the
     start-up summary names the one chosen."""
     from tokenloom.kernels import cpu as cpu_kernels
-    from tokenloom.model.packed_linear import packing_supported
+    from tokenloom.model.weights.packed_linear import packing_supported
 
     if torch.cuda.is_available():
         pytest.skip("CPU linear backends")

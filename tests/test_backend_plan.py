@@ -52,7 +52,7 @@ def test_static_choices_follow_from_the_settings():
 def test_a_layer_binds_its_static_choices_once(tiny_llama):
     """What cannot change after load is bound into each layer, not checked per call: the
     linears as plain functions (flat) or modules, the fused rotary + KV write or not."""
-    from tokenloom.model.packed_linear import PanelLinear
+    from tokenloom.model.weights.packed_linear import PanelLinear
 
     llm = LLM(str(tiny_llama), max_model_len=64, num_kv_blocks=32)
     runner = llm.llm_engine.runner

@@ -168,7 +168,7 @@ def test_each_cpu_matmul_path_matches_transformers(model_factory, monkeypatch, p
     """Greedy tokens equal transformers' under chunking and preemption on the tied-embedding
     model, with every matmul through our kernel or through oneDNN; bf16 stays close."""
     from tests.test_parity import STRESS, _hf, _hf_greedy, _prompts
-    from tokenloom.model.packed_linear import PanelEmbedding, PanelLinear
+    from tokenloom.model.weights.packed_linear import PanelEmbedding, PanelLinear
 
     monkeypatch.setenv("TOKENLOOM_CPU_GEMM", path_name)
     path = model_factory("tiny-qwen2")

@@ -338,7 +338,7 @@ E2E_PROMPTS = ["Lily said 你好", "Once upon a time, there was", "我很感谢"
 
 @pytest.fixture(scope="module")
 def padded_model(tmp_path_factory) -> Path:
-    from tokenloom.model.make_model import make_model
+    from tokenloom.model.tools.make_model import make_model
 
     tok = FAMILIES["sentencepiece"]
     out = make_model("tiny-llama", tmp_path_factory.mktemp("sp-padded"), tokenizer_vocab=1024,

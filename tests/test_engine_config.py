@@ -9,7 +9,7 @@ import pytest
 
 from tokenloom import LLM, EngineArgs
 from tokenloom.config import EngineConfig, ModelShape, default_kv_cache_bytes, resolve_max_model_len
-from tokenloom.model.presets import get_preset
+from tokenloom.model.tools.presets import get_preset
 from tokenloom.sim.simulator import SimConfig
 from tokenloom.specs.model_spec import load_model_shape, load_model_spec, model_shape
 

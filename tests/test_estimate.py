@@ -95,7 +95,7 @@ def test_published_parameter_counts() -> None:
 def test_param_count_matches_transformers(name: str, extra: dict) -> None:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from tokenloom.model.presets import get_preset
+    from tokenloom.model.tools.presets import get_preset
 
     cfg = {**get_preset(name), **extra}
     with torch.device("meta"):  # shapes only, no memory

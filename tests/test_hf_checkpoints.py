@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralC
 from tokenloom import LLM, SamplingParams
 from tokenloom.model.hf_config import model_args_fields
 from tokenloom.model.rope_scaling import rope_inv_freq
-from tokenloom.model.tokenizer_builder import default_tokenizer, save_hf_tokenizer
+from tokenloom.model.tools.tokenizer_builder import default_tokenizer, save_hf_tokenizer
 
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 # Configs in the 5.x format mean nothing to transformers 4, which ignores `rope_parameters`.

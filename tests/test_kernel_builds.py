@@ -10,8 +10,11 @@ import platform
 import shutil
 import ctypes
 
+from pathlib import Path
+
 import pytest
 
+from tokenloom.kernels import build as kernel_build
 from tokenloom.kernels import cpu as cpu_kernels
 
 flags = cpu_kernels._cpu_flags()
@@ -28,23 +31,23 @@ def test_kernels_build_where_the_cpu_has_the_instructions():
 
 def _copy_sources(dst):
     dst.mkdir()
-    src = cpu_kernels.Path(cpu_kernels.__file__).parent
+    src = Path(kernel_build.__file__).parent
     for f in ("cpu_gemm.cpp", "panel_linear.h"):
         shutil.copyfile(src / f, dst / f)
-    return cpu_kernels._with_local_headers([dst / "cpu_gemm.cpp"])
+    return kernel_build._with_local_headers([dst / "cpu_gemm.cpp"])
 
 
 def test_build_key_follows_sources_headers_flags_and_torch(tmp_path, monkeypatch):
     a = _copy_sources(tmp_path / "checkout_a")
     b = _copy_sources(tmp_path / "checkout_b")
     assert [f.name for f in a] == ["cpu_gemm.cpp", "panel_linear.h"]
-    key = cpu_kernels.build_key(a, ["-O3", "-mavx2"])
-    assert cpu_kernels.build_key(b, ["-O3", "-mavx2"]) == key  # identical sources elsewhere share one build
-    assert cpu_kernels.build_key(a, ["-O3", "-mavx512f"]) != key
+    key = kernel_build.build_key(a, ["-O3", "-mavx2"])
+    assert kernel_build.build_key(b, ["-O3", "-mavx2"]) == key  # identical sources elsewhere share one build
+    assert kernel_build.build_key(a, ["-O3", "-mavx512f"]) != key
     (tmp_path / "checkout_b" / "panel_linear.h").write_bytes(b"// edited\n" + (tmp_path / "checkout_b" / "panel_linear.h").read_bytes())
-    assert cpu_kernels.build_key(b, ["-O3", "-mavx2"]) != key  # a header edit is a new build
-    monkeypatch.setattr(cpu_kernels.torch, "__version__", "0.0.0+other")
-    assert cpu_kernels.build_key(a, ["-O3", "-mavx2"]) != key
+    assert kernel_build.build_key(b, ["-O3", "-mavx2"]) != key  # a header edit is a new build
+    monkeypatch.setattr(kernel_build.torch, "__version__", "0.0.0+other")
+    assert kernel_build.build_key(a, ["-O3", "-mavx2"]) != key
 
 
 _TINY = r'''
@@ -69,7 +72,7 @@ def test_a_build_is_announced_keyed_in_its_own_directory_and_reused(tmp_path, mo
     src, cache = _tiny_sources(tmp_path, monkeypatch, 1)
 
     def build() -> str:
-        assert cpu_kernels._build("tokenloom_tiny", [src / "tiny.cpp"], [])
+        assert kernel_build._build("tokenloom_tiny", [src / "tiny.cpp"], [])
         return capsys.readouterr().err
 
     first = build()
@@ -99,19 +102,19 @@ def test_a_build_killed_half_way_does_not_block_the_next(tmp_path, monkeypatch):
     # A builder that dies while it holds both locks, as a killed build does.
     script = textwrap.dedent(f"""
         import os, signal, sys
-        from tokenloom.kernels import cpu
+        from tokenloom.kernels import build
         def compile_and_die(name, tag, files, cflags, build_dir):
             (build_dir / "lock").write_text("")  # torch's baton, taken as its build starts
             print("holding", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        cpu._compile = compile_and_die
-        cpu._build("tokenloom_tiny", [{str(src / 'tiny.cpp')!r}], [])
+        build._compile = compile_and_die
+        build._build("tokenloom_tiny", [{str(src / 'tiny.cpp')!r}], [])
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "TOKENLOOM_KERNEL_CACHE": str(cache)})
     assert proc.returncode == -signal.SIGKILL and "holding" in proc.stdout
     (build_dir,) = cache.iterdir()
     assert (build_dir / "lock").exists()  # what a killed build leaves
-    assert cpu_kernels._build("tokenloom_tiny", [src / "tiny.cpp"], [])  # returns: built, not waiting
+    assert kernel_build._build("tokenloom_tiny", [src / "tiny.cpp"], [])  # returns: built, not waiting
     assert not (build_dir / "lock").exists()
     assert ctypes.CDLL(str(build_dir / f"{build_dir.name}.so")).tokenloom_tiny_kernel() == 3

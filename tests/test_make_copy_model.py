@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tokenloom.bundled import BUNDLED_MODEL_DIR
-from tokenloom.model.tokenizer_builder import EOS_ID
+from tokenloom.model.tools.tokenizer_builder import EOS_ID
 
 from script_modules import SCRIPTS, load_script
 

@@ -138,8 +138,8 @@ def test_tied_lm_head_shares_the_embedding_matrix(model_factory):
     """With tied embeddings the packed model holds the vocab matrix once: the lm_head reads
     the embedding in place, and `weight_bytes` (what `bench throughput` sets peak RSS
     against) counts every weight exactly once."""
-    from tokenloom.model.loader import load_model
-    from tokenloom.model.packed_linear import packing_supported
+    from tokenloom.model.weights.loader import load_model
+    from tokenloom.model.weights.packed_linear import packing_supported
 
     path = model_factory("tiny-qwen2")
     loaded = load_model(path, "float32", torch.device("cpu"), max_positions=128)

@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerFast
 
 from test_detokenizer import CORPUS, FAMILIES
 from tokenloom.engine.prompt_bound import bound_for
-from tokenloom.model.tokenizer_builder import default_tokenizer
+from tokenloom.model.tools.tokenizer_builder import default_tokenizer
 
 
 def _with_nfc(tok: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:

@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 quantization (model/quantization.py, kernels/cpu_gemm_quant.cpp).
+"""Weight-only int8 / int4 quantization (model/weights/quantization.py, kernels/cpu_gemm_quant.cpp).
 
 The quantized model is a model in its own right: the one whose weights are the dequantized
 matrices.  So the checks are (1) the round trip stays within its error bound, (2) our CPU
@@ -23,8 +23,9 @@ from transformers import LlamaConfig, Qwen2Config
 from tokenloom import LLM, SamplingParams
 from tokenloom.config import EngineArgs, spell_flags
 from tokenloom.kernels import cpu as cpu_kernels
-from tokenloom.model.quantization import (SCHEMES, PanelQuantized, TorchQuantized, dequantize_int4, dequantize_int8,
-                                          pack_nibbles, parse_scheme, quantize_int4, quantize_int8, unpack_nibbles)
+from tokenloom.model.weights.quantization import (SCHEMES, PanelQuantized, TorchQuantized, dequantize_int4,
+                                                  dequantize_int8, pack_nibbles, parse_scheme, quantize_int4,
+                                                  quantize_int8, unpack_nibbles)
 
 NAMES = sorted(SCHEMES)
 

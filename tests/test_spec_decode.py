@@ -19,7 +19,7 @@ from tokenloom.bench.launcher import free_port
 from tokenloom.config import SchedulerConfig
 from tokenloom.core.kv_cache import KVCacheManager, hash_block, root_key
 from tokenloom.core.scheduler import Scheduler
-from tokenloom.model.tokenizer_builder import default_tokenizer, save_hf_tokenizer
+from tokenloom.model.tools.tokenizer_builder import default_tokenizer, save_hf_tokenizer
 from tokenloom.request import Request
 from tokenloom.runner.sampler import SamplingRow
 from tokenloom.spec_decode import SpeculativeConfig, propose_ngram

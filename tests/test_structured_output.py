@@ -216,7 +216,7 @@ def test_offline_sampling_params(tiny_llama):
 def padded_sentencepiece_model(tmp_path_factory) -> Path:
     from test_detokenizer import sentencepiece_bpe
 
-    from tokenloom.model.make_model import make_model
+    from tokenloom.model.tools.make_model import make_model
 
     tok = sentencepiece_bpe()
     out = make_model("tiny-llama", tmp_path_factory.mktemp("sp-padded-structured"), tokenizer_vocab=1024,

@@ -1,6 +1,6 @@
 """Tensor parallel on CPUs: two processes (gloo) give transformers' greedy tokens.
 
-Each rank holds half of every layer (model/parallel.py) and its own half of the KV cache;
+Each rank holds half of every layer (model/weights/parallel.py) and its own half of the KV cache;
 rank 0 schedules and samples, rank 1 is a worker process running the same steps (forked
 here: no CUDA context; runner/worker_procs.py).  Checked under chunked prefill, 4-token
 blocks and preemption, for the families' differences (q/k/v biases, q/k norms, a KV head

@@ -17,7 +17,7 @@ from rich.console import Console
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.entrypoints.cli import main as cli_main
-from tokenloom.model.make_model import make_model
+from tokenloom.model.tools.make_model import make_model
 from tokenloom.trace.html import render_html
 from tokenloom.trace.png import render_png
 from tokenloom.trace.recorder import Trace, run_trace

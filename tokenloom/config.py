@@ -57,12 +57,12 @@ class EngineArgs:
     compile: bool = False
     attention_backend: str = "auto"  # auto|cpu|triton|sdpa (model/attention.py)
     ops_backend: str = "auto"  # auto|torch|cpu|triton: norms, rotary, SwiGLU (model/ops.py)
-    linear_backend: str = "auto"  # auto|panels|onednn|torch: the matmuls (model/loader.py)
-    quantization: str | None = None  # None|int8|int4|int4-g128: weight-only, at load (model/quantization.py)
+    linear_backend: str = "auto"  # auto|panels|onednn|torch: the matmuls (model/weights/loader.py)
+    quantization: str | None = None  # None|int8|int4|int4-g128: weight-only, at load (model/weights/quantization.py)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     # n-gram speculative decoding, vLLM's dict (or its JSON text): tokenloom/spec_decode/config.py
     speculative_config: dict | str | None = None
-    tensor_parallel_size: int = 1  # ranks that each hold 1/N of every layer (model/parallel.py)
+    tensor_parallel_size: int = 1  # ranks that each hold 1/N of every layer (model/weights/parallel.py)
     distributed_init_port: int | None = None  # the group's rendezvous port (default: a free one)
     num_threads: int | None = None
     chat_template: str | None = None
@@ -225,8 +225,8 @@ class BackendPlan:
 
     device: str  # cpu | cuda (the device type; rank r of a GPU group takes cuda:r)
     dtype: str  # float32 | bfloat16 | float16
-    linear: str  # panels | onednn | torch: how every matmul runs (model/loader.py packs for it)
-    quantization: str | None  # weight-only scheme (model/quantization.py), or None
+    linear: str  # panels | onednn | torch: how every matmul runs (model/weights/loader.py packs for it)
+    quantization: str | None  # weight-only scheme (model/weights/quantization.py), or None
     attention: str  # cpu | triton | sdpa (model/attention.py)
     ops: str  # torch | cpu | triton: norms, rotary, SwiGLU (model/ops.py)
     fused_kv_write: bool  # rotary + KV cache write in one op (off under torch.compile)

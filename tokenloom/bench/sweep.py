@@ -107,7 +107,7 @@ def _workload(args: argparse.Namespace) -> tuple[WorkloadSpec, list[BenchRequest
         from tokenloom.bundled import BUNDLED_MODEL_DIR
 
         model_dir = str(BUNDLED_MODEL_DIR)
-    from tokenloom.model.loader import resolve_model_path  # a directory as is (if it holds config.json), or fetched
+    from tokenloom.model.weights.loader import resolve_model_path  # a directory with config.json, or fetched
 
     model_dir = str(resolve_model_path(model_dir, args.revision))
     vocab = vocab_range_for_model(args.tokenizer or model_dir)

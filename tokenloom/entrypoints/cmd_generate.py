@@ -53,7 +53,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from tokenloom.model.make_model import make_model
+    from tokenloom.model.tools.make_model import make_model
 
     path = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype, init_std=args.init_std,
                       max_shard_bytes=parse_size(args.max_shard_size) if args.max_shard_size else None)
@@ -69,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_sampling_args(p)
     p.set_defaults(func=_generate)
 
-    from tokenloom.model.presets import PRESETS
+    from tokenloom.model.tools.presets import PRESETS
 
     m = sub.add_parser("make-model", help="write a random-weight HF model directory in a real architecture's shape")
     m.add_argument("--preset", required=True, choices=sorted(PRESETS))

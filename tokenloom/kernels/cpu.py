@@ -7,7 +7,7 @@ stock kernels stream them poorly at decode's shapes:
 
 * `cpu_gemm.cpp`: y = x W^T with W packed in 16-column panels (`pack`), fp32 or bf16
   weights.  Used where it was measured to beat oneDNN: x86 CPUs with AVX2 + FMA but
-  without AVX-512 (see `preferred`; model/packed_linear.py has the figures).
+  without AVX-512 (see `preferred`; model/weights/packed_linear.py has the figures).
 * `cpu_gemm_avx512.cpp`: the same GEMM for fp32 weights on CPUs with AVX-512, in 32-column
   panels (`pack(w, WIDE)`: one sequential stream per thread), with a micro-kernel shaped
   for 512-bit FMAs; a separate extension built with AVX-512 flags.  It beats oneDNN at
@@ -22,7 +22,7 @@ stock kernels stream them poorly at decode's shapes:
   not), rotary embedding (also straight from the qkv output into the KV cache), SiLU(gate)
   * up; the greedy argmax over the vocabulary (`argmax_rows`); and `stream_read`, a plain
   parallel read of a buffer, the rate specs/microbench.py reports as the memory roof.
-* `cpu_gemm_quant.cpp`: the same GEMM for int8 / int4 weights (model/quantization.py), in
+* `cpu_gemm_quant.cpp`: the same GEMM for int8 / int4 weights (model/weights/quantization.py), in
   32-column panels (`pack_int8`, `pack_int4`), widened to float32 as they stream, or multiplied
   by VNNI integer dot products for decode rows (`quant_vnni.h`); built three ways, AVX-512 with
   VNNI + VBMI, AVX-512, AVX2 (`quant_ops`).
@@ -34,13 +34,10 @@ stock kernels stream them poorly at decode's shapes:
   AVX-512 extension compiles the same source again with its 512-bit loop (`attention_op`).
 
 `simd_avx2.h` holds vector helpers two of them share, `panel_linear.h` what the three GEMM
-ops share besides their kernels (input flattening, output, bias).  They are compiled with the
-C++ toolchain PyTorch uses for extensions, once per distinct build: each build lives in its
-own directory under ~/.cache/tokenloom/kernels (`TOKENLOOM_KERNEL_CACHE` moves it) named by a
-digest of its sources (headers included), compiler flags, torch build and Python version, so
-checkouts and virtual environments never rebuild each other's kernels, and one that differs
-never loads a stale build.  A line on stderr says when a build starts and how long it took.
-Anything that fails (no compiler, not x86) leaves PyTorch's kernels in charge.
+ops share besides their kernels (input flattening, output, bias).  `kernels/build.py` compiles
+and caches each extension (once per distinct build of its sources, flags and torch; anything
+that fails -- no compiler, not x86 -- leaves PyTorch's kernels in charge), `kernels/cpu_probe.py`
+reads the CPU's flags that decide which extensions are built; this module wraps the ops.
 `TOKENLOOM_CPU_GEMM=own|onednn` overrides the GEMM choice (tests force each),
 `TOKENLOOM_BF16_DOT=dpbf16|fma` the bf16 GEMM's way of multiplying,
 `TOKENLOOM_CPU_ATTENTION=0` turns the attention kernel off (`=avx2`: its AVX2 build even on
@@ -50,136 +47,16 @@ AVX-512 CPUs), `TOKENLOOM_CPU_FUSED=0` the fused element-wise ops.
 from __future__ import annotations
 
 import functools
-import fcntl
-import hashlib
-import logging
 import os
-import platform
-import re
-import shutil
-import sys
-import time
-from pathlib import Path
 
 import torch
 
 from tokenloom.kernels import hugepages
-
-log = logging.getLogger(__name__)
+from tokenloom.kernels.build import _build
+from tokenloom.kernels.cpu_probe import cpu_flags as _cpu_flags  # the name tests and callers use
 
 NR = 16  # panel width of the AVX2 kernel; must match cpu_gemm.cpp
 WIDE = 32  # panel width of the AVX-512 fp32 and bf16 kernels; must match cpu_gemm_avx512.cpp, cpu_gemm_bf16.cpp
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
-
-
-def _with_local_headers(sources: list[Path]) -> list[Path]:
-    """The sources plus every header they include with quotes, transitively (same folder)."""
-    out: list[Path] = []
-    todo = list(sources)
-    while todo:
-        f = todo.pop(0)
-        if f in out:
-            continue
-        out.append(f)
-        for inc in _LOCAL_INCLUDE.findall(f.read_bytes()):
-            h = f.parent / inc.decode()
-            if h.is_file():
-                todo.append(h)
-    return out
-
-
-def build_key(files: list[Path], cflags: list[str]) -> str:
-    """Digest naming one build: file names and contents, flags, compiler, torch and Python builds."""
-    h = hashlib.sha256()
-    for part in (torch.__version__, str(torch.version.git_version), sys.version.split()[0], platform.machine(),
-                 os.environ.get("CXX", "c++"), *cflags):
-        h.update(part.encode() + b"\0")
-    for f in files:
-        h.update(f.name.encode() + b"\0")
-        h.update(hashlib.sha256(f.read_bytes()).digest())
-    return h.hexdigest()[:16]
-
-
-def cache_root() -> Path:
-    """Where kernel builds live: $TOKENLOOM_KERNEL_CACHE, else the user's cache folder."""
-    env = os.environ.get("TOKENLOOM_KERNEL_CACHE")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenloom" / "kernels"
-
-
-def _build(name: str, sources: list[str | Path], isa_flags: list[str]) -> bool:
-    """Compile (once per distinct build, see the module doc) and load one extension.
-
-    Sources are named relative to this folder (or absolute).  The build directory holds
-    its own copy of them, so the compile commands are the same from any checkout and a
-    finished build is loaded straight from its library, without running the toolchain."""
-    cflags = ["-O3", *isa_flags, "-fno-math-errno", "-fopenmp"]
-    try:
-        files = _with_local_headers([Path(__file__).with_name(str(f)) if not Path(f).is_absolute() else Path(f)
-                                     for f in sources])
-        tag = f"{name}_{build_key(files, cflags)}"
-        build_dir = cache_root() / tag
-        library = build_dir / f"{tag}.so"
-        if library.is_file():
-            try:
-                torch.ops.load_library(str(library))
-                return True
-            except OSError:  # half-written by a build in another process: build (waits on its lock)
-                pass
-        build_dir.mkdir(parents=True, exist_ok=True)
-        with open(build_dir / "build.flock", "w") as held:
-            # One builder at a time, under a lock the OS drops when its holder dies, so a build
-            # killed half-way (Ctrl-C, a test timeout) never leaves the next process waiting.
-            fcntl.flock(held, fcntl.LOCK_EX)
-            if library.is_file():  # another process built it while this one waited
-                try:
-                    torch.ops.load_library(str(library))
-                    return True
-                except OSError:
-                    pass
-            # torch's own build lock: any left now belongs to a builder that died (we hold ours).
-            (build_dir / "lock").unlink(missing_ok=True)
-            _compile(name, tag, files, cflags, build_dir)
-        return True
-    except Exception as e:  # no toolchain, no ninja, compile error: keep the stock kernels
-        log.warning("tokenloom CPU kernels %s unavailable (%s); using PyTorch's kernels", name, e)
-        return False
-
-
-def _compile(name: str, tag: str, files: list[Path], cflags: list[str], build_dir: Path) -> None:
-    """Copy the sources into the build directory and compile and load them there (ninja)."""
-    from torch.utils.cpp_extension import load as load_ext
-
-    src_dir = build_dir / "src"
-    src_dir.mkdir(parents=True, exist_ok=True)
-    for f in files:
-        if not (src_dir / f.name).is_file() or (src_dir / f.name).read_bytes() != f.read_bytes():
-            shutil.copyfile(f, src_dir / f.name)
-    print(f"tokenloom: building CPU kernels {name} ({', '.join(f.name for f in files)}) in {build_dir}; "
-          f"once per build of the sources, flags and torch", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    load_ext(
-        name=tag,
-        sources=[str(src_dir / f.name) for f in files if f.suffix != ".h"],
-        extra_cflags=cflags,
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=False,
-    )
-    print(f"tokenloom: built CPU kernels {name} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 def _register_fake_linear(op: str) -> None:

@@ -26,7 +26,7 @@
 // Either way each thread prefetches its weight stream a short way ahead of its reads
 // (`prefetch`, panel_linear.h), so the reads overlap the widening.
 // Both compute the product of x with the dequantized float32 weights above (the PyTorch
-// reference in model/quantization.py), up to float32 summation order.
+// reference in model/weights/quantization.py), up to float32 summation order.
 //
 // The same source builds twice (kernels/cpu.py): with AVX-512 (16-float vectors, 12-row tiles)
 // and with AVX2 + FMA (8-float vectors, 2-row tiles), registering `tokenloom_q512` or

@@ -1,6 +1,6 @@
 """Which code runs on this machine: every backend choice, resolved once into a `BackendPlan`.
 
-    linear     panels | onednn | torch    how each matmul runs, per weight format (model/loader.py packs for it)
+    linear     panels | onednn | torch    how each matmul runs, per weight format (model/weights/loader.py packs for it)
     attention  cpu | triton | sdpa        how attention reads the paged KV cache (model/attention.py)
     ops        torch | cpu | triton       norms, rotary, SwiGLU (model/ops.py)
     flat       on | off                   layers call linears as plain functions (model/layers.py `bound_linear`)
@@ -67,14 +67,14 @@ def _linear(name: str, quantization: str | None, device: torch.device, dtype: to
     kernel wins on this CPU, else oneDNN where it runs, else torch.  With `quantization`,
     panels is our quantized CPU kernel and torch PyTorch ops."""
     from tokenloom.kernels import cpu as cpu_kernels
-    from tokenloom.model.packed_linear import packing_supported
+    from tokenloom.model.weights.packed_linear import packing_supported
 
     if name not in LINEAR_BACKENDS:
         raise ValueError(f"--linear-backend must be one of {', '.join(LINEAR_BACKENDS)}, got {name!r}")
     if not pack_weights:
         name = "torch"
     if quantization is not None:
-        from tokenloom.model.quantization import kernels_available, parse_scheme
+        from tokenloom.model.weights.quantization import kernels_available, parse_scheme
 
         parse_scheme(quantization)
         if tp:

@@ -235,7 +235,7 @@ class CausalLM(nn.Module):
         docs/performance.md, "Why each CPU kernel is chosen"); elsewhere the head reads the
         embedding in place."""
         from tokenloom.kernels import cpu as cpu_kernels
-        from tokenloom.model.packed_linear import PackedLinear, prepack_linears
+        from tokenloom.model.weights.packed_linear import PackedLinear, prepack_linears
 
         n = prepack_linears(self)
         if self.lm_head is None:
@@ -248,7 +248,7 @@ class CausalLM(nn.Module):
 
     def prepack_panels(self) -> int:
         """CPU fast path where our GEMM wins (kernels/cpu.py `preferred`): every matmul through it."""
-        from tokenloom.model.packed_linear import PanelLinear, prepack_linears
+        from tokenloom.model.weights.packed_linear import PanelLinear, prepack_linears
 
         n = prepack_linears(self, PanelLinear)
         if self.lm_head is None:
@@ -260,7 +260,7 @@ class CausalLM(nn.Module):
         """Tied embeddings packed once, into the panels the lm_head streams; the embedding
         lookup reads its rows from there.  One copy of the vocab matrix."""
         from tokenloom.kernels import cpu as cpu_kernels
-        from tokenloom.model.packed_linear import PanelEmbedding, PanelLinear
+        from tokenloom.model.weights.packed_linear import PanelEmbedding, PanelLinear
 
         vocab, hidden = self.embed_tokens.weight.shape
         packed = cpu_kernels.pack_for(self.embed_tokens.weight)

@@ -26,8 +26,8 @@ from tokenloom.kernels import hugepages
 from tokenloom.config import BackendPlan
 from tokenloom.model.attention import AttentionMetadata, build_backend
 from tokenloom.model.ops import build_ops
-from tokenloom.model.parallel import TPGroup
-from tokenloom.model.loader import LoadedModel
+from tokenloom.model.weights.parallel import TPGroup
+from tokenloom.model.weights.loader import LoadedModel
 from tokenloom.kernels import glibc_heap
 from tokenloom.runner.logprobs import logprob_rows
 from tokenloom.runner.cuda_graphs import DecodeGraphs, capture_sizes

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from tokenloom.config import BackendPlan
-from tokenloom.model.parallel import TPGroup
+from tokenloom.model.weights.parallel import TPGroup
 from tokenloom.runner.worker_procs import WorkerProcess, Workers
 
 logger = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ def _shutdown_at_exit(ref: weakref.ref[TPLauncher]) -> None:
 
 def run_worker(rank: int, size: int, init_method: str, spec: WorkerSpec) -> None:
     """A worker's whole life: join, load shard `rank`, build the runner, run steps until told to stop."""
-    from tokenloom.model.loader import load_model
+    from tokenloom.model.weights.loader import load_model
     from tokenloom.runner.model_runner import ModelRunner
 
     torch.set_num_threads(_threads(size, spec.num_threads))

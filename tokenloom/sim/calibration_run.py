@@ -180,11 +180,13 @@ def _event_row(ev: Any) -> tuple[list[Entry], float, float, float]:
 
 def _run_calibration_served(model: str, dtype: str, *, block_size: int, num_threads: int | None, seed: int,
                             log: Callable[[str], None], neighbors: int = 0) -> tuple[list[Sample], float, dict]:
+    import signal
     import subprocess
     import sys
     import tempfile
 
     from tokenloom.bench.launcher import ServerProcess, free_port
+    from tokenloom.runner.worker_procs import die_with_parent
     from tokenloom.bench.serve import run_serve_benchmark
     from tokenloom.measure.workloads import BenchRequest, vocab_range_for_model
 
@@ -203,7 +205,9 @@ def _run_calibration_served(model: str, dtype: str, *, block_size: int, num_thre
            "serve", model, "--host", "127.0.0.1", "--port", str(port), *flags]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log_file, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        # The server dies with this process (SIGTERM on its death, SIGKILL included), as bench's do.
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=die_with_parent(signal.SIGTERM))
     server = ServerProcess(proc=proc, host="127.0.0.1", port=port, log_path=log_file, cmd=cmd)
     marks: list[tuple[str, float, float]] = []
     busy = None
@@ -325,7 +329,7 @@ def _torch_threads() -> int:
 def engine_decode_reads_blocks_in_place() -> bool:
     """Whether the engine, on this machine's default device, runs our paged decode attention."""
     from tokenloom.kernels import cpu as cpu_kernels
-    from tokenloom.model.loader import resolve_device
+    from tokenloom.model.weights.loader import resolve_device
 
     return resolve_device("auto").type == "cpu" and cpu_kernels.attention_enabled()
 

@@ -341,7 +341,7 @@ def step_lines(events) -> list[str]:
 def run_simulate(args: argparse.Namespace) -> int:
     from tokenloom.measure import metrics, report
     from tokenloom.measure.workloads import MIN_TOKEN_ID, workload_from_args, workload_stats
-    from tokenloom.model.presets import PRESETS
+    from tokenloom.model.tools.presets import PRESETS
     from tokenloom.sim.estimate import CostModel
     from tokenloom.specs.hardware import get_hardware
     from tokenloom.specs.model_spec import load_config, load_model_spec, max_position_embeddings

@@ -110,7 +110,7 @@ class CostModel:
         quantization: str | None = None,
     ) -> None:
         self.spec = spec
-        # weight-only int8/int4 (model/quant_schemes.py): fewer bytes per step, the same FLOPs
+        # weight-only int8/int4 (model/weights/quant_schemes.py): fewer bytes per step, the same FLOPs
         self.quantization = quantization
         self.hardware = hardware
         self.dtype = normalize_dtype(dtype) if dtype else spec.default_dtype()

@@ -224,9 +224,9 @@ def inputs_from_bench(doc: Mapping[str, Any], overrides: Mapping[str, Any] | Non
 
 
 def replica_flags(cfg: Mapping[str, Any], n: int) -> dict[str, Any]:
-    """The engine settings one of `n` data-parallel replicas got (`data_parallel.placement`),
+    """The engine settings one of `n` data-parallel replicas got (`specs.placement.placement`),
     as config entries: its torch threads and, unless the benchmark sized it, its KV budget."""
-    from tokenloom.entrypoints.data_parallel import placement
+    from tokenloom.specs.placement import placement
 
     ns = argparse.Namespace(**{"device": "cpu", "num_threads": None, "kv_cache_memory": None,
                                "num_kv_blocks": None, "tensor_parallel_size": 1, **cfg})

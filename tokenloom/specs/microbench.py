@@ -197,10 +197,10 @@ def measure_matmul_flops(
     t = _median_time(lambda: torch.matmul(a, b), dev, repeats)
     best = 2.0 * n**3 / t
     # The engine multiplies through oneDNN-packed weights or our own kernel where it can
-    # (model/packed_linear.py), either much faster than torch.matmul on some CPUs: the
+    # (model/weights/packed_linear.py), either much faster than torch.matmul on some CPUs: the
     # machine's peak is the best of them.
     from tokenloom.kernels import cpu as cpu_kernels
-    from tokenloom.model.packed_linear import PackedLinear, PanelLinear, packing_supported
+    from tokenloom.model.weights.packed_linear import PackedLinear, PanelLinear, packing_supported
 
     fast = []
     if packing_supported(dev, dt):

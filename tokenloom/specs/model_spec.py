@@ -171,8 +171,8 @@ class ModelSpec:
         return layer * self.num_layers + [(self.vocab_size, h)]
 
     def quantized_matmul_bytes(self, quantization: str) -> int:
-        """Bytes of every matmul weight under a weight-only scheme (model/quant_schemes.py), scales included."""
-        from tokenloom.model.quant_schemes import parse_scheme
+        """Bytes of every matmul weight under a weight-only scheme (model/weights/quant_schemes.py), scales included."""
+        from tokenloom.model.weights.quant_schemes import parse_scheme
 
         scheme = parse_scheme(quantization)
         return sum(scheme.matrix_bytes(n, k) for n, k in self.matmul_shapes)
@@ -262,7 +262,7 @@ class ModelSpec:
 
 def load_config(model: str) -> tuple[dict, str]:
     """(config dict, display name) from a preset name, a model directory or a config.json path."""
-    from tokenloom.model.presets import PRESETS, get_preset
+    from tokenloom.model.tools.presets import PRESETS, get_preset
 
     if model in PRESETS:
         return get_preset(model), model

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import save_file
 
 from tokenloom.model.hf_config import model_args_fields
-from tokenloom.model.presets import TINY_PRESETS, get_preset
-from tokenloom.model.tokenizer_builder import default_tokenizer, save_hf_tokenizer
+from tokenloom.model.tools.presets import TINY_PRESETS, get_preset
+from tokenloom.model.tools.tokenizer_builder import default_tokenizer, save_hf_tokenizer
 
 _SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

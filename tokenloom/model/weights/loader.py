@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from tokenloom.config import BackendPlan
 from tokenloom.model.llama import CausalLM, ModelArgs
-from tokenloom.model.parallel import TPGroup, shard_model
+from tokenloom.model.weights.parallel import TPGroup, shard_model
 from tokenloom.model.registry import resolve_architecture
 from tokenloom.kernels import glibc_heap
 
@@ -140,7 +140,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     linear_backend: str = "torch"  # how the linears run: panels | onednn | torch (`load_model`)
-    quantization: str | None = None  # weight-only scheme (model/quantization.py), or None
+    quantization: str | None = None  # weight-only scheme (model/weights/quantization.py), or None
     plan: BackendPlan | None = None  # the backend plan it was loaded for (model/backends.py)
 
     @property
@@ -169,11 +169,11 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
                tp: TPGroup | None = None, linear_backend: str = "auto", quantization: str | None = None,
                plan: BackendPlan | None = None) -> LoadedModel:
     """The checkpoint at `path` as our model on `device`; with `tp`, only this rank's shard
-    (model/parallel.py), cut before any weight packing so our kernels run on it.
+    (model/weights/parallel.py), cut before any weight packing so our kernels run on it.
 
     The matmuls are packed (or quantized) for `plan.linear` (model/backends.py decides it,
     with the dtype, before anything loads).  Without a plan, one is resolved here from
-    `dtype`, `linear_backend` and `quantization` (int8 | int4 | int4-g128: model/quantization.py)."""
+    `dtype`, `linear_backend` and `quantization` (int8 | int4 | int4-g128: model/weights/quantization.py)."""
     cfg = load_config(path)
     arch = resolve_architecture(cfg)
     a = ModelArgs.from_hf_config(cfg, arch)
@@ -234,7 +234,7 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
     if tp is not None and tp.size > 1:
         a = shard_model(model, a, tp)
     if plan.quantization is not None:
-        from tokenloom.model.quantization import parse_scheme, quantize_model
+        from tokenloom.model.weights.quantization import parse_scheme, quantize_model
 
         quantize_model(model, parse_scheme(plan.quantization), panels=plan.linear == "panels")
     elif plan.linear == "panels":

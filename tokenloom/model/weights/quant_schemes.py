@@ -1,7 +1,7 @@
 """Weight-only quantization schemes as arithmetic: bits per weight and the scales' bytes.
 
 Torch-free (specs/model_spec.py reads it), so the estimator and the simulator count a quantized
-model's bytes the same way the engine stores them (model/quantization.py does the quantizing):
+model's bytes the same way the engine stores them (model/weights/quantization.py does the quantizing):
 
 * `int8`: one int8 per weight, one float32 scale per output row.
 * `int4`: 4 bits per weight, one bfloat16 scale per group of 32 along K (K padded to whole

@@ -12,7 +12,7 @@ and every product is computed in float32 from the dequantized weight:
   -8, 7): the full 16 levels are used, the extreme is exact.  4 bits + 16 bits per group
   (4.5 bits per weight at G = 32, 4.125 at G = 128).  K is padded to a multiple of G with zeros.
 
-Two ways to multiply, chosen once at load (model/loader.py):
+Two ways to multiply, chosen once at load (model/weights/loader.py):
 
 * `PanelQuantized`: our CPU kernel (kernels/cpu_gemm_quant.cpp), weights in its 32-column
   panels, widened to float32 in registers as they stream, or, for decode rows on CPUs with
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenloom.model.quant_schemes import SCHEMES, QuantScheme, parse_scheme  # noqa: F401 (re-exported)
+from tokenloom.model.weights.quant_schemes import SCHEMES, QuantScheme, parse_scheme  # noqa: F401 (re-exported)
 
 
 # ---------------------------------------------------------------- quantize / dequantize
