@@ -3,8 +3,13 @@
 One call to `step()` is one iteration of continuous batching:
 
     schedule (who runs, how many tokens each)  ->  one forward pass + sampling
-    ->  append tokens (Scheduler)  ->  detokenize, stop strings, outputs (OutputProcessor)
+    ->  append tokens (Scheduler)  ->  detokenize, stop strings: decisions (OutputProcessor)
+    ->  the engine applies them (Scheduler, runner)  ->  outputs (OutputProcessor)
     ->  StepEvent to observers
+
+Output processing never calls the scheduler: it returns `Decisions` (which samples end and
+why, trailing tokens to drop, siblings to admit, runner state to release) and `_apply`
+carries them out, so state flows one way: scheduler -> processor -> engine -> scheduler.
 
 Requests join (`add_request`) and leave (finish, `abort_request`) between steps.
 The engine knows nothing about HTTP; the async server wraps it.
@@ -40,13 +45,13 @@ from tokenloom.core.kv_cache import KVCacheManager
 from tokenloom.core.scheduler import Scheduler, SchedulerOutput
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.engine.faults import FaultInjector
-from tokenloom.engine.output_processor import Group, OutputProcessor, Sample, failure_message
+from tokenloom.engine.output_processor import Decisions, Group, OutputProcessor, Sample, failure_message
 from tokenloom.model.hf_config import model_args_fields
 from tokenloom.model.backends import plan_for_args
 from tokenloom.model.weights.loader import (load_config, load_eos_token_ids, load_model, resolve_device,
                                             resolve_dtype, resolve_model_path)
 from tokenloom.model.registry import resolve_architecture
-from tokenloom.outputs import RequestMetrics, RequestOutput
+from tokenloom.outputs import RequestOutput
 from tokenloom.request import Request
 from tokenloom.runner.model_runner import ModelRunner, RunnerOutput
 from tokenloom.runner.tp_worker import TPLauncher, launched_by_torchrun, run_worker, worker_spec
@@ -156,7 +161,7 @@ class LLMEngine:
         if self.tp_launcher:
             self.tp_launcher.send_runner_spec(c.num_kv_blocks, c.block_size, **runner_kwargs)
         self.runner = ModelRunner(self.loaded, c.num_kv_blocks, c.block_size, tp=tp, **runner_kwargs)
-        self.processor = OutputProcessor(self.tokenizer, self.scheduler, self.runner.remove_request)
+        self.processor = OutputProcessor(self.tokenizer)
         self.paused_requests: set[str] = set()  # ids of requests out of the schedule (pause_request)
         # n-gram drafts set on running requests before each schedule() (spec_decode/proposer.py)
         self.proposer = SpecProposer(self.speculative_config) if self.speculative_config else None
@@ -295,7 +300,7 @@ class LLMEngine:
             samples.append(Sample(req, detok, [] if params.logprobs is not None else None))
         group = Group(
             request_id=request_id, prompt=text, prompt_token_ids=ids, params=params, samples=samples,
-            pending=[], metrics=RequestMetrics(arrival_time=arrival),
+            pending=[], arrival_time=arrival,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
         # With prefix caching, samples 1..n-1 wait until sample 0 has computed the prompt,
@@ -314,7 +319,9 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
-            self.processor.abort(rid)
+            decisions = self.processor.abort(rid)
+            if decisions is not None:
+                self._apply(decisions, None)
 
     def pause_request(self, request_id: str) -> bool:
         """Stop computing a request without ending it -- its client is not reading what it
@@ -382,7 +389,7 @@ class LLMEngine:
         start = time.perf_counter()
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(now=start)
         if out.is_empty:
             return []
         try:
@@ -392,11 +399,34 @@ class LLMEngine:
         self.consecutive_failed_steps = 0
         now = time.perf_counter()
         self.scheduler.update_from_output(out, res.sampled, now, res.accepted)
-        outputs = self.processor.process(out, res, start, now, finished_only)
+        processed = self.processor.process(out, res, now)
+        self._apply(processed.decisions, now)
+        outputs, late = self.processor.outputs(processed, now, finished_only)
+        self._apply(late, now)
         self.step_count += 1
         if self.observers:
             self._notify(out, res, start)
         return outputs
+
+    def _apply(self, d: Decisions, now: float | None) -> None:
+        """Carry out what output processing decided (the only place its decisions reach the
+        scheduler and the runner): siblings enter, ended samples leave (blocks freed; a
+        sibling never handed to the scheduler just takes the status), runner state goes."""
+        for req in d.admit:
+            self.scheduler.add_request(req)
+        for f in d.finish:
+            if f.drop_tokens:
+                del f.request.output_token_ids[-f.drop_tokens:]
+            if self.scheduler.finish_request(f.request.request_id, f.status, f.stop_reason, now=now) is None:
+                f.request.status = f.status
+        for rid in d.release:
+            self.runner.remove_request(rid)
+
+    def _fail(self, g: Group, message: str, now: float) -> RequestOutput:
+        """Fail one request outside output processing; its blocks are freed at once."""
+        output, decisions = self.processor.fail(g, message, now)
+        self._apply(decisions, now)
+        return output
 
     def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         if self._faults is not None:  # tests only: fail this forward pass on purpose
@@ -416,7 +446,7 @@ class LLMEngine:
             # The others' results are dropped with the step; they are scheduled again next
             # step from the same num_computed_tokens and recompute the same tokens.
             logger.error("request %s failed in the model runner; failing it alone", g.request_id, exc_info=exc)
-            return [self.processor.fail(g, failure_message("sampling its next token", exc), now)]
+            return [self._fail(g, failure_message("sampling its next token", exc), now)]
         self.num_failed_steps += 1
         self.consecutive_failed_steps += 1
         groups: dict[str, Group] = {}
@@ -427,7 +457,7 @@ class LLMEngine:
         logger.error("engine step %d failed (%d in a row); failing its %d request(s): %s", out.step,
                      self.consecutive_failed_steps, len(groups), ", ".join(groups), exc_info=exc)
         msg = failure_message("running the model on this request's batch", exc)
-        outputs = [self.processor.fail(sg, msg, now) for sg in groups.values()]
+        outputs = [self._fail(sg, msg, now) for sg in groups.values()]
         self.device_error = self._probe_device()
         if self.device_error is not None:
             logger.error("the device is broken: %s", self.device_error)
