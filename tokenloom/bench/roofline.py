@@ -20,8 +20,8 @@ reaches (`measure_bandwidth`), because a decode step only reads its weights; a c
 own GEMMs stream.
 
 A shared machine's bandwidth and FLOP/s drift while the benchmark runs (on the VMs this
-was developed on, copy bandwidth flipped between ~47 and ~75 GB/s from one second to the
-next), so both are measured again around every point and each point is set against the
+was developed on, copy bandwidth flipped between two states from one second to the next;
+docs/performance.md, "Measured figures", has the readings), so both are measured again around every point and each point is set against the
 mean of the measurements just before and just after it.  When those two disagree by more
 than 10% the machine changed state during the point, and it is timed again (`--max-tries`).
 

@@ -7,11 +7,11 @@
 // (two weight vectors per k) by up to 12 activation rows, 24 accumulators of the 32 zmm
 // registers, so each weight load feeds 12 FMAs and each broadcast 2.  At one row it is a
 // memory stream, and the layout is what matters: each thread reads its run of panels as
-// one sequential stream.  (16-column panels read two at a time were two streams per
-// thread, 8 KB apart per k-block: the 24 layers at one row streamed 75-77 GB/s, one stream
-// per thread 82, with the machine's copy reading 81-87 GB/s; `kPrefetchRows` below.)  From
-// 16 rows up the activations are read in place (`kDirectRows`); below, from a k-major copy
-// of each 12-row tile.
+// one sequential stream, which the hardware prefetchers serve best.  (16-column panels read
+// two at a time were two interleaved streams per thread and streamed measurably slower;
+// the figures are in docs/performance.md, "Why each CPU kernel is chosen".)  From 16 rows
+// up the activations are read in place (`kDirectRows`); below, from a k-major copy of each
+// 12-row tile.
 //
 // Built as its own extension with AVX-512 flags (kernels/cpu.py loads it only where the CPU
 // has AVX-512), so the AVX2 kernels never contain AVX-512 instructions.
@@ -34,13 +34,13 @@ constexpr int64_t MR = 12;   // rows per micro-tile: 2 x 12 accumulators + 2 wei
 constexpr int64_t KC = 128;  // k-block: 16 KB of a panel, reused from L1 by every micro-tile
 constexpr int64_t MC = 240;  // m-block: activations of one k-block (240 x 128 x 4 B) stay in L2
 // From this many rows the micro-kernel reads x in place (a row's next 16 k share one line)
-// instead of from a k-major copy: packing costs a pass over x per call (~50 us at 32 x 4864),
-// which pays back only below ~16 rows (same 24 layers: 8 rows 7% faster packed; 32, 64 and
-// 256 rows 2%, 6% and 4% faster in place).
+// instead of from a k-major copy: packing costs a pass over x per call, which pays back only
+// at a few rows, where each packed value is reused across the most FMAs per load (measured
+// crossover: docs/performance.md, "The AVX-512 fp32 GEMM's row thresholds").
 constexpr int64_t kDirectRows = 16;
 // From this many rows each k-block's first micro-tile prefetches the block after it: there
-// the kernel is FMA-bound and would stall on every new block (32 rows: 497 GF/s with, 282
-// without).  One row prefetches its stream a short way ahead instead (panel_linear.h
+// the kernel is FMA-bound and would otherwise stall on every new block (the same section has
+// the figures).  One row prefetches its stream a short way ahead instead (panel_linear.h
 // `kStreamPrefetchBytes`); prefetching the whole next block there was slower.
 constexpr int64_t kPrefetchRows = 2;
 

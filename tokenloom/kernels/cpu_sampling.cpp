@@ -3,8 +3,9 @@
 //
 // Both filters ask where a row's descending order crosses a line: top-k, at the k-th largest
 // logit; top-p, at the token whose cumulative probability first reaches p.  Sorting a
-// 151,936-token row to find that token is what costs (PyTorch's sort ~17 ms a row on a CPU),
-// and a flat row's nucleus is most of its vocabulary, so no short list of likely tokens holds
+// 151,936-token row to find that token is what costs (on a CPU PyTorch's sort of a flat row
+// took longer than an int4 decode step; docs/performance.md, "Top-k and top-p without a
+// sort", has the figures), and a flat row's nucleus is most of its vocabulary, so no short list of likely tokens holds
 // it.  Here each token's value is read as an ordered 32-bit key, and the line is narrowed in
 // two rounds of 4,096 buckets: one pass over the row totals each bucket of the keys' top 12
 // bits (counts for top-k, probabilities for top-p), a scan from the top finds the bucket where

@@ -5,7 +5,7 @@ token (`prompt_logprobs`).  A logprob is the logit minus the row's log-sum-exp; 
 how many tokens have a larger logit; the top n are the n largest logits, largest first.  On
 CPUs our kernel finds the rank and the top n in one pass over each row (kernels/cpu_sampling.cpp,
 equal logits in index order), where a log-softmax, a comparison and a topk each took a pass of
-their own (~1 ms a row of 151,936 tokens together); elsewhere PyTorch's ops do it.
+their own (docs/performance.md, "Logprobs", has the timings); elsewhere PyTorch's ops do it.
 """
 
 from __future__ import annotations

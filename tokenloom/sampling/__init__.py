@@ -137,9 +137,10 @@ def draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     inverting its CDF at one uniform number, taken from the row's own generator.
 
     One random number per row, not one per vocabulary entry: the exponential race
-    argmax(p / E), E ~ Exp(1) (and torch.multinomial, which draws the same way) spends ~2 ms
-    per row on a CPU drawing 151,936 exponentials, 64 ms at batch 32; the CDF (a cumulative
-    sum, accumulated in float64 by PyTorch on CPU) takes ~0.06 ms a row."""
+    argmax(p / E), E ~ Exp(1) (and torch.multinomial, which draws the same way) draws one
+    exponential per vocabulary entry, which on a CPU costs far more than the CDF's one
+    cumulative sum (accumulated in float64 by PyTorch on CPU); docs/performance.md has the
+    timings."""
     cdf = probs.cumsum(dim=-1)
     u = torch.stack([torch.rand((), generator=r.generator, device=cdf.device) for r in rows])
     target = (u * cdf[:, -1]).unsqueeze(1)
