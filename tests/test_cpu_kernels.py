@@ -363,8 +363,11 @@ def test_the_cpu_fast_path_uses_the_fused_ops(model_factory, monkeypatch):
         llm = LLM(str(path), dtype="float32", max_model_len=128, num_kv_blocks=64)
         ops = llm.llm_engine.runner.ops
         assert ops.name == ("cpu" if fused == "1" else "torch")
-        assert all(m.ops is ops for m in llm.llm_engine.runner.model.modules()
-                   if isinstance(m, (RMSNorm, GatedMLP, RotaryEmbedding)))
+        model = llm.llm_engine.runner.model
+        assert all(m.ops is ops for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding)))
+        # the SwiGLU of each GatedMLP runs in its layer's bound step, through the same ops
+        assert sum(isinstance(m, GatedMLP) for m in model.modules()) == len(model.steps) > 0
+        assert all(step.silu_and_mul == ops.silu_and_mul for step in model.steps)
         assert f"ops backend {ops.name}" in llm.llm_engine.summary()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
