@@ -249,10 +249,13 @@ def test_a_dead_worker_fails_the_next_requests_instead_of_hanging(tiny, tmp_path
         worker.join(10)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         print("FINISH " + json.dumps([o.outputs[0].finish_reason for o in outs]), flush=True)
+        print("BROKEN " + json.dumps(llm.llm_engine.device_error), flush=True)
         """)
     done, took = _run(_script(tmp_path, model, body), _env())
     assert done.returncode == 0, done.stderr[-4000:]
     assert _tagged(done.stdout, "FINISH") == ["error", "error"]
+    # The engine names the dead worker as broken hardware (a server then answers 503 and exits 1).
+    assert _tagged(done.stdout, "BROKEN").startswith("tensor-parallel worker rank 1 exited")
     assert "Connection closed by peer" in done.stderr  # what the log says
     print(f"dead-worker script ran {took:.1f}s")
 

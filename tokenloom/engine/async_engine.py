@@ -396,7 +396,7 @@ class AsyncLLMEngine:
     def _fatal_condition(self) -> str | None:
         e = self.engine
         if e.device_error is not None:
-            return "the device is broken; the engine stopped"
+            return f"the device is broken ({e.device_error}); the engine stopped"
         if e.consecutive_failed_steps >= self.max_failed_steps:
             return f"the engine stopped after {e.consecutive_failed_steps} failed steps in a row"
         return None

@@ -468,6 +468,10 @@ class LLMEngine:
         device fault (a CUDA illegal address, say) every later kernel fails too."""
         if self._faults is not None and self._faults.device_broken():
             return "injected device fault"
+        if self.tp_launcher is not None:  # a dead tensor-parallel worker fails every later step
+            for rank, proc in enumerate(self.tp_launcher.procs, start=1):
+                if not proc.is_alive():
+                    return f"tensor-parallel worker rank {rank} exited (status {proc.exitcode})"
         try:
             x = torch.ones(4, device=self.device)
             if float((x * 2).sum()) != 8.0:
