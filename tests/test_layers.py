@@ -21,6 +21,8 @@ Why the order is what it is:
   `measure` (workloads, metrics, reports) is what `bench` and `sim` both stand on.
 - `bench` measures the engine; `sim` predicts it and calibrates against `bench`'s tools;
   `trace` renders a run.  Nothing below imports them.
+- `commands`: the few commands that live in `entrypoints` with the others but drive a tool
+  above it (`tokenloom trace` runs `LLM` and renders with `trace`).
 - On top: the package root (public names, imported lazily) and the `tokenloom` command,
   which dispatches to every subcommand.
 """
@@ -52,6 +54,8 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"measure": ("tokenloom.measure",)},  # workloads, metrics, reports: what bench and sim share
     {"bench": ("tokenloom.bench",)},
     {"sim": ("tokenloom.sim",), "trace": ("tokenloom.trace",)},
+    # commands kept with the others in entrypoints that drive a tool above entrypoints
+    {"commands": ("tokenloom.entrypoints.cmd_trace",)},
     {"top": ("tokenloom", "tokenloom.entrypoints.cli")},  # "tokenloom": the root module alone
 ]
 

@@ -22,7 +22,7 @@ COMMAND_MODULES = [
     "tokenloom.entrypoints.cmd_serve",  # serve
     "tokenloom.entrypoints.cmd_router",  # router
     "tokenloom.bench.cli",  # bench {throughput,serve,latency,roofline,sweep}
-    "tokenloom.trace.cli",  # trace
+    "tokenloom.entrypoints.cmd_trace",  # trace
     "tokenloom.sim.cli",  # estimate, simulate
 ]
 

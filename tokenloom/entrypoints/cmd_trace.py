@@ -6,6 +6,9 @@
     tokenloom trace --load trace.json                # re-render a saved trace, no model
 
 Engine flags are `tokenloom generate`'s; sampling flags too (greedy by default).
+
+The command lives with the other commands (it runs `LLM` and takes `generate`'s flags);
+`tokenloom.trace` keeps what it calls: recording the step events and rendering them.
 """
 
 from __future__ import annotations
