@@ -19,10 +19,11 @@ Why the order is what it is:
   servers (it knows HTTP, not the engine); `entrypoints` serve the engine and start routers.
 - `sampling` holds the pieces the runner's sampler and the speculative verifier share;
   `measure` (workloads, metrics, reports) is what `bench` and `sim` both stand on.
-- `bench` measures the engine; `sim` predicts it and calibrates against `bench`'s tools;
+- `bench` measures the engine; `sim` predicts it and fits a calibration to runs it is handed;
   `trace` renders a run.  Nothing below imports them.
 - `commands`: the few commands that live in `entrypoints` with the others but drive a tool
-  above it (`tokenloom trace` runs `LLM` and renders with `trace`).
+  above it (`tokenloom trace` runs `LLM` and renders with `trace`; the calibration run feeds
+  the server with `bench`'s client for `sim` to fit, and the `tokenloom` command hands it to `sim`).
 - On top: the package root (public names, imported lazily) and the `tokenloom` command,
   which dispatches to every subcommand.
 """
@@ -55,7 +56,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"bench": ("tokenloom.bench",)},
     {"sim": ("tokenloom.sim",), "trace": ("tokenloom.trace",)},
     # commands kept with the others in entrypoints that drive a tool above entrypoints
-    {"commands": ("tokenloom.entrypoints.cmd_trace",)},
+    {"commands": ("tokenloom.entrypoints.cmd_trace", "tokenloom.entrypoints.calibration_run")},
     {"top": ("tokenloom", "tokenloom.entrypoints.cli")},  # "tokenloom": the root module alone
 ]
 

@@ -387,7 +387,7 @@ def test_compare_with_a_sweep_simulates_every_point(model_factory, tmp_path, mon
 
 
 def test_calibration_plan_covers_the_shapes_serving_needs() -> None:
-    from tokenloom.sim.calibration_run import _decode_step_s, _samples_from, calibration_plan
+    from tokenloom.sim.calibration_plan import calibration_plan, decode_step_s, samples_from
 
     plan = calibration_plan((5, 1000), max_model_len=1024)
     names = [n for n, _ in plan]
@@ -399,9 +399,37 @@ def test_calibration_plan_covers_the_shapes_serving_needs() -> None:
     # Two runs of (entries, start, end, forward): periods get the median gap between steps.
     runs = [[([(1, 5, True)], 0.0, 1.0, 0.9), ([(1, 6, True)], 1.1, 2.0, 0.8)],
             [([(4, 0, True)], 5.0, 6.0, 0.95), ([(1, 4, True)], 6.3, 7.0, 0.6)]]
-    samples, gap = _samples_from(runs)
+    samples, gap = samples_from(runs)
     assert gap == pytest.approx(0.2) and [round(t, 6) for _, t, _ in samples] == [1.2, 1.1, 1.2, 0.9]
-    assert _decode_step_s(runs[0]) == pytest.approx(0.95) and _decode_step_s(runs[1][:1]) == 0.1
+    assert decode_step_s(runs[0]) == pytest.approx(0.95) and decode_step_s(runs[1][:1]) == 0.1
+
+
+def test_the_simulator_measures_only_through_the_run_it_is_handed(model_factory, tmp_path, monkeypatch) -> None:
+    """The run on the real engine stands above the simulator: `sim.calibrate` gets it from the
+    command.  With nothing cached and no run handed in, it says so instead of measuring; the
+    `tokenloom` command hands every subcommand the real run (`entrypoints.calibration_run`)."""
+    from tokenloom.entrypoints.cli import build_parser
+    from tokenloom.sim.calibrate import calibrate
+
+    monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path / "empty-cache"))
+    model = str(model_factory("tiny-llama"))
+    with pytest.raises(ValueError, match="no calibration .* is cached"):
+        calibrate(model, "float32")
+    args = build_parser().parse_args(["simulate", "--model", model, "--hardware", "local", "--calibrated"])
+    with pytest.raises(ValueError, match="calibration mode must be one of"):  # the real run's own check
+        args.measure_engine(model, "float32", mode="no-such-mode")
+
+
+def test_the_calibration_server_runs_as_its_module() -> None:
+    """The calibration starts its server as `python -m tokenloom.entrypoints.calibration_run`:
+    the module is runnable there and checks its command line."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "tokenloom.entrypoints.calibration_run"], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode != 0
+    assert "usage: python -m tokenloom.entrypoints.calibration_run --steps-out FILE -- serve MODEL" in run.stderr
 
 
 def test_a_base_url_benchmark_cannot_be_replayed(tmp_path) -> None:

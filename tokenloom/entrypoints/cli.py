@@ -37,7 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    # The simulator's commands calibrate against the real engine when nothing is cached; the run
+    # (server, benchmark client) stands above the simulator, so this command hands it in.
+    parser.set_defaults(measure_engine=measure_engine)
     return parser
+
+
+def measure_engine(*args, **kwargs):
+    """`tokenloom.entrypoints.calibration_run.run_calibration` (a `sim.calibration_plan.MeasureEngine`),
+    imported only when a calibration is measured: it loads the server and the benchmarks."""
+    from tokenloom.entrypoints.calibration_run import run_calibration
+
+    return run_calibration(*args, **kwargs)
 
 
 # What the engine, the loader and the commands raise for a mistake in what the user asked for:

@@ -8,15 +8,22 @@ fitted to its real steps.  The pieces, one module each:
 - `sim.step_features`   a step's work (GEMM bytes/FLOPs, padded attention, KV traffic)
 - `sim.engine_cost`     the step-time formula, `Calibration` (its rates) and `EngineCostModel`
 - `sim.fit`             fitting the rates to measured steps
-- `sim.calibration_run` the fixed plan of requests run on the real engine (served or offline)
+- `sim.calibration_plan` the fixed plan of requests the real engine runs (served or offline), and
+                        `MeasureEngine`, the run's signature
 - here                  the cache, and `calibrate` / `calibrated_cost_model` which tie them together
+
+The run on the real engine needs the server and the benchmarks' client, which stand above
+the simulator: the command that calibrates passes it in (`measure`, the `tokenloom` command
+hands every subcommand `tokenloom.entrypoints.calibration_run.run_calibration` as
+`args.measure_engine`).  A cached calibration needs no run.
 
 The result -- fitted rates, their ratio to the microbenchmarks, the fit's error and the
 raw step samples -- is cached as JSON next to the microbenchmark cache, keyed by the
 machine (CPU, threads, torch), the model's shape, the dtype, the block size and a hash
 of the engine's hot-path source files, so editing the engine invalidates it.
 
-    cm = calibrated_cost_model("/tmp/m/qwen2.5-0.5b")     # measures once (minutes), then cached
+    from tokenloom.entrypoints.calibration_run import run_calibration
+    cm = calibrated_cost_model("/tmp/m/qwen2.5-0.5b", measure=run_calibration)  # measures once (minutes), then cached
     Simulator(cm, SimConfig(...)).run(requests)
 """
 
@@ -31,7 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from tokenloom.sim.calibration_run import engine_decode_reads_blocks_in_place, run_calibration
+from tokenloom.sim.calibration_plan import MeasureEngine, engine_decode_reads_blocks_in_place
 from tokenloom.sim.engine_cost import Calibration, EngineCostModel
 from tokenloom.sim.fit import fit
 from tokenloom.sim.step_features import StepFeatures
@@ -105,13 +112,15 @@ def resolve_dtype(spec: ModelSpec, dtype: str | None) -> str:
 
 def calibrate(model: str, dtype: str | None = "auto", *, block_size: int = 16, mode: str = "serve",
               num_threads: int | None = None, replicas: int = 1, refresh: bool = False,
-              log: Callable[[str], None] | None = None) -> Calibration:
+              log: Callable[[str], None] | None = None, measure: MeasureEngine | None = None) -> Calibration:
     """The cached calibration for `model` (a directory with weights) on this machine; measures if needed.
 
     `mode`: "serve" to predict `tokenloom serve` / `bench serve`, "offline" for in-process
-    `LLM` runs (`bench throughput`, `bench sweep --mode offline`); see `run_calibration`.
+    `LLM` runs (`bench throughput`, `bench sweep --mode offline`); see `MeasureEngine`.
     `num_threads`: the engine's torch threads (default: torch's), e.g. one replica's share;
-    `replicas`: engines on this machine (the others run as busy neighbors while it measures)."""
+    `replicas`: engines on this machine (the others run as busy neighbors while it measures).
+    `measure`: what runs the engine when nothing is cached (or `refresh`); without it, a
+    missing calibration is a ValueError."""
     from tokenloom.specs.hardware import local_hardware
 
     log = log or (lambda s: None)
@@ -125,14 +134,17 @@ def calibrate(model: str, dtype: str | None = "auto", *, block_size: int = 16, m
     if not Path(model).is_dir():
         raise ValueError(f"calibrating needs the model's weights: {model!r} is not a model directory "
                          f"(make one with `tokenloom make-model --preset NAME --out DIR`)")
+    if measure is None:
+        raise ValueError(f"no calibration of {spec.name} ({dt}, {mode} mode) is cached for this machine and engine, "
+                         f"and measuring one runs the engine: calibrate with `tokenloom simulate --calibrated`")
     hw = local_hardware()
     log(f"calibrating {spec.name} ({dt}) on this machine, {mode} mode"
         + (f", {num_threads} engine thread(s)" if num_threads else "")
         + (f", beside {replicas - 1} busy replica(s)" if replicas > 1 else "")
         + ": running the engine over a fixed plan of step shapes...")
     t0 = time.perf_counter()
-    samples, gap, _ = run_calibration(model, dt, block_size=block_size, mode=mode, num_threads=num_threads,
-                                      neighbors=replicas - 1, log=log)
+    samples, gap, _ = measure(model, dt, block_size=block_size, mode=mode, num_threads=num_threads,
+                      neighbors=replicas - 1, log=log)
     dispatch = hw.op_overhead_s * spec.eager_ops_per_step  # measured per-op cost x ops per forward
     paged = engine_decode_reads_blocks_in_place()
     cal = fit(samples, StepFeatures(spec, dt, block_size, paged), bandwidth_ref=hw.mem_bandwidth,
@@ -148,11 +160,12 @@ def calibrate(model: str, dtype: str | None = "auto", *, block_size: int = 16, m
 
 def calibrated_cost_model(model: str, dtype: str | None = "auto", *, block_size: int = 16, mode: str = "serve",
                           num_threads: int | None = None, replicas: int = 1, refresh: bool = False,
-                          log: Callable[[str], None] | None = None) -> EngineCostModel:
-    """`EngineCostModel` for `model` on `--hardware local` (calibrating once, then cached)."""
+                          log: Callable[[str], None] | None = None,
+                          measure: MeasureEngine | None = None) -> EngineCostModel:
+    """`EngineCostModel` for `model` on `--hardware local` (calibrating once with `measure`, then cached)."""
     from tokenloom.specs.hardware import local_hardware
 
     cal = calibrate(model, dtype, block_size=block_size, mode=mode, num_threads=num_threads, replicas=replicas,
-                    refresh=refresh, log=log)
+                    refresh=refresh, log=log, measure=measure)
     spec = load_model_spec(model)
     return EngineCostModel(spec, local_hardware(), resolve_dtype(spec, dtype), cal)

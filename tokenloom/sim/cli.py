@@ -365,7 +365,8 @@ def run_simulate(args: argparse.Namespace) -> int:
                 raise ValueError("--calibrated is a fit of this engine on this machine: use it with --hardware local")
             cm = calibrated_cost_model(args.model, args.dtype, block_size=args.block_size,
                                        mode=args.calibration_mode, refresh=args.recalibrate,
-                                       log=lambda s: console.print(s, markup=False))
+                                       log=lambda s: console.print(s, markup=False),
+                                       measure=getattr(args, "measure_engine", None))  # from `tokenloom`
             console.print("calibrated: " + "; ".join(cm.calibration.summary_lines()), markup=False, soft_wrap=True)
         else:
             cm = CostModel(spec, hw, None if args.dtype == "auto" else args.dtype,

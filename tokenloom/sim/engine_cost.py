@@ -55,7 +55,7 @@ So, for one step of N requests::
     t       = forward + o + o_seq * N
 
 The rates (bw, F, r_half, F_attn, G, the overheads and `combine`) are fitted by `sim.fit`
-to steps measured by `sim.calibration_run`; `Calibration` holds them.
+to steps measured by `entrypoints.calibration_run` (on `sim.calibration_plan`'s plan); `Calibration` holds them.
 """
 
 from __future__ import annotations

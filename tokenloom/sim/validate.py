@@ -28,7 +28,10 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from tokenloom.sim.calibration_plan import MeasureEngine
 
 DEFAULT_TOLERANCE = 0.15
 
@@ -279,7 +282,7 @@ class Validation:
 
 
 def validate(measured_path: str | Path, *, tolerance: float = DEFAULT_TOLERANCE, recalibrate: bool = False,
-             log=None) -> Validation:
+             log=None, measure: MeasureEngine | None = None) -> Validation:
     from tokenloom.measure import metrics
     from tokenloom.sim.calibrate import calibrated_cost_model
     from tokenloom.specs.model_spec import load_config, max_position_embeddings
@@ -289,7 +292,7 @@ def validate(measured_path: str | Path, *, tolerance: float = DEFAULT_TOLERANCE,
     inp = inputs_from_bench(doc)
     cm = calibrated_cost_model(inp.model, inp.dtype, block_size=inp.sim_config.block_size, mode="serve",
                                num_threads=inp.engine_threads, replicas=inp.data_parallel_size,
-                               refresh=recalibrate, log=log)
+                               refresh=recalibrate, log=log, measure=measure)
     config, _ = load_config(inp.model)
     if inp.data_parallel_size > 1:  # the replicas behind the router policy `serve -dp` uses
         from tokenloom.sim.fleet import FleetSimulator
@@ -349,7 +352,7 @@ class SweepValidation:
 
 
 def validate_sweep(measured_path: str | Path, doc: Mapping[str, Any], *, tolerance: float = DEFAULT_TOLERANCE,
-                   recalibrate: bool = False, log=None) -> SweepValidation:
+                   recalibrate: bool = False, log=None, measure: MeasureEngine | None = None) -> SweepValidation:
     """Every point of a `bench sweep` JSON, simulated with the same limits and workload."""
     from tokenloom.measure import metrics
     from tokenloom.sim.calibrate import calibrated_cost_model
@@ -369,7 +372,7 @@ def validate_sweep(measured_path: str | Path, doc: Mapping[str, Any], *, toleran
             # An offline sweep ran the engine in-process: calibrate it the same way.
             mode = "serve" if doc.get("config", {}).get("mode") == "serve" else "offline"
             cm = calibrated_cost_model(inp.model, inp.dtype, block_size=inp.sim_config.block_size, mode=mode,
-                                       refresh=recalibrate, log=log)
+                                       refresh=recalibrate, log=log, measure=measure)
         config, _ = load_config(inp.model)
         sim = Simulator(cm, inp.sim_config, model_max_positions=max_position_embeddings(config))
         res = sim.run(inp.requests, max_concurrency=inp.max_concurrency)
@@ -451,13 +454,15 @@ def main(args: argparse.Namespace) -> int:
 
     console = wide_console()
     log = lambda s: console.print(s, markup=False)  # noqa: E731
+    measure = getattr(args, "measure_engine", None)  # the engine run the `tokenloom` command hands in
     try:
         doc = json.loads(Path(args.compare_with).read_text(encoding="utf-8"))
         if doc.get("benchmark") == "sweep":
             v = validate_sweep(args.compare_with, doc, tolerance=args.tolerance, recalibrate=args.recalibrate,
-                               log=log)
+                               log=log, measure=measure)
         else:
-            v = validate(args.compare_with, tolerance=args.tolerance, recalibrate=args.recalibrate, log=log)
+            v = validate(args.compare_with, tolerance=args.tolerance, recalibrate=args.recalibrate, log=log,
+                         measure=measure)
     except (OSError, KeyError, ValueError) as e:
         console.print(f"error: {e}", markup=False)
         return 2

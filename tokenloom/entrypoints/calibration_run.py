@@ -1,7 +1,7 @@
-"""Measuring the engine for calibration: a fixed plan of requests run on the real engine.
+"""Measuring the engine for the simulator's calibration: the plan run on the real engine.
 
-`run_calibration` runs the real engine over a fixed plan of requests chosen to produce
-a spread of step shapes -- decode batches of 1 to 16, single prefills of 8 to 384
+`run_calibration` runs the real engine over `sim.calibration_plan`'s fixed plan of requests,
+chosen to produce a spread of step shapes -- decode batches of 1 to 16, single prefills of 8 to 384
 tokens, a long prompt chunked at 512 tokens (chunks with and without a logits row,
 attention at 500-900 positions), decode batches at ~600 tokens of context, a mixed
 burst -- and records every `StepEvent`, which carries both the step's duration and the
@@ -17,94 +17,31 @@ the measured one, each kept busy by a steady stream of requests of its own, as t
 replicas of `serve --data-parallel-size N` are: replicas on one host share its memory
 bandwidth and caches, so one replica alone steps faster than it does among its fleet.
 
-Run as `python -m tokenloom.sim.calibration_run --steps-out FILE -- serve MODEL [flags]`
+Run as `python -m tokenloom.entrypoints.calibration_run --steps-out FILE -- serve MODEL [flags]`
 it is that calibration server: `tokenloom serve` whose engine logs every step.
+
+It runs the engine through `bench`'s client and launcher and `entrypoints`' server, so it
+stands above both `bench` and `sim`: the simulator never imports it.  The `tokenloom` command
+hands `run_calibration` to `sim.calibrate` (a `sim.calibration_plan.MeasureEngine`) for the
+commands that calibrate when nothing is cached.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from tokenloom.sim.calibration_plan import (CALIBRATION_MODES, StepRow, calibration_plan, decode_step_s,
+                                            engine_limits, event_row, samples_from)
 from tokenloom.sim.fit import Sample
-from tokenloom.sim.step_features import Entry, round_up
-
-PlanItem = tuple[str, list[tuple[list[int], int, float]]]  # (name, [(prompt ids, output tokens, arrival)])
-
-
-def calibration_plan(vocab: tuple[int, int], max_model_len: int, seed: int = 0) -> list[PlanItem]:
-    """Named groups of (prompt token ids, output tokens, arrival), each run as one burst.
-
-    Arrivals are in units of one decode step of the machine (the runner measures it on
-    the "decode batch 8" item, which comes first among those that need it), so requests
-    join running batches the same way on a slow CPU and on a fast GPU.
-
-    Chosen for a spread of step shapes on an engine with max_num_seqs 16, a 512-token
-    budget and prefix caching: decode batches 1..16 at short context, lone prefills of
-    8..384 tokens, a long prompt chunked at 512 (a chunk with no logits row, attention
-    to ~900 positions), decode batches of 4 and 12 at ~600 tokens of context (their
-    prompts share a prefix computed once, so the long contexts cost one prefill), and
-    the steps serving is made of: a batch of decodes sharing a step with one new
-    prompt (32..400 tokens) or with a long prompt's chunks, at short and long context.
-    """
-    import numpy as np
-
-    rng = np.random.default_rng([seed, 7])
-    lo, hi = vocab
-
-    def prompt(n: int) -> list[int]:
-        return rng.integers(lo, hi, size=max(1, min(n, max_model_len - 32))).tolist()
-
-    long_len = max(16, min(900, max_model_len - 16))
-    plan: list[PlanItem] = []
-    for b in (8, 1, 2, 4, 16):
-        plan.append((f"decode batch {b}", [(prompt(24 + i), 9, 0.0) for i in range(b)]))
-    for n in (8, 32, 96, 192, 384):
-        plan.append((f"prefill {n}", [(prompt(n), 2, 0.0)]))
-    plan.append((f"long prompt {long_len} + decode", [(prompt(long_len), 6, 0.0), (prompt(40), 12, 0.0)]))
-    prefix_len = max(16, min(600, max_model_len - 40))
-    prefix = prompt(prefix_len)
-    plan.append((f"shared prefix {prefix_len}", [(prefix, 1, 0.0)]))
-    for b, out in ((4, 8), (12, 6)):
-        plan.append((f"decode batch {b} at context {prefix_len}", [(prefix + prompt(8), out, 0.0) for _ in range(b)]))
-    # Serving's own shape: decodes running while new prompts arrive one at a time.
-    arrivals = [(prompt(n), 2, 3.0 + 5.0 * i) for i, n in enumerate((32, 96, 160, 256, 400))]
-    plan.append(("8 decoding + prompts of 32..400 arriving",
-                 [(prompt(24 + i), 32, 0.0) for i in range(8)] + arrivals))
-    plan.append((f"3 decoding at context {prefix_len} + a {long_len}-token prompt arriving",
-                 [(prefix + prompt(8), 16, 0.0) for _ in range(3)] + [(prompt(long_len), 2, 3.0)]))
-    plan.append(("mixed burst", [(prompt(int(n)), int(o), 0.0) for n, o in
-                                 zip(rng.integers(40, 200, size=6), rng.integers(6, 14, size=6))]))
-    return plan
-
 
 def _requests(items: Sequence[tuple[list[int], int, float]], step_s: float) -> list:
     from tokenloom.measure.workloads import BenchRequest
 
     return [BenchRequest(p, o, arrival_time=a * step_s) for p, o, a in items]
-
-
-CALIBRATION_MODES = ("serve", "offline")
-
-
-def _engine_limits(model: str, block_size: int) -> dict:
-    """The calibration engine: 16 seats, a 512-token budget, prefix caching, KV for 16 full requests."""
-    from tokenloom.specs.model_spec import load_model_shape
-
-    max_model_len = min(2048, load_model_shape(model).max_position_embeddings)
-    return dict(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=max_model_len, block_size=block_size,
-                num_kv_blocks=16 * round_up(max_model_len, block_size) // block_size, enable_prefix_caching=True)
-
-
-def _samples_from(runs: Sequence[Sequence[tuple[list[Entry], float, float, float]]]) -> tuple[list[Sample], float]:
-    """(entries, start, end, forward) per step, grouped by run -> samples with the median loop gap added."""
-    gaps = [b[1] - a[2] for evs in runs for a, b in zip(evs, evs[1:])]
-    gap = statistics.median(gaps) if gaps else 0.0
-    return [(entries, end - start + gap, fwd) for evs in runs for entries, start, end, fwd in evs], gap
 
 
 def run_calibration(model: str, dtype: str = "auto", *, block_size: int = 16, mode: str = "serve",
@@ -131,7 +68,7 @@ def run_calibration(model: str, dtype: str = "auto", *, block_size: int = 16, mo
     from tokenloom.entrypoints.llm import LLM
     from tokenloom.sampling_params import SamplingParams
 
-    limits = _engine_limits(model, block_size)
+    limits = engine_limits(model, block_size)
     llm = LLM(model, dtype=dtype, num_threads=num_threads, seed=seed, **limits)
     events: list = []
     llm.add_observer(events.append)
@@ -146,23 +83,16 @@ def run_calibration(model: str, dtype: str = "auto", *, block_size: int = 16, mo
         events.clear()
         t0 = time.perf_counter()
         run_offline(llm, _requests(items, step_s), ignore_eos=True)
-        runs.append([_event_row(ev) for ev in events])
-        step_s = step_s or _decode_step_s(runs[-1])
+        runs.append([event_row(ev) for ev in events])
+        step_s = step_s or decode_step_s(runs[-1])
         log(f"  {name}: {len(events)} steps in {time.perf_counter() - t0:.1f} s")
-    samples, gap = _samples_from(runs)
+    samples, gap = samples_from(runs)
     info = {"mode": mode, "threads": _torch_threads(), "dtype": str(llm.llm_engine.loaded.dtype).replace("torch.", "")}
     del llm
     return samples, gap, info
 
 
-def _decode_step_s(rows: Sequence[tuple[list[Entry], float, float, float]]) -> float:
-    """Median period of the decode-only steps among `rows` (the plan's arrival unit)."""
-    periods = [end - start for entries, start, end, _ in rows
-               if entries and all(n == 1 and c > 0 for n, c, _ in entries)]
-    return statistics.median(periods) if periods else 0.1
-
-
-def _rows_between(steps_file: Path, t0: float, t1: float) -> list[tuple[list[Entry], float, float, float]]:
+def _rows_between(steps_file: Path, t0: float, t1: float) -> list[StepRow]:
     """Steps the calibration server has logged so far that started in [t0, t1]."""
     rows = []
     for line in steps_file.read_text(encoding="utf-8").splitlines():
@@ -171,11 +101,6 @@ def _rows_between(steps_file: Path, t0: float, t1: float) -> list[tuple[list[Ent
             if t0 <= r["start"] <= t1:
                 rows.append((r["entries"], r["start"], r["end"], r["forward"]))
     return rows
-
-
-def _event_row(ev: Any) -> tuple[list[Entry], float, float, float]:
-    entries = [(e.num_tokens, e.kv_len_before, e.sampled_token_id is not None) for e in ev.entries]
-    return entries, ev.start_time, ev.end_time, ev.forward_time
 
 
 def _run_calibration_served(model: str, dtype: str, *, block_size: int, num_threads: int | None, seed: int,
@@ -190,7 +115,7 @@ def _run_calibration_served(model: str, dtype: str, *, block_size: int, num_thre
     from tokenloom.bench.serve import run_serve_benchmark
     from tokenloom.measure.workloads import BenchRequest, vocab_range_for_model
 
-    limits = _engine_limits(model, block_size)
+    limits = engine_limits(model, block_size)
     flags = ["--dtype", dtype, "--max-num-seqs", str(limits["max_num_seqs"]),
              "--max-num-batched-tokens", str(limits["max_num_batched_tokens"]),
              "--max-model-len", str(limits["max_model_len"]), "--block-size", str(block_size),
@@ -201,7 +126,7 @@ def _run_calibration_served(model: str, dtype: str, *, block_size: int, num_thre
     steps_file = Path(tempfile.mkstemp(prefix="tokenloom-calib-steps-", suffix=".jsonl")[1])
     log_file = Path(tempfile.mkstemp(prefix="tokenloom-calib-serve-", suffix=".log")[1])
     port = free_port()
-    cmd = [sys.executable, "-m", "tokenloom.sim.calibration_run", "--steps-out", str(steps_file), "--",
+    cmd = [sys.executable, "-m", "tokenloom.entrypoints.calibration_run", "--steps-out", str(steps_file), "--",
            "serve", model, "--host", "127.0.0.1", "--port", str(port), *flags]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log_file, "wb") as out:
@@ -226,7 +151,7 @@ def _run_calibration_served(model: str, dtype: str, *, block_size: int, num_thre
             run_serve_benchmark(server.base_url, _requests(items, step_s), num_warmups=0, progress=False)
             marks.append((name, t0, time.perf_counter()))
             if not step_s:  # the first item is a decode batch: it sets the arrival unit
-                step_s = _decode_step_s(_rows_between(steps_file, t0, marks[-1][2]))
+                step_s = decode_step_s(_rows_between(steps_file, t0, marks[-1][2]))
     finally:
         if busy is not None:
             busy.stop()
@@ -242,7 +167,7 @@ def _run_calibration_served(model: str, dtype: str, *, block_size: int, num_thre
         evs = [(r["entries"], r["start"], r["end"], r["forward"]) for r in rows if t0 <= r["start"] <= t1]
         runs.append(evs)
         log(f"  {name}: {len(evs)} steps in {t1 - t0:.1f} s (served)")
-    samples, gap = _samples_from(runs)
+    samples, gap = samples_from(runs)
     return samples, gap, {"mode": "serve", "dtype": dtype, "neighbors": neighbors}
 
 
@@ -292,7 +217,7 @@ class _BusyNeighbors:
 
 
 def _serve_with_step_log(argv: Sequence[str]) -> int:
-    """`python -m tokenloom.sim.calibration_run --steps-out FILE -- serve MODEL [flags]`: `tokenloom serve`
+    """`python -m tokenloom.entrypoints.calibration_run --steps-out FILE -- serve MODEL [flags]`: `tokenloom serve`
     whose engine also writes every StepEvent's shape and times to FILE (one JSON line each)."""
     import argparse
 
@@ -300,7 +225,7 @@ def _serve_with_step_log(argv: Sequence[str]) -> int:
     from tokenloom.entrypoints.openai.api_server import build_server
 
     if len(argv) < 3 or argv[0] != "--steps-out" or argv[2] != "--":
-        raise SystemExit("usage: python -m tokenloom.sim.calibration_run --steps-out FILE -- serve MODEL [flags]")
+        raise SystemExit("usage: python -m tokenloom.entrypoints.calibration_run --steps-out FILE -- serve MODEL [flags]")
     steps_out, rest = argv[1], list(argv[3:])
     parser = argparse.ArgumentParser(prog="tokenloom")
     register(parser.add_subparsers(dest="command"))
@@ -310,7 +235,7 @@ def _serve_with_step_log(argv: Sequence[str]) -> int:
     server, engine = build_server(args)
     with open(steps_out, "w", encoding="utf-8") as f:
         def record(ev: Any) -> None:  # on the engine thread, after the step: not inside its timing
-            entries, start, end, fwd = _event_row(ev)
+            entries, start, end, fwd = event_row(ev)
             f.write(json.dumps({"entries": entries, "start": start, "end": end, "forward": fwd}) + "\n")
             f.flush()  # the calibrating client reads the log while the server runs
 
@@ -324,14 +249,6 @@ def _torch_threads() -> int:
     import torch
 
     return torch.get_num_threads()
-
-
-def engine_decode_reads_blocks_in_place() -> bool:
-    """Whether the engine, on this machine's default device, runs our paged decode attention."""
-    from tokenloom.kernels import cpu as cpu_kernels
-    from tokenloom.model.weights.loader import resolve_device
-
-    return resolve_device("auto").type == "cpu" and cpu_kernels.attention_enabled()
 
 
 if __name__ == "__main__":
