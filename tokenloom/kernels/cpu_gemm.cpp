@@ -17,12 +17,12 @@
 // FMAs at batch 32.  Accumulation is float32 throughout.
 //
 // Registered as torch ops (namespace tokenloom_cpu) so that PyTorch's thread pool runs
-// the panels (at::parallel_for) and torch.compile can call it as an opaque kernel.
+// the panels (gemm_driver.h) and torch.compile can call it as an opaque kernel.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "gemm_driver.h"
 #include "panel_linear.h"
 #include <immintrin.h>
 
@@ -135,42 +135,21 @@ void micro_rows(int64_t rows, const float* x, const T* w, int64_t kc, float* y, 
   }
 }
 
-// x [M, K] row-major -> tiles of MR rows, each [K, rows] (k-major), the micro-kernel's order.
-void pack_rows(const float* x, int64_t M, int64_t K, float* out) {
-  const int64_t tiles = (M + MR - 1) / MR;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = std::min(MR, M - t * MR);
-      const float* src = x + t * MR * K;
-      float* dst = out + t * MR * K;
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t i = 0; i < r; ++i) dst[k * r + i] = src[i * K + k];
-    }
-  });
-}
-
 template <typename T>
 void gemm(const float* xp, int64_t M, int64_t K, const T* wp, int64_t N, const float* bias, float* y) {
-  const int64_t panels = (N + NR - 1) / NR;
-  // Each thread takes a contiguous run of panels: one sequential stream of weights per core.
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t m0 = 0; m0 < M; m0 += MC) {
-      const int64_t m1 = std::min(M, m0 + MC);
-      for (int64_t p = p0; p < p1; ++p) {
-        const T* panel = wp + p * K * NR;
-        const int64_t ncols = std::min(NR, N - p * NR);
-        for (int64_t k0 = 0; k0 < K; k0 += KC<T>) {
-          const int64_t kc = std::min(KC<T>, K - k0);
-          const float* b = (bias && k0 + kc == K) ? bias + p * NR : nullptr;
-          // The weights that follow this block in memory (next k-block or next panel);
-          // past this thread's last block the prefetch is simply wasted.
-          const T* next = (p + 1 < p1 || k0 + kc < K) ? panel + (k0 + kc) * NR : nullptr;
-          for (int64_t m = m0; m < m1; m += MR) {
-            const int64_t r = std::min(MR, m1 - m);
-            micro_rows<T>(r, xp + m * K + k0 * r, panel + k0 * NR, kc, y + m * N + p * NR, N, k0 > 0, b, ncols,
-                          m == m0 ? next : nullptr);
-          }
-        }
+  tokenloom::for_panels((N + NR - 1) / NR, M, MC, [&](int64_t p, int64_t p1, int64_t m0, int64_t m1) {
+    const T* panel = wp + p * K * NR;
+    const int64_t ncols = std::min(NR, N - p * NR);
+    for (int64_t k0 = 0; k0 < K; k0 += KC<T>) {
+      const int64_t kc = std::min(KC<T>, K - k0);
+      const float* b = (bias && k0 + kc == K) ? bias + p * NR : nullptr;
+      // The weights that follow this block in memory (next k-block or next panel);
+      // past this thread's last block the prefetch is simply wasted.
+      const T* next = (p + 1 < p1 || k0 + kc < K) ? panel + (k0 + kc) * NR : nullptr;
+      for (int64_t m = m0; m < m1; m += MR) {
+        const int64_t r = std::min(MR, m1 - m);
+        micro_rows<T>(r, xp + m * K + k0 * r, panel + k0 * NR, kc, y + m * N + p * NR, N, k0 > 0, b, ncols,
+                      m == m0 ? next : nullptr);
       }
     }
   });
@@ -188,7 +167,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight_packed, int64_t 
   const auto c = tokenloom::begin_linear(x, K, n, weight_packed.size(0) * NR, bias, at::kFloat);
   if (c.M > 0) {
     auto xp = at::empty({c.M * K}, c.x2.options());
-    pack_rows(c.x2.data_ptr<float>(), c.M, K, xp.data_ptr<float>());
+    tokenloom::pack_row_tiles(c.x2.data_ptr<float>(), c.M, K, MR, xp.data_ptr<float>());
     if (wp.scalar_type() == at::kFloat) {
       gemm<float>(xp.data_ptr<float>(), c.M, K, wp.data_ptr<float>(), n, c.bias_ptr, c.y.data_ptr<float>());
     } else {

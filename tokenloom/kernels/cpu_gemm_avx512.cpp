@@ -17,9 +17,9 @@
 // has AVX-512), so the AVX2 kernels never contain AVX-512 instructions.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "gemm_driver.h"
 #include "panel_linear.h"
 #include <immintrin.h>
 
@@ -115,49 +115,29 @@ void micro_rows(int64_t rows, const float* x, int64_t ldx, const float* w, int64
   }
 }
 
-// x [M, K] row-major -> tiles of MR rows, each [K, rows] (k-major), the micro-kernel's order.
-void pack_rows(const float* x, int64_t M, int64_t K, float* out) {
-  const int64_t tiles = (M + MR - 1) / MR;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = std::min(MR, M - t * MR);
-      const float* src = x + t * MR * K;
-      float* dst = out + t * MR * K;
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t i = 0; i < r; ++i) dst[k * r + i] = src[i * K + k];
-    }
-  });
-}
-
-// x: packed by pack_rows, or (`direct`) the row-major [M, K] input itself.
+// x: packed in row tiles (gemm_driver.h pack_row_tiles), or (`direct`) the row-major [M, K]
+// input itself.
 template <bool DIRECT>
 void gemm(const float* xp, int64_t M, int64_t K, const float* wp, int64_t N, const float* bias, float* y) {
-  const int64_t panels = (N + LDW - 1) / LDW;
   const bool prefetch = M >= kPrefetchRows;
-  // Each thread takes a contiguous run of panels: one sequential weight stream per core.
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t m0 = 0; m0 < M; m0 += MC) {
-      const int64_t m1 = std::min(M, m0 + MC);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t ncols = std::min(LDW, N - p * LDW);
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-          const int64_t kc = std::min(KC, K - k0);
-          const float* b = (bias && k0 + kc == K) ? bias + p * LDW : nullptr;
-          const float* w = wp + (p * K + k0) * LDW;
-          // Prefetched by the first micro-tile, which stalls on these weights otherwise.
-          const float* next = prefetch ? tokenloom::next_weights(wp, p, p1, k0, kc, K, LDW)
-                                 : w + tokenloom::kStreamPrefetchBytes / sizeof(*w);
-          for (int64_t m = m0; m < m1; m += MR) {
-            const int64_t r = std::min(MR, m1 - m);
-            const float* xt = xp + m * K + (DIRECT ? k0 : k0 * r);
-            float* yt = y + m * N + p * LDW;
-            const float* pf = m == m0 ? next : nullptr;
-            if (ncols > NR)
-              micro_rows<2, DIRECT>(r, xt, K, w, kc, yt, N, k0 > 0, b, ncols, pf);
-            else  // a last panel of at most 16 columns: its zero half is not multiplied
-              micro_rows<1, DIRECT>(r, xt, K, w, kc, yt, N, k0 > 0, b, ncols, pf);
-          }
-        }
+  tokenloom::for_panels((N + LDW - 1) / LDW, M, MC, [&](int64_t p, int64_t p1, int64_t m0, int64_t m1) {
+    const int64_t ncols = std::min(LDW, N - p * LDW);
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+      const int64_t kc = std::min(KC, K - k0);
+      const float* b = (bias && k0 + kc == K) ? bias + p * LDW : nullptr;
+      const float* w = wp + (p * K + k0) * LDW;
+      // Prefetched by the first micro-tile, which stalls on these weights otherwise.
+      const float* next = prefetch ? tokenloom::next_weights(wp, p, p1, k0, kc, K, LDW)
+                                   : w + tokenloom::kStreamPrefetchBytes / sizeof(*w);
+      for (int64_t m = m0; m < m1; m += MR) {
+        const int64_t r = std::min(MR, m1 - m);
+        const float* xt = xp + m * K + (DIRECT ? k0 : k0 * r);
+        float* yt = y + m * N + p * LDW;
+        const float* pf = m == m0 ? next : nullptr;
+        if (ncols > NR)
+          micro_rows<2, DIRECT>(r, xt, K, w, kc, yt, N, k0 > 0, b, ncols, pf);
+        else  // a last panel of at most 16 columns: its zero half is not multiplied
+          micro_rows<1, DIRECT>(r, xt, K, w, kc, yt, N, k0 > 0, b, ncols, pf);
       }
     }
   });
@@ -178,7 +158,7 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight_packed, int6
     gemm<true>(c.x2.data_ptr<float>(), c.M, K, wp.data_ptr<float>(), n, c.bias_ptr, c.y.data_ptr<float>());
   } else if (c.M > 0) {
     auto xp = at::empty({c.M * K}, c.x2.options());
-    pack_rows(c.x2.data_ptr<float>(), c.M, K, xp.data_ptr<float>());
+    tokenloom::pack_row_tiles(c.x2.data_ptr<float>(), c.M, K, MR, xp.data_ptr<float>());
     gemm<false>(xp.data_ptr<float>(), c.M, K, wp.data_ptr<float>(), n, c.bias_ptr, c.y.data_ptr<float>());
   }
   return c.result(x);

@@ -23,9 +23,9 @@
 // has avx512_bf16), so the AVX2 kernels never contain AVX-512 instructions.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "gemm_driver.h"
 #include "panel_linear.h"
 #include <immintrin.h>
 
@@ -160,17 +160,13 @@ void micro_rows(int64_t rows, const void* x, const __m512bh* w, int64_t kc, floa
 // x [M, K] bf16 row-major -> tiles of MR rows, each [K2, rows] of (x[k], x[k+1]) pairs; an odd
 // K gets a zero partner (the panel's padded k row is zero too).
 void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t K2, uint32_t* out) {
-  const int64_t tiles = (M + MR - 1) / MR;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = std::min(MR, M - t * MR);
-      uint32_t* dst = out + t * MR * K2;
-      for (int64_t i = 0; i < r; ++i) {
-        const uint16_t* src = x + (t * MR + i) * K;
-        for (int64_t j = 0; j < K2; ++j) {
-          const uint32_t lo = src[2 * j], hi = 2 * j + 1 < K ? src[2 * j + 1] : 0;
-          dst[j * r + i] = lo | (hi << 16);
-        }
+  tokenloom::for_row_tiles(M, MR, [&](int64_t m, int64_t r) {
+    uint32_t* dst = out + m * K2;
+    for (int64_t i = 0; i < r; ++i) {
+      const uint16_t* src = x + (m + i) * K;
+      for (int64_t j = 0; j < K2; ++j) {
+        const uint32_t lo = src[2 * j], hi = 2 * j + 1 < K ? src[2 * j + 1] : 0;
+        dst[j * r + i] = lo | (hi << 16);
       }
     }
   });
@@ -179,22 +175,18 @@ void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t K2, uint32_t* ou
 // The same tiles for `micro_fma`: [K2, rows, 2] float32 pairs (a bf16 value's bits, shifted up,
 // are its float32 value's).  A one-row tile is the row itself, widened in order.
 void pack_rows_f32(const uint16_t* x, int64_t M, int64_t K, int64_t K2, float* out) {
-  const int64_t tiles = (M + MR - 1) / MR;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = std::min(MR, M - t * MR);
-      uint32_t* dst = reinterpret_cast<uint32_t*>(out) + t * MR * K2 * 2;
-      for (int64_t i = 0; i < r; ++i) {
-        const uint16_t* src = x + (t * MR + i) * K;
-        if (r == 1) {
-          for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<uint32_t>(src[k]) << 16;
-          if (K % 2) dst[K] = 0;  // an odd K's zero partner
-          continue;
-        }
-        for (int64_t j = 0; j < K2; ++j) {
-          dst[(j * r + i) * 2] = static_cast<uint32_t>(src[2 * j]) << 16;
-          dst[(j * r + i) * 2 + 1] = 2 * j + 1 < K ? static_cast<uint32_t>(src[2 * j + 1]) << 16 : 0;
-        }
+  tokenloom::for_row_tiles(M, MR, [&](int64_t m, int64_t r) {
+    uint32_t* dst = reinterpret_cast<uint32_t*>(out) + m * K2 * 2;
+    for (int64_t i = 0; i < r; ++i) {
+      const uint16_t* src = x + (m + i) * K;
+      if (r == 1) {
+        for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<uint32_t>(src[k]) << 16;
+        if (K % 2) dst[K] = 0;  // an odd K's zero partner
+        continue;
+      }
+      for (int64_t j = 0; j < K2; ++j) {
+        dst[(j * r + i) * 2] = static_cast<uint32_t>(src[2 * j]) << 16;
+        dst[(j * r + i) * 2 + 1] = 2 * j + 1 < K ? static_cast<uint32_t>(src[2 * j + 1]) << 16 : 0;
       }
     }
   });
@@ -218,32 +210,25 @@ void gemm(const void* xp, int64_t M, int64_t K2, const __m512bh* wp, int64_t N, 
   // activations per row and k-pair: one bf16 pair (4 bytes), or two float32 (8)
   const int64_t xb = kFma ? 8 : 4;
   const int64_t W = NR * LDW;  // columns per panel
-  const int64_t panels = (N + W - 1) / W;
   const bool prefetch = M >= kPrefetchRows;
-  // Each thread takes a contiguous run of panels: one sequential weight stream per core.
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t m0 = 0; m0 < M; m0 += MC) {
-      const int64_t m1 = std::min(M, m0 + MC);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t ncols = std::min(W, N - p * W);
-        for (int64_t k0 = 0; k0 < K2; k0 += KC2) {
-          const int64_t kc = std::min(KC2, K2 - k0);
-          const float* b = (bias && k0 + kc == K2) ? bias + p * W : nullptr;
-          const __m512bh* w = wp + (p * K2 + k0) * LDW;
-          const __m512bh* next = prefetch ? tokenloom::next_weights(wp, p, p1, k0, kc, K2, LDW)
-                                 : w + tokenloom::kStreamPrefetchBytes / sizeof(*w);
-          for (int64_t m = m0; m < m1; m += MR) {
-            const int64_t r = std::min(MR, m1 - m);
-            const void* xt = static_cast<const char*>(xp) + (m * K2 + k0 * r) * xb;
-            float* yt = y + m * N + p * W;
-            const __m512bh* pf = m == m0 ? next : nullptr;
-            if (ncols > NR)
-              micro_rows<kFma, 2>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
-            else  // a last panel of at most 16 columns: its zero half is not multiplied
-              micro_rows<kFma, 1>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
-            if (y16 && k0 + kc == K2) round_tile(yt, N, r, ncols, y16 + m * N + p * W);
-          }
-        }
+  tokenloom::for_panels((N + W - 1) / W, M, MC, [&](int64_t p, int64_t p1, int64_t m0, int64_t m1) {
+    const int64_t ncols = std::min(W, N - p * W);
+    for (int64_t k0 = 0; k0 < K2; k0 += KC2) {
+      const int64_t kc = std::min(KC2, K2 - k0);
+      const float* b = (bias && k0 + kc == K2) ? bias + p * W : nullptr;
+      const __m512bh* w = wp + (p * K2 + k0) * LDW;
+      const __m512bh* next = prefetch ? tokenloom::next_weights(wp, p, p1, k0, kc, K2, LDW)
+                                      : w + tokenloom::kStreamPrefetchBytes / sizeof(*w);
+      for (int64_t m = m0; m < m1; m += MR) {
+        const int64_t r = std::min(MR, m1 - m);
+        const void* xt = static_cast<const char*>(xp) + (m * K2 + k0 * r) * xb;
+        float* yt = y + m * N + p * W;
+        const __m512bh* pf = m == m0 ? next : nullptr;
+        if (ncols > NR)
+          micro_rows<kFma, 2>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
+        else  // a last panel of at most 16 columns: its zero half is not multiplied
+          micro_rows<kFma, 1>(r, xt, w, kc, yt, N, k0 > 0, b, ncols, pf);
+        if (y16 && k0 + kc == K2) round_tile(yt, N, r, ncols, y16 + m * N + p * W);
       }
     }
   });

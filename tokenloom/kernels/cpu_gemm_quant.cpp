@@ -33,9 +33,9 @@
 // `tokenloom_q256`.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "gemm_driver.h"
 #include "panel_linear.h"
 #include <immintrin.h>
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
@@ -299,16 +299,12 @@ void gemm(const float* x, int64_t M, int64_t K, int64_t P, int64_t G, const floa
   const float* xt = x;
   if (M > kFusedRows) {
     tiles.reset(new float[M * K]);
-    at::parallel_for(0, (M + MR - 1) / MR, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t m = t0 * MR; m < std::min(M, t1 * MR); m += MR) {
-        const int64_t r = std::min<int64_t>(MR, M - m);
-        for (int64_t k = 0; k < K; ++k)
-          for (int64_t i = 0; i < r; ++i) tiles[m * K + k * r + i] = x[(m + i) * K + k];
-      }
-    });
+    tokenloom::pack_row_tiles(x, M, K, MR, tiles.get());
     xt = tiles.get();
   }
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+  // All M rows are one row block (no MC loop): a block is dequantized once and used by every
+  // row; the buffer it goes to is the thread's, kept for its whole run of panels.
+  tokenloom::for_panel_runs(P, [&](int64_t p0, int64_t p1) {
     alignas(64) float buf[KC * W];
     for (int64_t p = p0; p < p1; ++p) {
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
@@ -395,7 +391,7 @@ c10::optional<at::Tensor> decode_vnni(const at::Tensor& x, int64_t Kp, int64_t P
   auto sizes = x.sizes().vec();
   sizes.back() = n;
   at::Tensor y = at::empty(sizes, x.options());
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+  tokenloom::for_panel_runs(P, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const float* bp = b.defined() ? b.data_ptr<float>() + p * W : nullptr;
       const int64_t ncols = std::min(W, n - p * W);
