@@ -34,7 +34,9 @@ stock kernels stream them poorly at decode's shapes:
   AVX-512 extension compiles the same source again with its 512-bit loop (`attention_op`).
 
 `simd_avx2.h` holds vector helpers two of them share, `panel_linear.h` what the three GEMM
-ops share besides their kernels (input flattening, output, bias).  `kernels/build.py` compiles
+ops share besides their kernels (input flattening, output, bias), `gemm_driver.h` the loops every
+GEMM runs its micro-kernels in (row tiles packed in parallel, weight panels split over threads):
+a new GEMM kernel plugs its micro-kernel into those.  `kernels/build.py` compiles
 and caches each extension (once per distinct build of its sources, flags and torch; anything
 that fails -- no compiler, not x86 -- leaves PyTorch's kernels in charge), `kernels/cpu_probe.py`
 reads the CPU's flags that decide which extensions are built; this module wraps the ops.
