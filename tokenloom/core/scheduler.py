@@ -173,15 +173,8 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        if req in self.running:
-            self.running.remove(req)
-        elif self.paused.pop(request_id, None) is None:
-            for queue in (self.waiting, self.resumed):
-                try:
-                    queue.remove(req)
-                    break
-                except ValueError:
-                    pass
+        if self.paused.pop(request_id, None) is None:
+            self._unqueue(req)
         req.paused = False
         req.status = status
         if stop_reason is not None:
@@ -191,6 +184,18 @@ class Scheduler:
         self.kv.free(req)
         return req
 
+    def _unqueue(self, req: Request) -> None:
+        """Take `req` out of whichever of running, waiting and resumed holds it."""
+        if req in self.running:
+            self.running.remove(req)
+            return
+        for queue in (self.waiting, self.resumed):
+            try:
+                queue.remove(req)
+                return
+            except ValueError:
+                pass
+
     # ---- pausing -----------------------------------------------------
     def pause_request(self, request_id: str) -> bool:
         """Take an unfinished request out of the schedule, keeping its KV blocks and its
@@ -198,15 +203,7 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None or req.paused:
             return False
-        if req in self.running:
-            self.running.remove(req)
-        else:
-            for queue in (self.waiting, self.resumed):
-                try:
-                    queue.remove(req)
-                    break
-                except ValueError:
-                    pass
+        self._unqueue(req)
         req.paused = True
         req.spec_token_ids = []  # drafts are proposed afresh when it runs again
         self.paused[request_id] = req
