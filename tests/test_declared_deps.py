@@ -24,13 +24,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 
-# Imported directly, but installed and pinned by a declared distribution that exposes it as part
-# of its own API: declaring them again would only fight that distribution's exact pin.  The test
-# checks that the named distribution still requires them.
-VIA: dict[str, tuple[str, str]] = {
-    "pydantic_core": ("pydantic", "pydantic pins pydantic-core exactly; its error types are pydantic's API"),
-    "starlette": ("fastapi", "FastAPI is built on Starlette and documents its request/response classes"),
-}
 # Imported by tokenloom/ only where present: not a runtime dependency, declared for the tests.
 OPTIONAL_AT_RUNTIME: dict[str, str] = {
     "triton": "GPU kernels, imported only where kernels.triton.available() says it is installed "
@@ -87,11 +80,6 @@ def undeclared(files: list[Path], allowed: set[str], local: set[str], optional: 
         dists = {normalize(d) for d in providers.get(module, [])}
         if dists & allowed:
             continue
-        if module in VIA:
-            carrier, _ = VIA[module]
-            carried = {requirement_name(r) for r in md.requires(carrier) or []}
-            if normalize(carrier) in allowed and dists & carried:
-                continue
         what = f"distribution {', '.join(sorted(dists))}" if dists else "not installed here"
         problems.append(f"{module} ({what}) imported by {', '.join(sorted(where))}")
     return problems
