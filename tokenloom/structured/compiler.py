@@ -64,7 +64,7 @@ def _require_xgrammar():
         import xgrammar
     except ImportError:
         raise GrammarError("structured_outputs", "structured output needs the xgrammar package "
-                           "(pip install 'tokenloom[structured]')") from None
+                           "(a dependency of tokenloom: pip install xgrammar)") from None
     return xgrammar
 
 
