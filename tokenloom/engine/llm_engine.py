@@ -48,8 +48,8 @@ from tokenloom.engine.faults import FaultInjector
 from tokenloom.engine.output_processor import Decisions, Group, OutputProcessor, Sample, failure_message
 from tokenloom.model.hf_config import model_args_fields
 from tokenloom.model.backends import plan_for_args
-from tokenloom.model.weights.loader import (load_config, load_eos_token_ids, load_model, resolve_device,
-                                            resolve_dtype, resolve_model_path)
+from tokenloom.model.weights.loader import (load_config, load_eos_token_ids, load_model, load_tokenizer,
+                                            resolve_device, resolve_dtype, resolve_model_path)
 from tokenloom.model.registry import resolve_architecture
 from tokenloom.outputs import RequestOutput
 from tokenloom.request import Request
@@ -142,9 +142,7 @@ class LLMEngine:
         self.max_model_len = c.max_model_len
         self.scheduler_config = c.scheduler
 
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(c.tokenizer, revision=c.revision)
+        self.tokenizer = load_tokenizer(c.tokenizer, revision=c.revision)  # a GGUF file's from its metadata
         if c.chat_template:
             tpl = c.chat_template
             if os.path.exists(tpl):

@@ -171,7 +171,7 @@ def quant_ops():
     builds or `TOKENLOOM_CPU_QUANT=0`."""
     choice = os.environ.get("TOKENLOOM_CPU_QUANT", "auto")
     flags = _cpu_flags()
-    if choice == "0" or not {"avx2", "fma"} <= flags:
+    if choice == "0" or not {"avx2", "fma", "f16c"} <= flags:  # F16C: float16 group scales (GGUF)
         return None
     avx512 = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]
     if choice == "auto" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"} <= flags:
@@ -180,7 +180,7 @@ def quant_ops():
     if choice in ("auto", "avx512") and {"avx512f", "avx512bw", "avx512vl"} <= flags:
         if _build("tokenloom_cpu_quant512", ["cpu_gemm_quant.cpp"], avx512):
             return _register_fake_quant("tokenloom_q512")
-    if _build("tokenloom_cpu_quant256", ["cpu_gemm_quant.cpp"], ["-mavx2", "-mfma"]):
+    if _build("tokenloom_cpu_quant256", ["cpu_gemm_quant.cpp"], ["-mavx2", "-mfma", "-mf16c"]):
         return _register_fake_quant("tokenloom_q256")
     return None
 
@@ -191,6 +191,10 @@ def _register_fake_quant(ns: str):
         return x.new_empty((*x.shape[:-1], n))
 
     @torch.library.register_fake(f"{ns}::linear_int4")
+    def _(x, qweight, scales, n, group, bias):
+        return x.new_empty((*x.shape[:-1], n))
+
+    @torch.library.register_fake(f"{ns}::linear_int8_group")
     def _(x, qweight, scales, n, group, bias):
         return x.new_empty((*x.shape[:-1], n))
 
@@ -223,9 +227,10 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor, quads: bool = False) -> tupl
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int4 values q [N, Kp] (int8 in -8..7) and bf16 scales [N, Kp/G] -> ([P, Kp, 16] uint8, byte c
-    of panel p at k = (q[32p + c, k] + 8) | (q[32p + 16 + c, k] + 8) << 4; bf16 scales [P, Kp/G, 32]),
-    P = ceil(N/32).  Padded columns are 0 with scale 0."""
+    """int4 values q [N, Kp] (int8 in -8..7) and bf16 or fp16 scales [N, Kp/G] -> ([P, Kp, 16] uint8,
+    byte c of panel p at k = (q[32p + c, k] + 8) | (q[32p + 16 + c, k] + 8) << 4; scales
+    [P, Kp/G, 32] in their dtype: `pack_group_scales`), P = ceil(N/32).  Padded columns are 0
+    with scale 0."""
     n, kp = q.shape
     p = -(-n // WIDE)
     u = torch.full((p * WIDE, kp), 8, dtype=torch.uint8)
@@ -233,9 +238,17 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch
     u = u.view(p, 2, WIDE // 2, kp)
     nib = (u[:, 0] | (u[:, 1] << 4)).transpose(1, 2)  # [P, Kp, 16]
     packed = hugepages.empty((p, kp, WIDE // 2), torch.uint8).copy_(nib)
-    s = torch.zeros((p * WIDE, scale.shape[1]), dtype=torch.bfloat16)
+    return packed, pack_group_scales(scale)
+
+
+def pack_group_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Group scales [N, Kp/G] (bfloat16 or float16, kept as they are) -> [ceil(N/32), Kp/G, 32]:
+    a panel's 32 columns of one group side by side, the layout the grouped kernels load."""
+    n, groups = scale.shape
+    p = -(-n // WIDE)
+    s = torch.zeros((p * WIDE, groups), dtype=scale.dtype)
     s[:n] = scale
-    return packed, s.view(p, WIDE, -1).transpose(1, 2).contiguous()
+    return s.view(p, WIDE, groups).transpose(1, 2).contiguous()
 
 
 def preferred(device: torch.device, dtype: torch.dtype) -> bool:
