@@ -227,7 +227,8 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
             from tokenloom.model.weights.quantization import kernels_available
 
             load_gguf_weights(gguf, model, a, params, filled, tdtype, device,
-                              kernels=plan.linear != "torch" and kernels_available(device))
+                              kernels=plan.linear != "torch" and kernels_available(device), place=_target,
+                              bounds=_shard_bounds)
         for f in ([] if gguf is not None else _weight_files(path)):
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 names = list(sf.keys())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 from gguf import ReaderTensor
@@ -75,18 +76,23 @@ def _row_order(arch: str, hf: str, a: ModelArgs) -> torch.Tensor | None:
     return torch.arange(heads * a.head_dim).view(heads, a.head_dim // 2, 2).transpose(1, 2).reshape(-1)
 
 
+# The loader's placement of a checkpoint name: (our parameter, which part of a fused one) or None,
+# and a fused parameter's rows of part i (model/weights/loader.py `_target`, `_shard_bounds`).
+Place = Callable[[str, ModelArgs], "tuple[str, int | None] | None"]
+Bounds = Callable[[str, int, ModelArgs], "tuple[int, int]"]
+
+
 def load_gguf_weights(path: Path, model: CausalLM, a: ModelArgs, params: dict[str, torch.nn.Parameter],
-                      filled: dict[str, int], dtype: torch.dtype, device: torch.device, kernels: bool) -> int:
+                      filled: dict[str, int], dtype: torch.dtype, device: torch.device, kernels: bool,
+                      place: Place, bounds: Bounds) -> int:
     """Fill `model` from GGUF file `path`: dense parameters in `params` (counted in `filled`, as
     the loader counts a safetensors checkpoint's), kept matrices installed as quantized linears
     (`kernels`: in our CPU kernel's layout).  Returns how many matrices stay quantized."""
-    from tokenloom.model.weights.loader import _shard_bounds, _target
-
     reader, arch = open_file(path)
     parts: dict[str, list[tuple[ReaderTensor, int | None, torch.Tensor | None]]] = {}
     for t in reader.tensors:
         hf = hf_name(t.name)
-        tgt = None if hf is None else _target(hf, a)
+        tgt = None if hf is None else place(hf, a)
         if tgt is None:
             continue
         pname, idx = tgt
@@ -99,7 +105,7 @@ def load_gguf_weights(path: Path, model: CausalLM, a: ModelArgs, params: dict[st
             filled[pname] = filled.get(pname, 0) + len(ts)
             continue
         for t, idx, rows in ts:
-            _fill_dense(params[pname], pname, idx, t, rows, a, dtype, device, _shard_bounds)
+            _fill_dense(params[pname], pname, idx, t, rows, a, dtype, device, bounds)
             filled[pname] = filled.get(pname, 0) + 1
     for pname, ts in kept.items():
         _install(model, pname, ts, dtype, device, kernels)
@@ -114,7 +120,7 @@ def _keeps(pname: str, ts: list, a: ModelArgs) -> bool:
 
 
 def _fill_dense(p: torch.nn.Parameter, pname: str, idx: int | None, t: ReaderTensor, rows: torch.Tensor | None,
-                a: ModelArgs, dtype: torch.dtype, device: torch.device, bounds) -> None:
+                a: ModelArgs, dtype: torch.dtype, device: torch.device, bounds: Bounds) -> None:
     w = dense(t, dtype, rows)
     if idx is None:
         if tuple(w.shape) != tuple(p.shape):
