@@ -181,9 +181,11 @@ def tokenizer_metadata(tokenizer_json: str) -> dict:
 
 
 def write_gguf(model, tokenizer_json: str, path: Path, types: Callable[[str, tuple[int, ...]], T],
-               chat_template: str | None = None, bos: int = 1, eos: int = 2) -> Path:
+               chat_template: str | None = None, bos: int = 1, eos: int = 2,
+               extra: dict[str, np.ndarray] | None = None) -> Path:
     """`model` (a transformers Llama / Qwen2 / Qwen3 causal LM) as GGUF file `path`; `types(gguf
-    name, shape)` picks each 2-D tensor's type (1-D tensors are F32, as llama.cpp stores them)."""
+    name, shape)` picks each 2-D tensor's type (1-D tensors are F32, as llama.cpp stores them);
+    `extra`: more F32 tensors by GGUF name (llama.cpp's rope_freqs, say)."""
     cfg = model.config
     arch = cfg.model_type
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -227,6 +229,8 @@ def write_gguf(model, tokenizer_json: str, path: Path, types: Callable[[str, tup
         qtype = types(name, a.shape) if a.ndim == 2 else T.F32
         data = encode(a, qtype)
         w.add_tensor(name, data, raw_dtype=None if qtype == T.F32 else qtype)
+    for name, data in (extra or {}).items():
+        w.add_tensor(name, data.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

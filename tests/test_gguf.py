@@ -285,6 +285,25 @@ def test_unsupported_architecture_is_refused_naming_it(tmp_path):
         LLM(str(path), **CHUNKED)
 
 
+@pytest.mark.parametrize("factor", [1.0, 8.0])
+def test_rotary_frequency_factors_are_refused_unless_all_one(tmp_path, factor):
+    """Llama 3.1+ files carry their rotary scaling only as `rope_freqs` factors, which transformers'
+    GGUF reading drops; we refuse those rather than run a different model (factors of 1 change nothing)."""
+    family, tie, types, _ = CASES["Q8_0-llama-tied"]
+    d = tmp_path / "rope"
+    d.mkdir()
+    path = d / "m.gguf"
+    freqs = np.ones(32, dtype=np.float32)
+    freqs[20:] = factor
+    write_gguf(_model(family, tie), _tokenizer_json(), path, types, extra={"rope_freqs.weight": freqs})
+    if factor == 1.0:
+        assert read_config(path)["architectures"] == ["LlamaForCausalLM"]
+        LLM(str(path), **CHUNKED)
+    else:
+        with pytest.raises(ValueError, match="rope_freqs"):
+            LLM(str(path), **CHUNKED)
+
+
 def test_a_split_file_is_refused(tmp_path):
     path = _write(tmp_path, "F32-llama")
     split = tmp_path / "m-00001-of-00002.gguf"

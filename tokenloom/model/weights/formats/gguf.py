@@ -15,7 +15,8 @@ config.json all load through here:
 
 The weights themselves: gguf_weights.py.  Families: llama (Mistral files too: llama.cpp writes
 them as llama), qwen2, qwen3.  Split files (`-00001-of-00003.gguf`) are refused: merge them
-with llama.cpp's `llama-gguf-split --merge` first.
+with llama.cpp's `llama-gguf-split --merge` first; so are files whose rotary frequencies carry
+per-frequency factors (`rope_freqs`, Llama 3.1+), which transformers' reading would drop.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import copy
 import functools
 from pathlib import Path
 
+import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
 from tokenloom.model.weights.formats.gguf_blocks import check_type
@@ -68,6 +70,11 @@ def open_file(path: Path) -> tuple[GGUFReader, str]:
                          f"{_field(reader, 'split.count')}); merge the parts with llama-gguf-split --merge")
     for t in reader.tensors:
         check_type(t)
+        if t.name == "rope_freqs.weight" and not (np.asarray(t.data) == 1).all():
+            # Llama 3.1+'s rotary scaling, which llama.cpp stores only as these factors; transformers'
+            # GGUF reading drops it (a different model at every position), so we refuse rather than follow.
+            raise ValueError(f"{path.name}: GGUF tensor 'rope_freqs.weight' (per-frequency rotary scaling, "
+                             "as Llama 3.1+ files carry) is not supported yet; load the Hugging Face checkpoint")
     return reader, arch
 
 

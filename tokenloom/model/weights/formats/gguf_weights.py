@@ -45,8 +45,8 @@ _LAYER = {
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-# Tensors llama.cpp writes that transformers' models have no place for either: llama 3's rotary
-# frequency factors (rope_freqs; the config carries the scaling) -- skipped, as transformers skips them.
+# Tensors llama.cpp writes that transformers' models have no place for: rotary frequency factors
+# (rope_freqs), which gguf.py `open_file` accepts only when they are all 1 (no scaling).
 _IGNORED = ("rope_freqs.weight",)
 # Our parameters that are a linear's weight (kept quantized where their parts allow).
 _LINEAR_RE = re.compile(r"^(lm_head|layers\.\d+\.(self_attn\.(qkv|o)_proj|mlp\.(gate_up|down)_proj))\.weight$")
