@@ -21,6 +21,7 @@ them back -- on whole rows, so on the rows of a kept matrix's blocks and scales 
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Callable
@@ -32,6 +33,8 @@ from tokenloom.model.llama import CausalLM, ModelArgs
 from tokenloom.model.weights.formats.gguf import open_file
 from tokenloom.model.weights.formats.gguf_blocks import KEPT, dense, kept_blocks
 from tokenloom.model.weights.quant_schemes import QuantScheme
+
+log = logging.getLogger("tokenloom")
 
 # The kept types as our kernel's schemes (quant_schemes.py): 4.5 and 8.5 bits a weight.
 Q4_0 = QuantScheme("gguf-q4_0", 4, 32)
@@ -109,6 +112,12 @@ def load_gguf_weights(path: Path, model: CausalLM, a: ModelArgs, params: dict[st
             filled[pname] = filled.get(pname, 0) + 1
     for pname, ts in kept.items():
         _install(model, pname, ts, dtype, device, kernels)
+    types: dict[str, int] = {}
+    for t in reader.tensors:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    log.info("%s: tensors %s; %d matrices kept quantized (%s), the rest in %s", path.name,
+             ", ".join(f"{n} x{c}" for n, c in sorted(types.items())), len(kept),
+             "our kernel" if kernels else "PyTorch ops", str(dtype).removeprefix("torch."))
     return len(kept)
 
 
