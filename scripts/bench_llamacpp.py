@@ -103,13 +103,18 @@ def ensure_bindings(work: Path) -> None:
     try:
         import llama_cpp  # noqa: F401
         return
-    except ImportError:
-        pass
+    except ImportError as e:
+        if e.name == "diskcache":  # built by an earlier run of this script that installed no dependencies
+            subprocess.run([sys.executable, "-m", "pip", "install", "--target", str(site), "--no-deps", "diskcache"],
+                           check=True)
+            import llama_cpp  # noqa: F401
+            return
     env = dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS") or cmake_args(),
                CMAKE_BUILD_PARALLEL_LEVEL=os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2)))
     print(f"building llama-cpp-python from source (CMAKE_ARGS={env['CMAKE_ARGS']!r}); this takes minutes", flush=True)
+    # --no-deps: its numpy and jinja2 are the environment's; diskcache, pure Python, goes beside it
     subprocess.run([sys.executable, "-m", "pip", "install", "--target", str(site), "--no-deps", "--no-binary",
-                    "llama-cpp-python", "llama-cpp-python==0.3.36"], env=env, check=True)
+                    "llama-cpp-python", "llama-cpp-python==0.3.36", "diskcache"], env=env, check=True)
     import llama_cpp  # noqa: F401
 
 

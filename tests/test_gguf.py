@@ -30,8 +30,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.model.tools.tokenizer_builder import DEFAULT_CHAT_TEMPLATE, default_tokenizer
+from tokenloom.model.hf_config import model_args_fields
 from tokenloom.model.weights.formats.gguf import read_config
 from tokenloom.model.weights.formats.gguf_blocks import dense, kept_blocks
+from tokenloom.model.weights.formats.gguf_file import read_gguf
 from tokenloom.model.weights.loader import load_tokenizer, resolve_model_path
 from tokenloom.model.weights.quantization import QuantEmbedding, QuantLinear
 
@@ -123,12 +125,12 @@ def test_kept_blocks_are_the_formats_own_values(tmp_path, qtype):
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tensor("x.weight", gguf.quants.quantize(w, qtype), raw_dtype=qtype)
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
-    t = gguf.GGUFReader(str(path)).tensors[0]
+    t = read_gguf(path).tensors[0]
     q, d = kept_blocks(t)
     assert q.dtype == torch.int8 and d.dtype == torch.float16 and d.shape == (48, 3)
     lo, hi = {T.Q4_0: (-8, 7), T.Q8_0: (-127, 127), T.Q5_0: (-16, 15)}[qtype]
     assert q.min() >= lo and q.max() <= hi
-    want = torch.from_numpy(gguf.quants.dequantize(np.asarray(t.data), qtype))
+    want = torch.from_numpy(gguf.quants.dequantize(gguf.GGUFReader(str(path)).tensors[0].data, qtype))
     assert torch.equal(q.float() * d.float().repeat_interleave(32, dim=1), want)
     assert torch.equal(dense(t, torch.float32), want)
     rows = torch.randperm(48)
@@ -222,6 +224,25 @@ def test_dequantized_matrices_can_be_requantized_with_our_scheme(tmp_path):
 
 
 # ---------------------------------------------------------------- the file as a model path
+
+
+@pytest.mark.parametrize("name", ["F32-llama", "F16-qwen2-tied", "BF16-qwen3", "Q4_K_M-qwen3"])
+def test_config_and_tokenizer_are_what_transformers_reads_from_the_file(tmp_path, name):
+    """Our header reader and config (read_gguf, transformers' key table) give the model transformers'
+    own `AutoConfig.from_pretrained(dir, gguf_file=...)` describes, and the tokenizer is the one
+    `AutoTokenizer` builds."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = _write(tmp_path, name, chat_template=DEFAULT_CHAT_TEMPLATE)
+    ours = read_config(path)
+    theirs = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    arch = ours["architectures"][0]
+    assert model_args_fields(ours, arch) == model_args_fields({**theirs, "architectures": [arch]}, arch)
+    tok, ref = load_tokenizer(str(path)), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert type(tok) is type(ref) and tok.chat_template == ref.chat_template == DEFAULT_CHAT_TEMPLATE
+    text = "class A:\n    def f(self):  # comment\n        return 'x' * 3"
+    assert tok(text)["input_ids"] == ref(text)["input_ids"]
+    assert (tok.bos_token_id, tok.eos_token_id) == (ref.bos_token_id, ref.eos_token_id) == (1, 2)
 
 
 def test_config_dtype_and_head_size_come_from_the_file(tmp_path):

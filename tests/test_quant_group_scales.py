@@ -91,3 +91,13 @@ def test_grouped_int8_counts_its_scales():
     q8 = QuantScheme("q8_0", 8, 32)
     assert q8.matrix_bytes(10, 64) == 10 * 2 * (32 + 2)  # GGUF's 34-byte Q8_0 block
     assert QuantScheme("q4_0", 4, 32).matrix_bytes(10, 64) == 10 * 2 * 18  # and its 18-byte Q4_0 block
+
+
+def test_int4_panels_from_gguf_nibble_blocks_are_the_panels_of_the_same_values():
+    """`pack_int4_blocks` (GGUF's Q4_0 nibbles straight into our panels) against `pack_int4` of
+    the same integers, rows that fill no whole panel included."""
+    for n in (64, 70):
+        b = torch.randint(0, 256, (n, 3, 16), generator=torch.Generator().manual_seed(n), dtype=torch.uint8)
+        q = (torch.cat([b & 15, b >> 4], dim=-1).to(torch.int8) - 8).view(n, 96)  # byte j: j low, j + 16 high
+        want, _ = cpu_kernels.pack_int4(q, torch.ones(n, 3, dtype=torch.float16))
+        assert torch.equal(cpu_kernels.pack_int4_blocks(b), want)

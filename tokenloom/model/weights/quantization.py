@@ -192,6 +192,21 @@ class PanelQuantized(QuantizedMatrix):
         m._store(q, s, in_features or q.shape[1], scheme)
         return m
 
+    @classmethod
+    def from_int4_blocks(cls, blocks: torch.Tensor, s: torch.Tensor, scheme: QuantScheme) -> "PanelQuantized":
+        """int4 with group-32 scales s [N, K / 32], the integers given as blocks of 32 nibbles
+        (kernels/cpu.py `pack_int4_blocks`: GGUF's Q4_0 layout), packed from the bytes directly."""
+        from tokenloom.kernels import cpu as cpu_kernels
+
+        assert scheme.bits == 4 and scheme.group == 32, scheme
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.out_features, m.in_features, m.scheme = blocks.shape[0], blocks.shape[1] * 32, scheme
+        m._op = cpu_kernels.quant_ops().linear_int4
+        m.register_buffer("qweight", cpu_kernels.pack_int4_blocks(blocks), persistent=False)
+        m.register_buffer("scales", cpu_kernels.pack_group_scales(s), persistent=False)
+        return m
+
     def _store(self, q: torch.Tensor, s: torch.Tensor, k: int, scheme: QuantScheme) -> None:
         from tokenloom.kernels import cpu as cpu_kernels
 

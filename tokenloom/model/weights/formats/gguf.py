@@ -4,14 +4,14 @@
 config.json all load through here:
 
 * `gguf_path`: the GGUF file a model path names, if it names one;
-* `read_config`: the file's metadata as the config.json dict the rest of tokenloom reads.
-  transformers reads it (`AutoConfig.from_pretrained(dir, gguf_file=...)`, the same reading its
-  own GGUF loader uses), and we add what its table leaves out: `architectures`, the dtype the
-  file stores its float tensors in, the head size llama.cpp writes as `attention.key_length`,
-  and llama.cpp's end-of-turn token as a second stop token;
+* `read_config`: the file's metadata as the config.json dict the rest of tokenloom reads: the
+  one transformers' GGUF reading builds (`transformers_config`), plus what its table leaves out:
+  `architectures`, the dtype the file stores its float tensors in, the head size llama.cpp
+  writes as `attention.key_length`, the file's own start / stop tokens, and llama.cpp's
+  end-of-turn token as a second stop token;
 * `load_tokenizer`: the tokenizer transformers builds from the file's vocabulary and merges;
-* `open_file`: the file's tensors, every one checked against the types we read
-  (gguf_blocks.py) before anything loads.
+* `open_file`: the file's header and tensors (gguf_file.py), every tensor checked against the
+  types we read (gguf_blocks.py) before anything loads.
 
 The weights themselves: gguf_weights.py.  Families: llama (Mistral files too: llama.cpp writes
 them as llama), qwen2, qwen3.  Split files (`-00001-of-00003.gguf`) are refused: merge them
@@ -26,9 +26,10 @@ import functools
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
 from tokenloom.model.weights.formats.gguf_blocks import check_type
+from tokenloom.model.weights.formats.gguf_file import GGUFFile, read_gguf
 
 SUFFIX = ".gguf"
 # general.architecture -> what we run it as; transformers' model_type -> the HF class name
@@ -52,58 +53,83 @@ def gguf_path(path: Path) -> Path | None:
     return found[0] if found else None
 
 
-def _field(reader: GGUFReader, key: str):
-    f = reader.fields.get(key)
-    return None if f is None else f.contents()
-
-
-def open_file(path: Path) -> tuple[GGUFReader, str]:
-    """The file's reader (tensors memory-mapped, nothing read yet) and its architecture, after
-    refusing what we cannot load: another architecture, a split file, a tensor type we do not read."""
-    reader = GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
+def open_file(path: Path) -> GGUFFile:
+    """The file's header and tensor views (nothing read yet: gguf_file.py), after refusing what we
+    cannot load: another architecture, a split file, a tensor type we do not read, rotary factors."""
+    f = read_gguf(path)
+    arch = f.metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path.name}: GGUF general.architecture {arch!r} is not supported; tokenloom reads "
                          f"{', '.join(ARCHITECTURES)}")
-    if (_field(reader, "split.count") or 1) > 1:
-        raise ValueError(f"{path.name} is one part of a split GGUF (split.count "
-                         f"{_field(reader, 'split.count')}); merge the parts with llama-gguf-split --merge")
-    for t in reader.tensors:
+    if (f.metadata.get("split.count") or 1) > 1:
+        raise ValueError(f"{path.name} is one part of a split GGUF (split.count {f.metadata['split.count']}); "
+                         "merge the parts with llama-gguf-split --merge")
+    for t in f.tensors:
         check_type(t)
         if t.name == "rope_freqs.weight" and not (np.asarray(t.data) == 1).all():
             # Llama 3.1+'s rotary scaling, which llama.cpp stores only as these factors; transformers'
             # GGUF reading drops it (a different model at every position), so we refuse rather than follow.
             raise ValueError(f"{path.name}: GGUF tensor 'rope_freqs.weight' (per-frequency rotary scaling, "
                              "as Llama 3.1+ files carry) is not supported yet; load the Hugging Face checkpoint")
-    return reader, arch
+    return f
 
 
-def _stored_dtype(reader: GGUFReader) -> str:
+def _stored_dtype(f: GGUFFile) -> str:
     """The float type most of the file's matrices are stored in (its `torch_dtype`, which
     `--dtype auto` follows): bfloat16 or float16 where that is it, else float32 -- quantized
     files too, whose dequantized matrices keep every bit in float32."""
     counts: dict[GGMLQuantizationType, int] = {}
-    for t in reader.tensors:
+    for t in f.tensors:
         if len(t.shape) == 2:
-            counts[t.tensor_type] = counts.get(t.tensor_type, 0) + int(t.n_elements)
+            counts[t.tensor_type] = counts.get(t.tensor_type, 0) + t.n_elements
     main = max(counts, key=counts.__getitem__) if counts else GGMLQuantizationType.F32
     return _DTYPE_NAMES.get(main, "float32")
 
 
+def transformers_config(f: GGUFFile) -> dict:
+    """The config dict transformers' GGUF reading builds for this file (`load_gguf_checkpoint`,
+    which `AutoConfig.from_pretrained(dir, gguf_file=...)` runs for these families), from its
+    own key table (`GGUF_CONFIG_MAPPING`) and rules: llama files named "mistral" are Mistral,
+    the head is tied when there is no output matrix, the vocabulary size defaults to the token
+    count; the config class then adds its defaults.  (Its reader walks the vocabulary element by
+    element; gguf_file.py's does not, so this is built here.)"""
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    md = f.metadata
+    arch = md["general.architecture"]
+    updated = "mistral" if "llama" in arch and md.get("general.name") == "mistral" else arch
+    out: dict = {"tie_word_embeddings": f.tensor("output.weight") is None}
+    for key, value in md.items():
+        prefix, _, rest = key.replace(arch, updated).partition(".")
+        if isinstance(value, str) and arch in value:
+            value = value.replace(arch, updated)
+        target = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        if target is not None and target != -1:
+            out[target] = value[0] if isinstance(value, list) and len(value) == 1 else value
+    if "vocab_size" not in out and "tokenizer.ggml.tokens" in md:
+        out["vocab_size"] = md["tokenizer.ggml.tokens"]  # the token count (gguf_file.py keeps only that)
+    return AutoConfig.for_model(**out).to_dict()
+
+
 @functools.lru_cache(maxsize=4)
 def _config(path: str, mtime_ns: int, size: int) -> dict:
-    from transformers import AutoConfig
-
     p = Path(path)
-    reader, arch = open_file(p)
-    cfg = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name).to_dict()
+    f = open_file(p)
+    md = f.metadata
+    cfg = transformers_config(f)
     cfg["architectures"] = [_HF_CLASSES[cfg["model_type"]]]
-    cfg["torch_dtype"] = _stored_dtype(reader)
-    key_length = _field(reader, f"{arch}.attention.key_length")
+    cfg["torch_dtype"] = _stored_dtype(f)
+    key_length = md.get(f"{md['general.architecture']}.attention.key_length")
     if key_length:  # Qwen3's head size is not hidden / heads; transformers' table omits the key
         cfg["head_dim"] = int(key_length)
-    eos, eot = cfg.get("eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")
-    if eot is not None and eos is not None and int(eot) != eos:  # llama.cpp ends a turn on either
+    # The stop and start tokens are the file's (transformers leaves its config class's defaults:
+    # Llama's 1 and 2 whatever the vocabulary); llama.cpp also ends a turn on the end-of-turn token.
+    for key in ("bos", "eos"):
+        if f"tokenizer.ggml.{key}_token_id" in md:
+            cfg[f"{key}_token_id"] = int(md[f"tokenizer.ggml.{key}_token_id"])
+    eos, eot = cfg.get("eos_token_id"), md.get("tokenizer.ggml.eot_token_id")
+    if eot is not None and eos is not None and int(eot) != eos:
         cfg["eos_token_id"] = [eos, int(eot)]
     return cfg
 
@@ -115,7 +141,22 @@ def read_config(path: Path) -> dict:
 
 
 def load_tokenizer(path: Path):
-    """The tokenizer transformers builds from the file (vocabulary, merges, special tokens, chat template)."""
+    """The tokenizer transformers builds from the file (vocabulary, merges, special tokens, chat
+    template), of the class `AutoTokenizer` picks for the family -- named here, because
+    AutoTokenizer given a GGUF file first reads the whole file again for the config it picks the
+    class from (the slow reader of gguf_file.py's doc).  Families with no tokenizer class of
+    their own (llama) get transformers' generic one, as AutoTokenizer gives them; where these
+    names do not exist (another transformers), plain AutoTokenizer."""
+    import transformers
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path.resolve().parent), gguf_file=path.name)
+    folder, kw = str(path.resolve().parent), dict(gguf_file=path.name)
+    model_type = read_config(path)["model_type"]
+    try:
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+    except ImportError:
+        return AutoTokenizer.from_pretrained(folder, **kw)
+    if TOKENIZER_MAPPING_NAMES.get(model_type) is not None:
+        return AutoTokenizer.from_pretrained(folder, tokenizer_type=model_type, **kw)
+    generic = getattr(transformers, "TokenizersBackend", None)
+    return generic.from_pretrained(folder, **kw) if generic is not None else AutoTokenizer.from_pretrained(folder, **kw)

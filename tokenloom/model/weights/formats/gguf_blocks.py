@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
+
+from tokenloom.model.weights.formats.gguf_file import GGUFTensor
 
 T = GGMLQuantizationType
 
@@ -49,26 +51,33 @@ def describe_supported() -> str:
             f"{', '.join(t.name for t in DEQUANTIZED)} (dequantized at load)")
 
 
-def check_type(tensor: ReaderTensor) -> None:
+def check_type(tensor: GGUFTensor) -> None:
     """ValueError naming the tensor and its type where we cannot read it."""
     if tensor.tensor_type not in SUPPORTED:
         raise ValueError(f"GGUF tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, which tokenloom does "
                          f"not read; supported tensor types: {describe_supported()}")
 
 
-def shape(tensor: ReaderTensor) -> tuple[int, ...]:
-    """The tensor's shape in PyTorch order (GGUF lists its dimensions innermost first)."""
-    return tuple(int(d) for d in reversed(tensor.shape))
-
-
-def _row_blocks(tensor: ReaderTensor) -> np.ndarray:
+def _row_blocks(tensor: GGUFTensor) -> np.ndarray:
     """The raw bytes of a 2-D quantized tensor as [N, K / block, bytes per block]."""
     block, nbytes = GGML_QUANT_SIZES[tensor.tensor_type]
-    n, k = shape(tensor)
-    return np.asarray(tensor.data).reshape(n, k // block, nbytes)
+    n, k = tensor.shape
+    return tensor.data.reshape(n, k // block, nbytes)
 
 
-def kept_blocks(tensor: ReaderTensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def q4_0_bytes(tensor: GGUFTensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_0 matrix [N, K] as its nibbles, uint8 [N, K / 32, 16] (byte j: element j low, j + 16
+    high, each q + 8), and its float16 scales [N, K / 32]; `rows` reorders the rows."""
+    b = _row_blocks(tensor)
+    n, nb, _ = b.shape
+    if rows is not None:
+        b = b[rows.numpy()]
+    # numpy: its copies of these strided byte views ran far faster than PyTorch's here
+    return (torch.from_numpy(np.ascontiguousarray(b[..., 2:])),
+            torch.from_numpy(np.ascontiguousarray(b[..., :2]).view(np.float16).reshape(n, nb)))
+
+
+def kept_blocks(tensor: GGUFTensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q4_0 / Q8_0 / Q5_0 matrix [N, K] as (int8 q [N, K], float16 d [N, K / 32]) with
     w[n, k] = q[n, k] * d[n, k // 32] exactly; `rows` reorders the rows (q and d alike)."""
     qtype = tensor.tensor_type
@@ -86,7 +95,7 @@ def kept_blocks(tensor: ReaderTensor, rows: torch.Tensor | None = None) -> tuple
         q = torch.empty((n, nb * GROUP), dtype=torch.int8)
         for r0 in range(0, n, _ROWS_PER_CHUNK):
             r1 = min(n, r0 + _ROWS_PER_CHUNK)
-            w = torch.from_numpy(dequantize(np.asarray(tensor.data[r0:r1]), qtype)).view(r1 - r0, nb, GROUP)
+            w = torch.from_numpy(dequantize(tensor.data[r0:r1], qtype)).view(r1 - r0, nb, GROUP)
             dd = d[r0:r1].float()[..., None]
             q[r0:r1] = torch.where(dd != 0, w / torch.where(dd != 0, dd, 1), 0).round().to(torch.int8).view(r1 - r0, -1)
     if rows is not None:
@@ -94,24 +103,23 @@ def kept_blocks(tensor: ReaderTensor, rows: torch.Tensor | None = None) -> tuple
     return q.contiguous(), d.contiguous()
 
 
-def dense(tensor: ReaderTensor, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+def dense(tensor: GGUFTensor, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The tensor's values in `dtype` (quantized types dequantized in float32 first, a few
     thousand rows at a time); `rows` reorders the first dimension."""
     qtype = tensor.tensor_type
-    dims = shape(tensor)
+    dims = tensor.shape
     if qtype in FLOAT:
-        data = np.asarray(tensor.data)
         if qtype == T.BF16:  # numpy has no bfloat16: the raw 16 bits, reinterpreted
-            t = torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
+            t = torch.from_numpy(np.array(tensor.data).view(np.int16)).view(torch.bfloat16)
         else:
-            t = torch.from_numpy(np.array(data))
+            t = torch.from_numpy(np.array(tensor.data))
         out = t.reshape(dims).to(dtype)
     elif len(dims) == 1:
-        out = torch.from_numpy(dequantize(np.asarray(tensor.data), qtype)).reshape(dims).to(dtype)
+        out = torch.from_numpy(dequantize(tensor.data, qtype)).reshape(dims).to(dtype)
     else:
         n = dims[0]
         out = torch.empty(dims, dtype=dtype)
-        raw = np.asarray(tensor.data).reshape(n, -1)
+        raw = tensor.data
         for r0 in range(0, n, _ROWS_PER_CHUNK):
             r1 = min(n, r0 + _ROWS_PER_CHUNK)
             out[r0:r1] = torch.from_numpy(dequantize(raw[r0:r1], qtype)).reshape(r1 - r0, *dims[1:])

@@ -26,12 +26,13 @@ import re
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
-from gguf import ReaderTensor
 
 from tokenloom.model.llama import CausalLM, ModelArgs
 from tokenloom.model.weights.formats.gguf import open_file
-from tokenloom.model.weights.formats.gguf_blocks import KEPT, dense, kept_blocks
+from tokenloom.model.weights.formats.gguf_blocks import KEPT, dense, kept_blocks, q4_0_bytes
+from tokenloom.model.weights.formats.gguf_file import GGUFTensor
 from tokenloom.model.weights.quant_schemes import QuantScheme
 
 log = logging.getLogger("tokenloom")
@@ -91,8 +92,9 @@ def load_gguf_weights(path: Path, model: CausalLM, a: ModelArgs, params: dict[st
     """Fill `model` from GGUF file `path`: dense parameters in `params` (counted in `filled`, as
     the loader counts a safetensors checkpoint's), kept matrices installed as quantized linears
     (`kernels`: in our CPU kernel's layout).  Returns how many matrices stay quantized."""
-    reader, arch = open_file(path)
-    parts: dict[str, list[tuple[ReaderTensor, int | None, torch.Tensor | None]]] = {}
+    reader = open_file(path)
+    arch = reader.metadata["general.architecture"]
+    parts: dict[str, list[tuple[GGUFTensor, int | None, torch.Tensor | None]]] = {}
     for t in reader.tensors:
         hf = hf_name(t.name)
         tgt = None if hf is None else place(hf, a)
@@ -128,7 +130,7 @@ def _keeps(pname: str, ts: list, a: ModelArgs) -> bool:
     return linear and all(t.tensor_type in KEPT for t, _, _ in ts)
 
 
-def _fill_dense(p: torch.nn.Parameter, pname: str, idx: int | None, t: ReaderTensor, rows: torch.Tensor | None,
+def _fill_dense(p: torch.nn.Parameter, pname: str, idx: int | None, t: GGUFTensor, rows: torch.Tensor | None,
                 a: ModelArgs, dtype: torch.dtype, device: torch.device, bounds: Bounds) -> None:
     w = dense(t, dtype, rows)
     if idx is None:
@@ -144,17 +146,27 @@ def _fill_dense(p: torch.nn.Parameter, pname: str, idx: int | None, t: ReaderTen
     p.data[lo:hi].copy_(w)
 
 
+def _stack(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parts of a fused matrix, rows stacked (integers and scales alike)."""
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.from_numpy(np.concatenate([p[i].numpy() for p in parts])) for i in (0, 1))
+
+
 def _install(model: CausalLM, pname: str, ts: list, dtype: torch.dtype, device: torch.device, kernels: bool) -> None:
     """Replace the linear (or the tied embedding and head) of `pname` by its kept blocks."""
     from tokenloom.model.weights.quantization import (PanelQuantized, QuantEmbedding, QuantLinear,
                                                       TorchQuantized)
 
-    blocks = [kept_blocks(t, rows) for t, _, rows in sorted(ts, key=lambda x: x[1] or 0)]
-    q = torch.cat([b[0] for b in blocks]) if len(blocks) > 1 else blocks[0][0]
-    d = torch.cat([b[1] for b in blocks]) if len(blocks) > 1 else blocks[0][1]
+    ts = sorted(ts, key=lambda x: x[1] or 0)
     scheme = Q4_0 if all(KEPT[t.tensor_type] == "int4" for t, _, _ in ts) else Q8_0
-    make = PanelQuantized if kernels else TorchQuantized
-    matrix = make.from_quantized(q.to(device), d.to(device), scheme)
+    if scheme is Q4_0 and kernels:  # our panels straight from the file's nibbles
+        blocks, d = _stack([q4_0_bytes(t, rows) for t, _, rows in ts])
+        matrix = PanelQuantized.from_int4_blocks(blocks, d, scheme)
+    else:
+        q, d = _stack([kept_blocks(t, rows) for t, _, rows in ts])
+        make = PanelQuantized if kernels else TorchQuantized
+        matrix = make.from_quantized(q.to(device), d.to(device), scheme)
     pad = matrix.qweight.shape[0] * 32 if kernels else None
     module = pname.removesuffix(".weight")
     if module == "embed_tokens":  # tied: one matrix for the lookup and the head
