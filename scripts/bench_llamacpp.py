@@ -239,6 +239,18 @@ class LlamaDecoder:
         return statistics.median(self.decode_one() for _ in range(steps))
 
 
+_QUIET = []
+
+
+def _quiet_log():
+    """A llama.cpp log callback that drops every line (kept alive here: C holds only its pointer)."""
+    import llama_cpp as L
+
+    if not _QUIET:
+        _QUIET.append(L.llama_log_callback(lambda level, text, user_data: None))
+    return _QUIET[0]
+
+
 class LlamaBatchDecoder:
     """One llama.cpp context decoding `batch` sequences greedily, through the C API: each step is
     one `llama_decode` of a batch holding the next token of every sequence (the step timed), then
@@ -249,6 +261,7 @@ class LlamaBatchDecoder:
         import numpy as np
 
         self.L, self._np, self.n = L, np, len(prompts)
+        L.llama_log_set(_quiet_log(), ctypes.c_void_p(0))  # as Llama(verbose=False): no load chatter
         L.llama_backend_init()
         self.model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
         if not self.model:
