@@ -59,7 +59,7 @@ from tokenloom.model.weights.parallel import check_split
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.spec_decode.config import SpeculativeConfig
 from tokenloom.spec_decode.proposer import SpecProposer
-from tokenloom.structured import GrammarCompiler
+from tokenloom.structured import GrammarCompiler, gate_grammar
 
 logger = logging.getLogger("tokenloom")
 
@@ -293,7 +293,9 @@ class LLMEngine:
                 max_tokens=max_tokens,
                 priority=priority,
                 cache_salt=cache_salt,
-                grammar=self.grammars.new_state(params.structured_outputs) if params.structured_outputs else None,
+                # with reasoning tags, the grammar holds only the answer after the thinking
+                grammar=gate_grammar(self.grammars.new_state(params.structured_outputs), params.reasoning_tags, ids)
+                if params.structured_outputs else None,
             )
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                            params.stop, params.include_stop_str_in_output)
