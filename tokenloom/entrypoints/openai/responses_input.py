@@ -106,6 +106,8 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]],
     """The chat request for `req`: instructions, then the stored `history`, then its input."""
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else []) \
         + history + new_messages
+    if not messages:
+        raise bad_request("input holds no message (reasoning items alone are no conversation)", param="input")
     tools = None
     if req.tools is not None:
         tools = [{"type": "function", "function": t.model_dump(include={"name", "description", "parameters"},

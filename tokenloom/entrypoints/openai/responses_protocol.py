@@ -21,6 +21,7 @@ from tokenloom.entrypoints.openai.protocol import NonEmptyStr, _Request
 UNSUPPORTED = "unsupported"  # the pydantic error type of a field this server does not support
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 TEXT_PART_TYPES = ("input_text", "output_text")
+MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 
 
 def _unsupported(reason: str, *, allowed: tuple[Any, ...] = (None,)):
@@ -89,6 +90,8 @@ def _check_input(v: Any) -> Any:
     before the union's own, vaguer, errors."""
     if not isinstance(v, list):
         return v
+    if not v:
+        raise PydanticCustomError("too_short", "give a text or at least one item")
     for i, item in enumerate(v):
         if not isinstance(item, dict):
             continue
@@ -97,6 +100,10 @@ def _check_input(v: Any) -> Any:
             raise PydanticCustomError(UNSUPPORTED, "item {i} has type {kind}, which this server does not support "
                                       "(only message, function_call, function_call_output and reasoning)",
                                       {"i": i, "kind": repr(kind)})
+        if kind == "message" and isinstance(item.get("role"), str) and item["role"] not in MESSAGE_ROLES:
+            raise PydanticCustomError(UNSUPPORTED, "item {i} has role {role}: a message is from the user, the "
+                                      "assistant, the system or the developer (a tool's result is a "
+                                      "function_call_output item)", {"i": i, "role": repr(item["role"])})
         parts = item.get("content") if kind == "message" else item.get("output")
         for j, part in enumerate(parts if isinstance(parts, list) else []):
             ptype = part.get("type") if isinstance(part, dict) else None
