@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from tokenloom.entrypoints.openai.protocol import NonEmptyStr, _Request
+from tokenloom.entrypoints.openai.protocol import NonEmptyStr, _integral, _Request
 
 UNSUPPORTED = "unsupported"  # the pydantic error type of a field this server does not support
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
@@ -36,14 +36,24 @@ def _unsupported(reason: str, *, allowed: tuple[Any, ...] = (None,)):
     return BeforeValidator(check)
 
 
+class _Strict(_Request):
+    """Strict types (no "true" for true, no 0.0 for false): the server takes exactly what the
+    document states.  Integers still come as 5.0 too, which JSON Schema counts as an integer."""
+
+    model_config = ConfigDict(strict=True)
+
+
+PositiveCount = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
+
+
 # ---- request: input items ---------------------------------------------------
 
-class InputText(_Request):
+class InputText(_Strict):
     type: Literal["input_text", "output_text"]  # output_text: an earlier answer sent back as it came
     text: str
 
 
-class MessageItem(_Request):
+class MessageItem(_Strict):
     """A message (OpenAI's EasyInputMessage / message item): `developer` is taken as `system`."""
 
     type: Literal["message"] | None = None
@@ -51,7 +61,7 @@ class MessageItem(_Request):
     content: str | list[InputText]
 
 
-class FunctionCallItem(_Request):
+class FunctionCallItem(_Strict):
     """A call the model made earlier (sent back for a tool round trip)."""
 
     type: Literal["function_call"]
@@ -60,7 +70,7 @@ class FunctionCallItem(_Request):
     arguments: str
 
 
-class FunctionCallOutputItem(_Request):
+class FunctionCallOutputItem(_Strict):
     """The result of a call, for the model to read."""
 
     type: Literal["function_call_output"]
@@ -68,12 +78,12 @@ class FunctionCallOutputItem(_Request):
     output: str | list[InputText]
 
 
-class ReasoningText(_Request):
+class ReasoningText(_Strict):
     type: Literal["reasoning_text", "summary_text"]
     text: str
 
 
-class ReasoningItemIn(_Request):
+class ReasoningItemIn(_Strict):
     """An earlier reasoning item: its text goes to the chat template with the next assistant
     message, as `reasoning_content` (templates that show past thinking read it)."""
 
@@ -95,7 +105,7 @@ def _check_input(v: Any) -> Any:
     for i, item in enumerate(v):
         if not isinstance(item, dict):
             continue
-        kind = item.get("type", "message")
+        kind = item.get("type") or "message"
         if kind not in INPUT_ITEM_TYPES:
             raise PydanticCustomError(UNSUPPORTED, "item {i} has type {kind}, which this server does not support "
                                       "(only message, function_call, function_call_output and reasoning)",
@@ -115,7 +125,7 @@ def _check_input(v: Any) -> Any:
 
 # ---- request: tools, text format ---------------------------------------------
 
-class FunctionTool(_Request):
+class FunctionTool(_Strict):
     """Responses' flat function tool: {"type": "function", "name", "description", "parameters", "strict"}."""
 
     type: Literal["function"]
@@ -135,7 +145,7 @@ def _check_tools(v: Any) -> Any:
     return v
 
 
-class ToolChoiceFunction(_Request):
+class ToolChoiceFunction(_Strict):
     type: Literal["function"]
     name: NonEmptyStr
 
@@ -147,15 +157,15 @@ def _check_tool_choice(v: Any) -> Any:
     return v
 
 
-class FormatText(_Request):
+class FormatText(_Strict):
     type: Literal["text"]
 
 
-class FormatJsonObject(_Request):
+class FormatJsonObject(_Strict):
     type: Literal["json_object"]
 
 
-class FormatJsonSchema(_Request):
+class FormatJsonSchema(_Strict):
     model_config = ConfigDict(populate_by_name=True)
     type: Literal["json_schema"]
     name: str = Field(min_length=1, max_length=64)
@@ -167,24 +177,24 @@ class FormatJsonSchema(_Request):
 TextFormat = Annotated[Union[FormatText, FormatJsonObject, FormatJsonSchema], Field(discriminator="type")]
 
 
-class TextConfig(_Request):
+class TextConfig(_Strict):
     format: TextFormat | None = None
     verbosity: Annotated[None, _unsupported("verbosity is not supported by this server")] = None
 
 
-class ResponsesStreamOptions(_Request):
+class ResponsesStreamOptions(_Strict):
     include_obfuscation: bool | None = None  # accepted; nothing is obfuscated
 
 
 # ---- request ------------------------------------------------------------------
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(_Strict):
     """POST /v1/responses (docs/responses.md)."""
 
     model: str | None = None
     input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: PositiveCount | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     tools: list[FunctionTool] | None = None
