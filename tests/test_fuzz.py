@@ -249,7 +249,8 @@ def _edge_cases(vocab: int) -> list[tuple[str, str, dict]]:
         (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2, "background": True}),
         (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2, "background": False}),
         (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2, "tools": [{"type": "web_search"}]}),
-        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2, "text": {"format": {"type": "json_object"}}}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2,
+                                    "text": {"format": {"type": "json_object"}}}),
         (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2, "metadata": {"k" * 65: "v"}}),
         (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2, "metadata": {"k": "v"}}),
     ]

@@ -189,8 +189,10 @@ def test_chat_message_and_deltas_carry_reasoning_content(client):
     assert (m.reasoning_content, m.content) == ("Plan: greet back.", "Hello, friend!")
     deltas, reason = _stream(client, "<think>Plan: greet back.</think>\n\nHello, friend!")
     assert reason == "stop"
-    assert _joined(deltas, "reasoning_content") == "Plan: greet back." and _joined(deltas, "content") == "Hello, friend!"
-    kinds = ["r" if d.get("reasoning_content") else "c" for d in deltas if d.get("reasoning_content") or d.get("content")]
+    assert _joined(deltas, "reasoning_content") == "Plan: greet back."
+    assert _joined(deltas, "content") == "Hello, friend!"
+    kinds = ["r" if d.get("reasoning_content") else "c" for d in deltas
+             if d.get("reasoning_content") or d.get("content")]
     assert kinds == sorted(kinds, reverse=True) and len(kinds) > 2  # every reasoning delta before any content
     assert not any("<think>" in json.dumps(d) or "</think>" in json.dumps(d) for d in deltas)
     # No thinking (qwen3: only a leading <think> opens it): all content.
@@ -258,7 +260,8 @@ def test_responses_reasoning_item(client, server):
     assert r.output[0].content[0].text == "Plan: greet back." and r.output_text == "Hello, friend!"
     chat = _chat(client, "<think>Plan: greet back.</think>\n\nHello, friend!")
     details = r.usage.output_tokens_details
-    assert r.usage.output_tokens == chat.usage.completion_tokens and 0 < details.reasoning_tokens < r.usage.output_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert 0 < details.reasoning_tokens < r.usage.output_tokens
     body = {"model": NAME, "input": ask("<think>Plan: greet back.</think>\n\nHello, friend!"), "stream": True,
             "temperature": 0}
     with httpx.stream("POST", server.base_url + "/v1/responses", json=body, timeout=60) as resp:

@@ -79,7 +79,8 @@ def test_text_and_messages_answer_as_chat_does(client):
 
 def test_items_with_parts_and_developer_role(client):
     items = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Rules."}]},
-             {"role": "user", "content": [{"type": "input_text", "text": "Say "}, {"type": "input_text", "text": "it."}]},
+             {"role": "user", "content": [{"type": "input_text", "text": "Say "},
+                                          {"type": "input_text", "text": "it."}]},
              {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": ANSWER,
                                                                     "annotations": []}]},
              {"role": "user", "content": "Again, please."}]

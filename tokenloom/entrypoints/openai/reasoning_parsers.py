@@ -13,9 +13,9 @@ Responses API gives the same split as a `reasoning` output item.
 
 For both, a tag at the very end of the prompt counts first (`ReasoningTags.starts_inside`): a
 template that ends the prompt with an open `<think>` starts the output inside, one that closed
-it (`<think></think>`, thinking switched off) starts it in the answer.  The same rule, on token ids, gates structured output (structured/reasoning_gate.py),
-so a JSON schema or a forced tool call constrains the answer and tool calls are read from the
-answer alone.  Both tags must be single tokens of the vocabulary (checked at start-up), which
+it (`<think></think>`, thinking switched off) starts it in the answer.  The same rule, on token
+ids, gates structured output (structured/reasoning_gate.py), so a JSON schema or a forced tool
+call constrains the answer and tool calls are read from the answer alone.  Both tags must be single tokens of the vocabulary (checked at start-up), which
 they are in the models these parsers are for.
 """
 

@@ -89,8 +89,10 @@ def usage_of(p: _Prepared, out: RequestOutput) -> ResponseUsage:
     c = out.outputs[0]
     prompt, completion = len(out.prompt_token_ids), len(c.token_ids)
     reasoning = p.reasoning.reasoning_tokens(list(c.token_ids), p.inside) if p.reasoning is not None else 0
-    return ResponseUsage(input_tokens=prompt, input_tokens_details=InputTokensDetails(cached_tokens=out.num_cached_tokens),
-                         output_tokens=completion, output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),
+    return ResponseUsage(input_tokens=prompt,
+                         input_tokens_details=InputTokensDetails(cached_tokens=out.num_cached_tokens),
+                         output_tokens=completion,
+                         output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),
                          total_tokens=prompt + completion)
 
 

@@ -119,7 +119,8 @@ def _check_input(v: Any) -> Any:
             ptype = part.get("type") if isinstance(part, dict) else None
             if isinstance(ptype, str) and ptype not in TEXT_PART_TYPES:
                 raise PydanticCustomError(UNSUPPORTED, "item {i} has a content part of type {kind}, which this server "
-                                          "does not support (only input_text and output_text)", {"i": i, "kind": repr(ptype)})
+                                          "does not support (only input_text and output_text)",
+                                          {"i": i, "kind": repr(ptype)})
     return v
 
 
