@@ -317,6 +317,8 @@ def test_every_bad_field_is_a_400_naming_it(server, extra, param):
     assert r.status_code == 400, err
     assert err["param"] == param or err["param"].startswith(param + "."), err
     assert err["type"] == "invalid_request_error" and err["message"]
+    if "not supported" in err["message"] or "does not support" in err["message"]:
+        assert err["code"] == "unsupported_value", err
 
 
 def test_unknown_model_and_ids_are_404s(server, client):

@@ -16,9 +16,9 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from tokenloom.entrypoints.openai.errors import UNSUPPORTED
 from tokenloom.entrypoints.openai.protocol import NonEmptyStr, _integral, _Request
 
-UNSUPPORTED = "unsupported"  # the pydantic error type of a field this server does not support
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 TEXT_PART_TYPES = ("input_text", "output_text")
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
