@@ -399,3 +399,43 @@ def test_scales_repeat_exactly_over_the_kernel_groups():
     ref = (x.double() @ w.dequantize().double().t()).float()
     tol = 2e-5 * math.sqrt(200) * x.abs().max().item() * w.dequantize().abs().max().item()
     torch.testing.assert_close(mapped.matrix.matmul(x, None), ref, atol=tol, rtol=0)
+
+
+def _kernel_paths() -> list[bool]:
+    return [True, False] if KERNEL else [False]
+
+
+@pytest.mark.parametrize("panels", _kernel_paths(), ids=lambda p: "panels" if p else "torch")
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, -1)])
+def test_zero_points_and_input_order_wrap_the_kernel_exactly(panels, bits, group):
+    """Zero points (the per-group correction) and a desc_act input order (x gathered to it)
+    around our kernel: the matrix is the checkpoint's, and so are its products with x, at decode
+    row counts (the VNNI integer path) and batched ones, in float32 and bfloat16."""
+    from tokenloom.model.weights.formats.int_weight import IntWeight
+    from tokenloom.model.weights.formats.to_kernels import map_weight
+
+    g = torch.Generator().manual_seed(bits * 1000 + group)
+    n, k = 96, 256
+    gs = k if group == -1 else group
+    groups = -(-k // gs)
+    order = torch.randperm(k, generator=g)
+    g_idx = torch.empty(k, dtype=torch.int64)
+    g_idx[order] = torch.arange(k) // gs
+    dtype = torch.float16 if (not panels or kernel_takes_fp16_scales()) else torch.bfloat16
+    w = IntWeight(bits=bits, codes=torch.randint(0, 2 ** bits, (n, k), generator=g).to(torch.uint8),
+                  scales=(torch.rand(n, groups, generator=g) / 8).to(dtype),
+                  zeros=torch.randint(0, 2 ** bits, (n, groups), generator=g), group=gs, g_idx=g_idx)
+    mapped = map_weight([w], panels=panels, dtype=torch.float32)
+    kind = ("kernel" if panels else "torch") + "+zeros" + ("+order" if group != -1 else "")  # one group: no order
+    assert _kind(QuantLinear(mapped.matrix, None)) == kind
+    deq = w.dequantize()
+    torch.testing.assert_close(mapped.matrix.dequantize(), deq, rtol=0, atol=0)
+    for m in (1, 3, 8, 20):
+        x = torch.randn(m, k, generator=g)
+        ref = (x.double() @ deq.double().t()).float()
+        tol = 3e-5 * math.sqrt(k) * x.abs().max().item() * deq.abs().max().item()
+        torch.testing.assert_close(mapped.matrix.matmul(x, None), ref, atol=tol, rtol=0)
+        yb = mapped.matrix.matmul(x.bfloat16(), None)
+        assert yb.dtype == torch.bfloat16
+        torch.testing.assert_close(yb.float(), (x.bfloat16().double() @ deq.double().t()).float(),
+                                   atol=tol + 1e-2 * ref.abs().max().item(), rtol=0)
