@@ -49,7 +49,7 @@ class Mapped:
 
     matrix: QuantizedMatrix | None
     dense: torch.Tensor | None
-    why: str  # in words: "int4 kernel, group 128 (checkpoint 128), fp16 scales, zero points" / why dense
+    why: str  # in words: "int4 kernel, groups of 128 (checkpoint 128), float16 scales, zero points"
 
 
 def map_weight(parts: list[IntWeight], *, panels: bool, dtype: torch.dtype) -> Mapped:
