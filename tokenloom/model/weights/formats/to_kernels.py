@@ -186,10 +186,10 @@ class Prequantized(QuantizedMatrix):
             x = x.index_select(-1, self.perm)
         if self.correction is None:
             return self.inner.matmul(x, bias)
-        xf = x.float()  # one rounding to x's dtype, after the correction is added
+        xf = x.float().reshape(-1, x.shape[-1])  # one rounding to x's dtype, after the correction is added
         y = self.inner.matmul(xf, bias)
-        y = y + F.linear(group_sums(xf, self.group, self.correction.shape[1]), self.correction)
-        return y.to(x.dtype)
+        y = torch.addmm(y, group_sums(xf, self.group, self.correction.shape[1]), self.correction.t())
+        return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.inner.rows(ids)  # [..., K], inputs in the kernel's order
