@@ -429,7 +429,10 @@ class Scheduler:
                     req.first_token_time = now
                 req.last_token_time = now
             if done:
-                self.running.remove(req)
+                if self.paused.pop(req.request_id, None) is not None:  # paused while its step ran (async)
+                    req.paused = False
+                else:
+                    self._unqueue(req)
                 self.requests.pop(req.request_id, None)
                 self.kv.free(req)
                 req.finished_time = now

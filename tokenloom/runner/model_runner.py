@@ -32,7 +32,7 @@ from tokenloom.kernels import glibc_heap
 from tokenloom.runner.logprobs import logprob_rows
 from tokenloom.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from tokenloom.runner.tp_comm import recv_step, send_step
-from tokenloom.runner.sampler import SamplingRow, sample
+from tokenloom.runner.sampler import PendingSample, SamplingRow, sample, sample_start
 from tokenloom.spec_decode.verify import verify
 from tokenloom.structured import StepMasks
 
@@ -72,6 +72,20 @@ class _PromptSpan:
     rows: torch.Tensor  # their rows in the step's hidden states
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass and sampling are queued (`ModelRunner.launch`); `collect`
+    turns it into the RunnerOutput.  `rows`: request id -> its row in `pending.token_ids`."""
+
+    out: SchedulerOutput
+    result: RunnerOutput
+    t0: float
+    t_model: float = 0.0
+    model_timed: bool = False  # model_time measured at launch (else: up to `collect`)
+    pending: PendingSample | None = None
+    rows: dict[str, int] = field(default_factory=dict)
+
+
 class RequestError(RuntimeError):
     """A failure that belongs to one request (`request_id`): the engine fails it alone."""
 
@@ -80,11 +94,11 @@ class RequestError(RuntimeError):
         self.request_id = request_id
 
 
-def _sample_or_blame(logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | None = None):
-    """`sample`, and if it raises, the row that makes it raise found by sampling each row
+def _sample_or_blame(logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | None = None) -> PendingSample:
+    """`sample_start`, and if it raises, the row that makes it raise found by sampling each row
     alone (only on failure), so one request's bad settings fail that request, not the step."""
     try:
-        return sample(logits, rows, masks)
+        return sample_start(logits, rows, masks)
     except Exception as exc:
         for i, row in enumerate(rows):
             try:
@@ -116,6 +130,9 @@ class ModelRunner:
             for _ in range(a.num_layers)
         ]
         self.generators: dict[str, torch.Generator] = {}
+        # wait for the forward before sampling, so model_time is the model's alone; async
+        # scheduling turns it off (the host must not wait until it needs the tokens)
+        self.sync_model_time = True
         if self.device.type == "cpu":
             glibc_heap.keep_step_buffers()  # every step's temporaries reused, not faulted in anew
         self.attn = build_backend(plan.attention, self.device, loaded.dtype, a.head_dim, a.num_kv_heads,
@@ -171,19 +188,21 @@ class ModelRunner:
 
     # ---- input preparation ------------------------------------------
     @staticmethod
-    def _decode_inputs(decodes: list[ScheduledRequest], bs: int) -> tuple[list[int], list[int], list[int]]:
-        """ids, positions and KV slots of one-token decodes: plain Python ints (the hot path)."""
+    def _decode_inputs(decodes: list[ScheduledRequest], bs: int,
+                       known: bool = True) -> tuple[list[int], list[int], list[int]]:
+        """ids, positions and KV slots of one-token decodes: plain Python ints (the hot path).
+        `known=False`: the ids are still on the device (async scheduling); zeros stand in."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         for s in decodes:
             c = s.num_computed_before
-            ids.append(s.request.token_at(c))
+            ids.append(s.request.token_at(c) if known else 0)
             pos.append(c)
             slots.append(s.block_ids[c // bs] * bs + c % bs)
         return ids, pos, slots
 
-    def _prepare(self, out: SchedulerOutput):
+    def _prepare(self, out: SchedulerOutput, known: bool = True):
         bs = self.block_size
         decodes = [s for s in out.scheduled if s.phase == "decode"]
         prefills = [s for s in out.scheduled if s.phase != "decode"]
@@ -206,7 +225,7 @@ class ModelRunner:
                     slots.append(s.block_ids[p // bs] * bs + p % bs)
             decode_ctx = [p + 1 for p in pos]
         else:
-            ids, pos, slots = self._decode_inputs(decodes, bs)
+            ids, pos, slots = self._decode_inputs(decodes, bs, known)
             offsets = list(range(len(decodes)))
             decode_ctx = [s.num_computed_before + 1 for s in decodes]
         t = len(decodes)
@@ -253,20 +272,37 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, feed: "LaunchedStep | None" = None) -> "LaunchedStep":
+        """Prepare the step's inputs and queue its forward pass and sampling, without waiting
+        for the device (on CUDA the host returns while the GPU works; on the CPU the work is
+        done on return).  `feed`: the step before it, still running, whose sampled tokens are
+        this step's input ids (async scheduling: every request here is a one-token decode of
+        a request that samples in `feed`); they go from its sampler's output to this step's
+        inputs on the device, never through the host."""
         t0 = time.perf_counter()
-        result = RunnerOutput()
+        launched = LaunchedStep(out, RunnerOutput(), t0)
         if out.is_empty:
-            return result
+            return launched
+        fed = None
+        if feed is not None:
+            src = [feed.rows[s.request_id] for s in out.scheduled]
+            fed = feed.pending.token_ids[torch.tensor(src, dtype=torch.long, device=self.device)]
+        result = launched.result
         decodes = self._graph_decodes(out)
         hidden = None
         if decodes is not None:
-            ids, pos, slots = self._decode_inputs(decodes, self.block_size)
+            ids, pos, slots = self._decode_inputs(decodes, self.block_size, known=fed is None)
             sample_sched = [(s, i) for i, s in enumerate(decodes)]
             masks = StepMasks.start([s.request.grammar for s, _ in sample_sched])  # filled during the forward
             t_model = time.perf_counter()
-            logits = self.graphs.run(ids, pos, slots, [s.block_ids for s in decodes])
+            logits = self.graphs.run(ids, pos, slots, [s.block_ids for s in decodes], device_ids=fed)
         else:
-            order, offsets, input_ids, positions, meta = self._prepare(out)
+            order, offsets, input_ids, positions, meta = self._prepare(out, known=fed is None)
+            if fed is not None:
+                input_ids = fed  # decodes only, in `out.scheduled` order
             sample_sched = [(s, off + s.num_new_tokens - 1) for s, off in zip(order, offsets)
                             if s.sample and not s.spec_token_ids]
             # decodes with drafts: logits at the decode token and at every draft (verify.py)
@@ -281,21 +317,36 @@ class ModelRunner:
                 send_step(input_ids, positions, meta, [rows_idx] + [sp.rows for sp in spans])
             hidden = self._forward(input_ids, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[rows_idx]) if len(rows_idx) else None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the sampler syncs anyway; this makes model_time honest
-        result.model_time = time.perf_counter() - t_model
+        launched.t_model = t_model
+        if self.device.type != "cuda" or self.sync_model_time:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the sampler syncs anyway; this makes model_time honest
+            result.model_time = time.perf_counter() - t_model
+            launched.model_timed = True
         if decodes is None and spec_sched:
             self._verify(spec_sched, logits[len(sample_sched):], result)
         if sample_sched:
             rows = [self._sampling_row(s) for s, _ in sample_sched]
-            so = _sample_or_blame(logits[:len(sample_sched)] if decodes is None and spec_sched else logits, rows, masks)
-            for (s, _), tok, lp in zip(sample_sched, so.token_ids, so.logprobs):
-                result.sampled[s.request_id] = tok
-                if lp is not None:
-                    result.logprobs[s.request_id] = lp
+            launched.pending = _sample_or_blame(logits[:len(sample_sched)] if decodes is None and spec_sched
+                                                else logits, rows, masks)
+            launched.rows = {s.request_id: i for i, (s, _) in enumerate(sample_sched)}
         if hidden is not None:  # decode-only steps have no prompt left to score
             self._prompt_logprobs(spans, hidden, result)
-        result.forward_time = time.perf_counter() - t0
+        return launched
+
+    def collect(self, launched: "LaunchedStep") -> RunnerOutput:
+        """The launched step's results as Python values: waits for the device."""
+        result = launched.result
+        if launched.pending is not None:
+            so = launched.pending.finish()
+            for rid, i in launched.rows.items():
+                result.sampled[rid] = so.token_ids[i]
+                if so.logprobs[i] is not None:
+                    result.logprobs[rid] = so.logprobs[i]
+        now = time.perf_counter()
+        if launched.t_model and not launched.model_timed:  # not synchronised at launch: up to the tokens
+            result.model_time = now - launched.t_model
+        result.forward_time = now - launched.t0
         return result
 
     def _sampling_row(self, s: ScheduledRequest) -> SamplingRow:
