@@ -67,8 +67,11 @@ def test_speculation_is_refused(tiny_llama):
 
 
 def test_same_tokens_and_finish_reasons_across_stop_rules(pair):
+    seeded = dict(n=3, temperature=1.0, seed=5, max_tokens=18, ignore_eos=True)
     plain = [(f"r{i}", p, _greedy(24 + i, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
-    ref, _ = _drive(pair[False], plain)
+    ref, _ = _drive(pair[False], plain + [("n3", PROMPTS[7], SamplingParams(**seeded))])
+    # sample 0 of an n=3 request stops by its 11th token; its siblings carry on (or stop elsewhere)
+    n3_stop = ref["n3"][0][0][10]
     texts = {rid: ref[rid][0][1] for rid, _, _ in plain}
     toks = {rid: ref[rid][0][0] for rid, _, _ in plain}
     # a stop string part-way through r0's text; a stop token part-way through r1's (EOS's path)
@@ -80,9 +83,9 @@ def test_same_tokens_and_finish_reasons_across_stop_rules(pair):
         ("r2", PROMPTS[2], _greedy(1)),
         ("r3", PROMPTS[3], _greedy(3)),
         ("r4", PROMPTS[4], _greedy(28, ignore_eos=True, logprobs=2)),
-        ("r5", PROMPTS[5], _greedy(20, repetition_penalty=1.3, min_tokens=4)),
+        ("r5", PROMPTS[5], _greedy(6, repetition_penalty=1.3, min_tokens=4)),
         ("r6", PROMPTS[6], _greedy(12, stop=[texts["r6"][3:5]], include_stop_str_in_output=True)),
-        ("r7", PROMPTS[7], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=18, ignore_eos=True)),
+        ("r7", PROMPTS[7], SamplingParams(**{**seeded, "ignore_eos": False, "stop_token_ids": [n3_stop]})),
         ("r8", PROMPTS[0], _greedy(9, ignore_eos=True)),  # r0's prompt again: a prefix-cache hit
     ]
     off, trace_off = _drive(pair[False], mixed)
@@ -93,6 +96,8 @@ def test_same_tokens_and_finish_reasons_across_stop_rules(pair):
     assert trace_on == trace_off  # each step() returned the same outputs: nothing extra streamed
     assert off["r0"][0][2] == "stop" and off["r0"][0][3] == stop and off["r1"][0][2] == "stop"
     assert len(off["r2"][0][0]) == 1 and off["r3"][0][2] == "length"
+    ends = [len(c[0]) for c in off["r7"]]
+    assert ends[0] <= 11 and max(ends) > ends[0], ends  # the siblings end at different steps
 
 
 def test_logprobs_match(pair):
