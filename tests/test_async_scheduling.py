@@ -35,19 +35,21 @@ def pair(tiny_llama):
 
 
 def _drive(eng: LLMEngine, requests: list[tuple[str, str, SamplingParams]],
-           actions: dict[int, list[tuple[str, str]]] | None = None) -> tuple[dict, list]:
+           actions: dict[int, list[tuple[str, str]]] | None = None) -> tuple[dict, dict]:
     """Add `requests`, step to the end (running `actions[k]` -- ("abort"|"pause"|"resume", id)
     -- after the k-th step), and return {id: [(token ids, text, finish, stop_reason) per sample]}
-    plus the trace of what each step returned."""
+    plus, per request, every snapshot the steps streamed of it, in order (when a step
+    happens to admit a request may differ with overlap; what its stream shows may not)."""
     for rid, prompt, params in requests:
         eng.add_request(rid, prompt, params)
-    final, trace, k = {}, [], 0
+    final, trace, k = {}, {}, 0
     actions = actions or {}
     while eng.has_unfinished_requests():
         outs = eng.step()
         k += 1
         assert k < 2000, "the engine does not finish"
-        trace.append(sorted((o.request_id, tuple(tuple(c.token_ids) for c in o.outputs), o.finished) for o in outs))
+        for o in outs:
+            trace.setdefault(o.request_id, []).append((tuple(tuple(c.token_ids) for c in o.outputs), o.finished))
         for o in outs:
             final[o.request_id] = [(list(c.token_ids), c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
         for verb, rid in actions.get(k, []):
@@ -93,7 +95,7 @@ def test_same_tokens_and_finish_reasons_across_stop_rules(pair):
     on, trace_on = _drive(pair[True], mixed)
     assert pair[True].num_steps_ahead > before  # the overlapped path ran
     assert on == off
-    assert trace_on == trace_off  # each step() returned the same outputs: nothing extra streamed
+    assert trace_on == trace_off  # each request streamed the same snapshots: nothing extra
     assert off["r0"][0][2] == "stop" and off["r0"][0][3] == stop and off["r1"][0][2] == "stop"
     assert len(off["r2"][0][0]) == 1 and off["r3"][0][2] == "length"
     ends = [len(c[0]) for c in off["r7"]]
@@ -177,3 +179,18 @@ def test_server_streams_with_async_scheduling(tiny_llama):
         assert engine.kv.pool.num_used == 0
     finally:
         server.stop()
+
+
+def test_graph_buffers_take_the_ids_from_the_device(tiny_llama):
+    """The decode-graph path (its padded buffers, run eagerly here: there is no GPU) with the
+    step ahead's ids copied from the previous step's sampled tokens into the graph's input."""
+    got, fed = {}, []
+    reqs = [(f"d{i}", p, _greedy(12, ignore_eos=True)) for i, p in enumerate(PROMPTS[:3])]
+    for on in (False, True):
+        eng = _engine(tiny_llama, on, attention_backend="triton", enforce_eager=True, device="cpu")
+        eng.runner.graphs = graphs = eng.runner.make_decode_graphs(max_num_seqs=4)
+        run = graphs.run
+        graphs.run = lambda *a: fed.append(on and a[4] is not None) or run(*a)
+        got[on], _ = _drive(eng, reqs)
+    assert got[True] == got[False]
+    assert any(fed)  # some steps' ids came from the device

@@ -289,7 +289,11 @@ class ModelRunner:
         fed = None
         if feed is not None:
             src = [feed.rows[s.request_id] for s in out.scheduled]
-            fed = feed.pending.token_ids[torch.tensor(src, dtype=torch.long, device=self.device)]
+            tokens = feed.pending.token_ids
+            if src == list(range(len(src))):  # the usual order: a prefix of the rows, no gather
+                fed = tokens[:len(src)]
+            else:
+                fed = tokens[self._index(src)]
         result = launched.result
         decodes = self._graph_decodes(out)
         hidden = None
@@ -298,7 +302,7 @@ class ModelRunner:
             sample_sched = [(s, i) for i, s in enumerate(decodes)]
             masks = StepMasks.start([s.request.grammar for s, _ in sample_sched])  # filled during the forward
             t_model = time.perf_counter()
-            logits = self.graphs.run(ids, pos, slots, [s.block_ids for s in decodes], device_ids=fed)
+            logits = self.graphs.run(ids, pos, slots, [s.block_ids for s in decodes], fed)
         else:
             order, offsets, input_ids, positions, meta = self._prepare(out, known=fed is None)
             if fed is not None:
@@ -348,6 +352,14 @@ class ModelRunner:
             result.model_time = now - launched.t_model
         result.forward_time = now - launched.t0
         return result
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        """`rows` as an index tensor on the device, copied without waiting for the device (a
+        plain `torch.tensor(..., device=cuda)` would wait for the step still running)."""
+        t = torch.tensor(rows, dtype=torch.long)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _sampling_row(self, s: ScheduledRequest) -> SamplingRow:
         return SamplingRow(

@@ -84,7 +84,7 @@ def sample_start(logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks
     else:  # every row samples: no pass over the logits for an argmax nobody keeps
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     if sampled_rows:
-        idx = torch.tensor(sampled_rows, device=logits.device)
+        idx = torch.tensor(sampled_rows).to(logits.device, non_blocking=True)  # no wait for the device
         sub_rows = [rows[i] for i in sampled_rows]
         every = len(sampled_rows) == len(rows)  # then no copy of the rows is needed
         probs = filter_logits(logits if every else logits[idx], sub_rows).softmax(dim=-1)
@@ -93,7 +93,7 @@ def sample_start(logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks
     asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     pending = PendingSample(tokens, asked, [rows[i].params.logprobs for i in asked])
     if asked:  # computed now: the raw logits may be overwritten by the next step before `finish`
-        idx = torch.tensor(asked, device=raw.device)
+        idx = torch.tensor(asked).to(raw.device, non_blocking=True)
         pending.found = logprob_rows(raw if len(asked) == len(rows) else raw[idx], tokens[idx],
                                      max(pending.top_n))
     return pending
