@@ -57,23 +57,63 @@ def _parse_batch_sizes(text: str) -> list[int]:
 # ---------------------------------------------------------------- registration
 def _add_cost_args(p: argparse.ArgumentParser) -> None:
     """Flags that pick the cost model: shared by `estimate` and `simulate`."""
+    from tokenloom.specs.weight_formats import KV_FORMATS, weight_format_names
+
     g = p.add_argument_group("cost model")
     g.add_argument("--hardware", default="rtx4090", metavar="NAME",
-                   help=f"one of: {', '.join(hardware_names())} (default: rtx4090)")
+                   help=f"one of: {', '.join(hardware_names())}, or a GPU of --hardware-file (default: rtx4090)")
+    g.add_argument("--hardware-file", default=None, metavar="FILE",
+                   help="TOML or JSON file describing GPUs (specs/hardware_file.py); --hardware names one of them")
+    g.add_argument("--bandwidth", type=float, default=None, metavar="B/S",
+                   help="memory bandwidth in bytes/s, replacing the hardware's (e.g. 1.7e12)")
+    g.add_argument("--peak-flops", type=float, default=None, metavar="FLOP/S",
+                   help="dense 16-bit tensor peak in FLOP/s, replacing the hardware's (fp32/fp8/int8 scale with it)")
+    g.add_argument("--memory", default=None, metavar="SIZE", help="device memory, e.g. 80GiB, replacing the hardware's")
     g.add_argument("--model", default="qwen2.5-0.5b", metavar="PRESET|DIR",
-                   help="model preset name or a directory with config.json (default: qwen2.5-0.5b)")
+                   help="model preset, reference model (llama-2-7b, llama-3.1-70b, ...) or a directory with "
+                        "config.json (default: qwen2.5-0.5b)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
-                   help="weight/KV dtype (default: the checkpoint's)")
+                   help="activation/unquantized-weight dtype (default: the checkpoint's)")
     g.add_argument("--quantization", default=None, choices=["int8", "int4", "int4-g128"],
                    help="weight-only quantized matmul weights (the engine's --quantization): fewer bytes per step")
+    g.add_argument("--weight-format", default=None, choices=weight_format_names(), metavar="FORMAT",
+                   help="how the checkpoint stores its weights: GGUF (gguf-q8_0, gguf-q4_k_m, ...), gptq-int4, awq, "
+                        "ct-w4a16, fp8 (W8A8, FP8 tensor rate), ... (default: every weight in --dtype); "
+                        f"one of {', '.join(weight_format_names())}")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *sorted(KV_FORMATS)],
+                   help="KV cache storage (default: --dtype)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="GPUs the model is split over (per-GPU bytes and FLOPs, two all-reduces per layer)")
     g.add_argument("--mem-efficiency", type=float, default=None,
-                   help="fraction of peak bandwidth achieved (default: 0.8 datasheet, 1.0 measured)")
+                   help="plain roofline: fraction of peak bandwidth for every byte (default: kernel-by-kernel "
+                        "efficiencies fitted to published figures; 1.0 on measured hardware)")
     g.add_argument("--compute-efficiency", type=float, default=None,
-                   help="fraction of peak FLOP/s achieved (default: 0.6 datasheet, 1.0 measured)")
+                   help="plain roofline: fraction of peak FLOP/s for every FLOP (see --mem-efficiency)")
     g.add_argument("--overhead-ms", type=float, default=None,
-                   help="fixed per-step overhead in ms (default: 0 for datasheet GPUs; "
-                        "measured op dispatch x ops per step for local)")
+                   help="host time per step in ms (default: 0.3 on datasheet GPUs; measured op dispatch x ops per "
+                        "step on local)")
+    g.add_argument("--per-seq-overhead-ms", type=float, default=None,
+                   help="host time per scheduled sequence and step in ms (default: 0.01 on datasheet GPUs)")
     g.add_argument("--refresh-local", action="store_true", help="re-run the local microbenchmarks")
+
+
+def _cost_model_kwargs(args: argparse.Namespace) -> dict:
+    """CostModel keyword arguments from the shared cost-model flags."""
+    return dict(
+        mem_efficiency=args.mem_efficiency, compute_efficiency=args.compute_efficiency,
+        overhead_s=None if args.overhead_ms is None else args.overhead_ms / 1e3,
+        per_seq_overhead_s=None if args.per_seq_overhead_ms is None else args.per_seq_overhead_ms / 1e3,
+        quantization=args.quantization, weight_format=args.weight_format,
+        kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+
+
+def _resolve_hardware(args: argparse.Namespace) -> Hardware:
+    from tokenloom.specs.hardware_file import resolve_hardware
+
+    return resolve_hardware(args.hardware, hardware_file=args.hardware_file, bandwidth=args.bandwidth,
+                            peak_flops=args.peak_flops, memory=args.memory, refresh_local=args.refresh_local)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -175,20 +215,35 @@ def _catalog_table() -> "object":
     from rich.table import Table
 
     t = Table(title="hardware catalog (dense peaks; fp16/bf16 = tensor cores w/ FP32 accumulate)")
-    for col in ("name", "memory", "bandwidth", "fp16/bf16", "fp32", "ridge fp16 (FLOP/B)", "source"):
+    for col in ("name", "memory", "bandwidth", "fp16/bf16", "fp8", "int8", "fp32", "ridge fp16 (FLOP/B)",
+                "interconnect", "source"):
         t.add_column(col, overflow="fold")
     for hw in CATALOG.values():
+        opt = lambda k: fmt_rate(hw.peak_flops[k], "FLOP/s") if k in hw.peak_flops else "-"  # noqa: E731
         t.add_row(hw.name, f"{hw.memory_bytes / 2**30:.0f} GiB", fmt_rate(hw.mem_bandwidth, "B/s"),
-                  fmt_rate(hw.peak_flops["float16"], "FLOP/s"), fmt_rate(hw.peak_flops["float32"], "FLOP/s"),
-                  f"{hw.ridge_point('float16'):.0f}", hw.source)
-    t.add_row(LOCAL, "-", "measured", "measured", "measured", "-", "tokenloom.specs.microbench (cached)")
+                  fmt_rate(hw.peak_flops["float16"], "FLOP/s"), opt("float8"), opt("int8"),
+                  fmt_rate(hw.peak_flops["float32"], "FLOP/s"), f"{hw.ridge_point('float16'):.0f}",
+                  f"{hw.interconnect} {fmt_rate(hw.link_bandwidth, 'B/s')}", hw.source)
+    t.add_row(LOCAL, "-", "measured", "measured", "-", "-", "measured", "-", "-", "tokenloom.specs.microbench (cached)")
     return t
+
+
+def _model_line(cm) -> str:
+    """One line naming the cost model a run uses."""
+    if cm.form == "roofline":
+        return (f"plain roofline: mem eff {cm.mem_efficiency:g}, compute eff {cm.compute_efficiency:g}, "
+                f"overhead {fmt_time(cm.overhead_s)}/step")
+    e = cm.efficiency
+    tp = f", tp {cm.tensor_parallel_size}" if cm.tensor_parallel_size > 1 else ""
+    return (f"kernel by kernel{tp}: weights at {cm.mem_efficiency:g} of bandwidth, KV at {e.kv_eff:g}, GEMMs up to "
+            f"{cm.compute_efficiency:g} of peak, {fmt_time(e.layer_overhead_s)}/layer "
+            f"({fmt_time(e.prefill_layer_overhead_s)} prefilling), host {fmt_time(e.step_overhead_s)}/step + "
+            f"{fmt_time(e.seq_overhead_s)}/sequence")
 
 
 def run_estimate(args: argparse.Namespace) -> int:
     from tokenloom.measure.report import wide_console
     from tokenloom.sim.estimate import estimate
-    from tokenloom.specs.hardware import get_hardware
     from tokenloom.specs.model_spec import load_model_spec
 
     console = wide_console()
@@ -196,14 +251,12 @@ def run_estimate(args: argparse.Namespace) -> int:
         console.print(_catalog_table())
         return 0
     try:
-        hw = get_hardware(args.hardware, refresh_local=args.refresh_local)
+        hw = _resolve_hardware(args)
         spec = load_model_spec(args.model)
         est = estimate(
             spec, hw, None if args.dtype == "auto" else args.dtype,
             batch_sizes=args.batch_size, context_len=args.context_len, prompt_len=args.prompt_len,
-            mem_efficiency=args.mem_efficiency, compute_efficiency=args.compute_efficiency,
-            overhead_s=None if args.overhead_ms is None else args.overhead_ms / 1e3,
-            prefill_chunk=args.prefill_chunk, quantization=args.quantization,
+            prefill_chunk=args.prefill_chunk, **_cost_model_kwargs(args),
         )
     except (KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)  # as every command reports a user's mistake
@@ -225,22 +278,39 @@ def decode_table(est) -> "object":
 
     hw = est.hardware
     weights = est.dtype + (f", {est.quantization} weights" if est.quantization else "")
-    t = Table(title=f"decode step: {est.model['name']} ({weights}) on {hw['name']}, "
-                    f"context {est.context_len} tokens/request, mem eff {est.mem_efficiency:g}, "
-                    f"compute eff {est.compute_efficiency:g}, overhead {fmt_time(est.overhead_s)}")
-    for col in ("batch", "bytes/step", "FLOPs/step", "mem time", "compute time", "step time", "bound",
-                "tok/s per req", "tok/s total", "KV resident", "fits"):
+    if est.kv_cache_dtype and est.kv_cache_dtype != est.dtype:
+        weights += f", {est.kv_cache_dtype} KV"
+    tp = f" x{est.tensor_parallel_size}" if est.tensor_parallel_size > 1 else ""
+    if est.form == "roofline":
+        how = (f"mem eff {est.mem_efficiency:g}, compute eff {est.compute_efficiency:g}, "
+               f"overhead {fmt_time(est.overhead_s)}")
+    else:
+        how = "kernel by kernel, band = engines of lesser/greater quality"
+    t = Table(title=f"decode step: {est.model['name']} ({weights}) on {hw['name']}{tp}, "
+                    f"context {est.context_len} tokens/request, {how}")
+    cols = ["batch", "bytes/step", "FLOPs/step", "mem time", "compute time", "step time", "bound",
+            "tok/s per req", "tok/s total"]
+    if est.form == "kernels":
+        cols.append("tok/s total band")
+    cols += ["KV resident", "fits"]
+    for col in cols:
         t.add_column(col, justify="right")
     for d in est.decode:
-        t.add_row(str(d.batch_size), fmt_bytes(d.bytes), fmt_rate(d.flops, "FLOP"), fmt_time(d.mem_time_s),
-                  fmt_time(d.compute_time_s), fmt_time(d.step_time_s), d.bound,
-                  f"{d.tokens_per_s_per_request:,.1f}", f"{d.tokens_per_s_total:,.0f}",
-                  fmt_bytes(d.kv_cache_bytes), "yes" if d.fits_in_memory else "NO")
+        row = [str(d.batch_size), fmt_bytes(d.bytes), fmt_rate(d.flops, "FLOP"), fmt_time(d.mem_time_s),
+               fmt_time(d.compute_time_s), fmt_time(d.step_time_s), d.bound,
+               f"{d.tokens_per_s_per_request:,.1f}", f"{d.tokens_per_s_total:,.0f}"]
+        if est.form == "kernels":
+            lo, hi = d.tokens_per_s_total_band
+            row.append(f"{lo:,.0f}–{hi:,.0f}")
+        row += [fmt_bytes(d.kv_cache_bytes), "yes" if d.fits_in_memory else "NO"]
+        t.add_row(*row)
     return t
 
 
 def explain(est, spec, hw: Hardware) -> str:
     """The batch-smallest decode step, prefill and crossover with every number plugged in."""
+    if est.form == "kernels":
+        return explain_kernels(est, spec, hw)
     d = min(est.decode, key=lambda p: p.batch_size)
     B, L, kv = d.batch_size, est.context_len, est.kv_bytes_per_token
     nb = {"float16": 2, "bfloat16": 2, "float32": 4}[est.dtype]
@@ -307,6 +377,72 @@ def explain(est, spec, hw: Hardware) -> str:
     return "\n".join(lines)
 
 
+def explain_kernels(est, spec, hw: Hardware) -> str:
+    """The kernel-by-kernel form of `explain`: each part of the smallest batch's step, with its rate."""
+    from tokenloom.sim.efficiency import CENTRAL
+
+    d = min(est.decode, key=lambda p: p.batch_size)
+    B, L, kv, tp = d.batch_size, est.context_len, est.kv_bytes_per_token, est.tensor_parallel_size
+    e = est.efficiency or CENTRAL.to_dict()
+    p = d.parts or {}
+    bw = hw.mem_bandwidth
+    per = f" per GPU (of {tp})" if tp > 1 else ""
+    fmt = est.weight_format or est.dtype
+    lines = [
+        "",
+        f"How one decode step at batch {B} was computed ({spec.name}, {fmt} weights, {est.kv_cache_dtype} KV, "
+        f"{hw.name}, context L = {L}), kernel by kernel:",
+        "",
+        f"  weights read per step{per}   W  = {fmt_bytes(est.weight_bytes_streamed)} ({fmt}: scales, zero-points "
+        f"and the 16-bit parts included)",
+        f"  streaming them               W / (bandwidth x {est.mem_efficiency:g}) = {fmt_bytes(est.weight_bytes_streamed)}"
+        f" / ({fmt_rate(bw, 'B/s')} x {est.mem_efficiency:g}) = {fmt_time(p.get('weights_s', 0))}",
+        f"  their GEMMs' FLOPs           2 x B x matmul params{per} / (peak x {est.compute_efficiency:g} x "
+        f"B/(B + {e['gemm_half_rows']:g})) = {fmt_time(p.get('gemm_s', 0))}",
+        f"  GEMMs (stream and compute overlap: the {e['gemm_overlap']:g}-norm of the two) = "
+        f"{fmt_time(p.get('linear_s', 0))}",
+        f"  attention                    {B} x {L + 1} x {kv:,} B of KV / (bandwidth x {e['kv_eff']:g}) + FLOPs / "
+        f"(peak x {e['attn_eff']:g}) = {fmt_time(p.get('attention_s', 0))}",
+        f"  fixed                        {spec.num_layers} layers x {fmt_time(e['layer_overhead_s'])}"
+        + (f" + {2 * spec.num_layers} all-reduces over {hw.interconnect}" if tp > 1 else "")
+        + f" = {fmt_time(p.get('fixed_s', 0))}",
+        f"  host                         {fmt_time(e['step_overhead_s'])} + {B} x {fmt_time(e['seq_overhead_s'])} = "
+        f"{fmt_time(p.get('host_s', 0))}",
+        f"  step time                    sum = {fmt_time(d.step_time_s)}  ({d.bound}-bound);  engines of greater / "
+        f"lesser quality: {fmt_time(d.step_time_band_s[0])} / {fmt_time(d.step_time_band_s[1])}",
+        f"  tokens/s                     1 / step = {d.tokens_per_s_per_request:,.1f} per request; B / step = "
+        f"{d.tokens_per_s_total:,.1f} in total (band {d.tokens_per_s_total_band[0]:,.1f}–"
+        f"{d.tokens_per_s_total_band[1]:,.1f})",
+        "",
+    ]
+    if est.crossover_batch is None:
+        lines.append("  crossover batch: none -- the layers' GEMMs stay memory-bound at any batch")
+    else:
+        lines.append(f"  crossover batch  B* = (W/bw') x peak x {est.compute_efficiency:g} / (2 x matmul params) - "
+                     f"{e['gemm_half_rows']:g} = {est.crossover_batch:,.1f}  (below it the GEMMs are memory-bound; "
+                     "attention's KV reads come on top at any batch)")
+    lines.append(
+        f"  memory capacity{per}: {fmt_bytes(est.weight_bytes_total)} of weights + {fmt_bytes((L + 1) * kv)} KV per "
+        f"request -> at most {est.max_batch_in_memory:,} requests of {L + 1} tokens fit in "
+        f"{hw.memory_bytes / 2**30:.0f} GiB")
+    if est.prefill is not None:
+        pf = est.prefill
+        pp = pf.parts or {}
+        lines += [
+            "",
+            f"  prefill of P = {pf.prompt_len} prompt tokens ({pf.num_steps} step{'s' if pf.num_steps != 1 else ''}),"
+            " the TTFT floor:",
+            f"    GEMMs {fmt_time(pp.get('linear_s', 0))} (compute {fmt_time(pp.get('gemm_s', 0))}, streaming "
+            f"{fmt_time(pp.get('weights_s', 0))}) + attention {fmt_time(pp.get('attention_s', 0))} + "
+            f"{spec.num_layers} layers x {fmt_time(e['prefill_layer_overhead_s'])} launched one by one"
+            + (" + all-reduces" if tp > 1 else "") + f" + host {fmt_time(pp.get('host_s', 0))}",
+            f"    = {fmt_time(pf.time_s)}  ({pf.bound}-bound, {pf.tokens_per_s:,.0f} prompt tok/s); engines of greater"
+            f" / lesser quality: {fmt_time(pf.time_band_s[0])} / {fmt_time(pf.time_band_s[1])}",
+        ]
+    lines += ["", "  Efficiencies fitted to published measurements of other engines: docs/predictions.md."]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- simulate command
 class _FirstSteps:
     """Observer keeping the first `n` StepEvents for the seed-style step listing."""
@@ -343,7 +479,6 @@ def run_simulate(args: argparse.Namespace) -> int:
     from tokenloom.measure.workloads import MIN_TOKEN_ID, workload_from_args, workload_stats
     from tokenloom.model.tools.presets import PRESETS
     from tokenloom.sim.estimate import CostModel
-    from tokenloom.specs.hardware import get_hardware
     from tokenloom.specs.model_spec import load_config, load_model_spec, max_position_embeddings
     from tokenloom.sim.simulator import SimConfig, Simulator
 
@@ -355,7 +490,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     console = wide_console()
     try:
-        hw = get_hardware(args.hardware, refresh_local=args.refresh_local)
+        hw = _resolve_hardware(args)
         spec = load_model_spec(args.model)
         config, _ = load_config(args.model)
         if args.calibrated:
@@ -369,10 +504,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                                        measure=getattr(args, "measure_engine", None))  # from `tokenloom`
             console.print("calibrated: " + "; ".join(cm.calibration.summary_lines()), markup=False, soft_wrap=True)
         else:
-            cm = CostModel(spec, hw, None if args.dtype == "auto" else args.dtype,
-                           mem_efficiency=args.mem_efficiency, compute_efficiency=args.compute_efficiency,
-                           overhead_s=None if args.overhead_ms is None else args.overhead_ms / 1e3,
-                           quantization=args.quantization)
+            cm = CostModel(spec, hw, None if args.dtype == "auto" else args.dtype, **_cost_model_kwargs(args))
         sim_cfg = SimConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -398,11 +530,11 @@ def run_simulate(args: argparse.Namespace) -> int:
         return 2
     sc = sim.scheduler_config
     console.print(
-        f"simulate: {spec.name} ({cm.dtype}) on {hw.name} | {len(reqs)} requests, workload {wl_spec.name}, "
+        f"simulate: {spec.name} ({cm.dtype}{', ' + cm.quantization + ' weights' if cm.quantization else ''}) on "
+        f"{hw.name}{' x' + str(cm.tensor_parallel_size) if cm.tensor_parallel_size > 1 else ''} | {len(reqs)} requests, workload {wl_spec.name}, "
         f"rate {wl_spec.request_rate} req/s | max_num_seqs {sc.max_num_seqs}, max_num_batched_tokens "
         f"{sc.max_num_batched_tokens}, max_model_len {sc.max_model_len}, {sim.num_kv_blocks:,} KV blocks x "
-        f"{sim_cfg.block_size} tokens | mem eff {cm.mem_efficiency:g}, compute eff {cm.compute_efficiency:g}, "
-        f"overhead {fmt_time(cm.overhead_s)}/step"
+        f"{sim_cfg.block_size} tokens | {_model_line(cm)}"
         + (f" | {args.replicas} replicas, router {args.router}" if args.replicas != 1 else ""), markup=False)
     res = sim.run(reqs, seed=args.seed, max_concurrency=args.max_concurrency)
     if first.events:
@@ -429,7 +561,10 @@ def run_simulate(args: argparse.Namespace) -> int:
             config={**report.args_to_config(args), "scheduler": sc, "num_kv_blocks": res.num_kv_blocks,
                     "cost_model": {"dtype": cm.dtype, "mem_efficiency": cm.mem_efficiency,
                                    "compute_efficiency": cm.compute_efficiency, "overhead_s": cm.overhead_s,
-                                   "per_seq_overhead_s": cm.per_seq_overhead_s,
+                                   "per_seq_overhead_s": cm.per_seq_overhead_s, "form": cm.form,
+                                   "weight_format": cm.quantization, "kv_cache_dtype": cm.kv_format.name,
+                                   "tensor_parallel_size": cm.tensor_parallel_size,
+                                   **({"efficiency": cm.efficiency.to_dict()} if cm.form == "kernels" else {}),
                                    **({"calibration": cm.calibration.to_dict(with_samples=False)}
                                       if hasattr(cm, "calibration") else {})}},
             workload={"spec": wl_spec.to_dict(), "stats": workload_stats(reqs)},

@@ -179,7 +179,18 @@ class CostModel:
         return self.gpu.layer_fixed if self.form == "kernels" else 0.0
 
     def with_efficiency(self, efficiency: "Efficiency") -> "CostModel":
-        """The same model, format and GPU timed with other efficiencies (the band's low/high ends)."""
+        """The same model, format and GPU timed with other efficiencies (the band's low/high ends);
+        host overheads passed by hand scale with the band as the defaults do."""
+        from dataclasses import replace
+
+        from tokenloom.sim.efficiency import CENTRAL
+
+        if self.efficiency.step_overhead_s != CENTRAL.step_overhead_s and CENTRAL.step_overhead_s:
+            efficiency = replace(efficiency, step_overhead_s=self.efficiency.step_overhead_s
+                                 * efficiency.step_overhead_s / CENTRAL.step_overhead_s)
+        if self.efficiency.seq_overhead_s != CENTRAL.seq_overhead_s and CENTRAL.seq_overhead_s:
+            efficiency = replace(efficiency, seq_overhead_s=self.efficiency.seq_overhead_s
+                                 * efficiency.seq_overhead_s / CENTRAL.seq_overhead_s)
         return CostModel(self.spec, self.hardware, self.dtype, quantization=self.quantization,
                          kv_cache_dtype=self.kv_format.name, tensor_parallel_size=self.tensor_parallel_size,
                          efficiency=efficiency)
@@ -193,11 +204,6 @@ class CostModel:
             return self.step_cost([(n, c) for n, c, _ in entries if n != 1], [c for n, c, _ in entries if n == 1])
         p = self.gpu.parts_for(entries)
         return StepCost(p.bytes, p.flops, p.weights + p.attention, p.gemm, p.fixed + p.host, p.total)
-
-    def scheduled_step_time(self, out) -> float:
-        """Seconds for a `SchedulerOutput`, with each entry's real sample flag (the simulator's hook)."""
-        return self.entries_cost([(s.num_new_tokens, s.num_computed_before, bool(s.sample))
-                                  for s in out.scheduled]).time_s
 
     # ------------------------------------------------------------ general step
     def step_cost(self, prefill: Sequence[tuple[int, int]], decode_context_lens: Sequence[int]) -> StepCost:
@@ -298,6 +304,7 @@ class DecodePoint:
     # step times and (low, high) tokens/s in total; equal to the central figure for a plain roofline.
     step_time_band_s: tuple[float, float] = (math.nan, math.nan)
     tokens_per_s_total_band: tuple[float, float] = (math.nan, math.nan)
+    parts: dict | None = None  # kernel by kernel: seconds of each part (sim.gpu_cost.StepParts)
 
 
 @dataclass(frozen=True)
@@ -313,6 +320,7 @@ class PrefillPoint:
     bound: str
     tokens_per_s: float
     time_band_s: tuple[float, float] = (math.nan, math.nan)  # (best engines, weaker engines)
+    parts: dict | None = None  # kernel by kernel, the last chunk's parts
 
 
 @dataclass(frozen=True)
@@ -342,6 +350,14 @@ class Estimate:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _parts(cm: CostModel, entries: list[tuple[int, int, bool]]) -> dict | None:
+    if cm.form != "kernels":
+        return None
+    p = cm.gpu.parts_for(entries)
+    return {"weights_s": p.weights, "gemm_s": p.gemm, "linear_s": p.linear, "attention_s": p.attention,
+            "fixed_s": p.fixed, "host_s": p.host, "total_s": p.total}
 
 
 def _bands(cm: CostModel) -> tuple[CostModel, CostModel] | None:
@@ -382,6 +398,7 @@ def decode_point(cm: CostModel, batch_size: int, context_len: int) -> DecodePoin
         fits_in_memory=cm.total_weight_bytes + resident <= cm.hardware.memory_bytes,
         step_time_band_s=step_band,
         tokens_per_s_total_band=(batch_size / step_band[1], batch_size / step_band[0]),
+        parts=_parts(cm, [(1, context_len, True)] * batch_size),
     )
 
 
@@ -402,6 +419,7 @@ def prefill_point(cm: CostModel, prompt_len: int, chunk_size: int | None = None)
         bound=c.bound,
         tokens_per_s=prompt_len / c.time_s if c.time_s > 0 else math.inf,
         time_band_s=band,
+        parts=_parts(cm, [(prompt_len if not chunk_size else min(chunk_size, prompt_len), 0, True)]),
     )
 
 
@@ -422,6 +440,7 @@ def estimate(
     mem_efficiency: float | None = None,
     compute_efficiency: float | None = None,
     overhead_s: float | None = None,
+    per_seq_overhead_s: float | None = None,
     prefill_chunk: int | None = None,
     quantization: str | None = None,
     weight_format: str | None = None,
@@ -435,8 +454,8 @@ def estimate(
     if any(b < 1 for b in batch_sizes):
         raise ValueError("batch sizes must be >= 1")
     cm = CostModel(spec, hardware, dtype, mem_efficiency=mem_efficiency,
-                   compute_efficiency=compute_efficiency, overhead_s=overhead_s, quantization=quantization,
-                   weight_format=weight_format, kv_cache_dtype=kv_cache_dtype,
+                   compute_efficiency=compute_efficiency, overhead_s=overhead_s,
+                   per_seq_overhead_s=per_seq_overhead_s, quantization=quantization, weight_format=weight_format, kv_cache_dtype=kv_cache_dtype,
                    tensor_parallel_size=tensor_parallel_size)
     return Estimate(
         hardware=hardware.to_dict(),

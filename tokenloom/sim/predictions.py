@@ -203,3 +203,50 @@ def summary_line(label: str, s: Summary) -> str:
     return (f"{label}: {s.count} figures, {s.fraction_within:.0%} within 20%, median error "
             f"{100 * s.median_error:.1f}%, worst off by {s.max_off_by:.2f}x, {s.too_fast} predicted too fast, "
             f"{s.in_band} inside the band")
+
+
+TABLE_START = "<!-- predictions-table:start (generated: python -m tokenloom.sim.predictions) -->"
+TABLE_END = "<!-- predictions-table:end -->"
+
+
+def doc_block(rs: Sequence[Row]) -> str:
+    """What docs/predictions.md holds between its markers: the table and its three summaries."""
+    fit = [r for r in rs if r.fig.fit]
+    check = [r for r in rs if not r.fig.fit]
+    lines = [TABLE_START, "", markdown_table(rs), "",
+             "- " + summary_line("All", summarize(rs)),
+             "- " + summary_line("Fit set (the defaults were set from these)", summarize(fit)),
+             "- " + summary_line("Check set (never used to set a default)", summarize(check)),
+             "", TABLE_END]
+    return "\n".join(lines)
+
+
+def doc_block_in(text: str) -> str:
+    """The block between the markers of a document's text (ValueError when they are missing)."""
+    try:
+        a = text.index(TABLE_START)
+        b = text.index(TABLE_END, a) + len(TABLE_END)
+    except ValueError:
+        raise ValueError("docs/predictions.md lacks the predictions-table markers") from None
+    return text[a:b]
+
+
+def main() -> None:
+    """Print the block docs/predictions.md holds (or rewrite it there with --write PATH)."""
+    import argparse
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description="published figures vs tokenloom's cost model")
+    ap.add_argument("--write", metavar="DOC", help="replace the table block in this markdown file")
+    args = ap.parse_args()
+    block = doc_block(rows())
+    if args.write:
+        path = Path(args.write)
+        text = path.read_text(encoding="utf-8")
+        path.write_text(text.replace(doc_block_in(text), block), encoding="utf-8")
+    else:
+        print(block)
+
+
+if __name__ == "__main__":
+    main()
