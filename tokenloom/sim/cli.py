@@ -534,8 +534,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         f"{hw.name}{' x' + str(cm.tensor_parallel_size) if cm.tensor_parallel_size > 1 else ''} | {len(reqs)} requests, workload {wl_spec.name}, "
         f"rate {wl_spec.request_rate} req/s | max_num_seqs {sc.max_num_seqs}, max_num_batched_tokens "
         f"{sc.max_num_batched_tokens}, max_model_len {sc.max_model_len}, {sim.num_kv_blocks:,} KV blocks x "
-        f"{sim_cfg.block_size} tokens | {_model_line(cm)}"
+        f"{sim_cfg.block_size} tokens"
         + (f" | {args.replicas} replicas, router {args.router}" if args.replicas != 1 else ""), markup=False)
+    console.print(f"cost model: {_model_line(cm)}", markup=False)
     res = sim.run(reqs, seed=args.seed, max_concurrency=args.max_concurrency)
     if first.events:
         if args.replicas != 1:  # (replica, event) pairs: each line says whose step it was

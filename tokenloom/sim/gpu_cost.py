@@ -64,7 +64,7 @@ def weight_bytes(spec: ModelSpec, fmt: WeightFormat | None, dtype_bytes: int) ->
     layers = sum(fmt.tensor_bytes(t, n) for t in linear_tensors(spec.hidden_size, spec.q_dim, spec.kv_dim,
                                                                  spec.intermediate_size, n))
     vocab = (spec.vocab_size, spec.hidden_size)
-    head_t = Tensor("output" if not spec.tie_word_embeddings else "token_embd", -1, *vocab)
+    head_t = Tensor("output", -1, *vocab)  # a tied embedding is stored as the head is (llama.cpp does the same)
     head = fmt.tensor_bytes(head_t, n, 8 * dtype_bytes)
     emb = 0.0 if spec.tie_word_embeddings else fmt.tensor_bytes(Tensor("token_embd", -1, *vocab), n, 8 * dtype_bytes)
     return WeightBytes(layers, head, emb, other)
