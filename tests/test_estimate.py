@@ -314,7 +314,7 @@ def test_cli_estimate_model_dir_and_errors(tmp_path, capsys) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TOY_CONFIG))
     assert main(["estimate", "--hardware", "l4", "--model", str(tmp_path), "--batch-size", "1,4",
                  "--context-len", "4", "--prompt-len", "0", "--overhead-ms", "1"]) == 0
-    assert "overhead 1 ms" in capsys.readouterr().out
+    assert "host 1 ms/step" in capsys.readouterr().out
     assert main(["estimate", "--hardware", "nope"]) == 2
     assert "known:" in capsys.readouterr().err  # errors go to stderr, as every command's do
     assert main(["estimate", "--list-hardware"]) == 0

@@ -285,7 +285,8 @@ def decode_table(est) -> "object":
         how = (f"mem eff {est.mem_efficiency:g}, compute eff {est.compute_efficiency:g}, "
                f"overhead {fmt_time(est.overhead_s)}")
     else:
-        how = "kernel by kernel, band = engines of lesser/greater quality"
+        how = (f"kernel by kernel (host {fmt_time(est.overhead_s)}/step), band = engines of lesser/greater "
+               "quality")
     t = Table(title=f"decode step: {est.model['name']} ({weights}) on {hw['name']}{tp}, "
                     f"context {est.context_len} tokens/request, {how}")
     cols = ["batch", "bytes/step", "FLOPs/step", "mem time", "compute time", "step time", "bound",
