@@ -242,3 +242,20 @@ def test_doc_holds_the_table_the_code_computes(rows: list[P.Row]) -> None:
     assert P.doc_block_in(text) == P.doc_block(rows), (
         "docs/predictions.md is out of date: regenerate it with "
         "`python -m tokenloom.sim.predictions --write docs/predictions.md`")
+
+
+def test_cli_simulate_takes_the_new_flags_and_prints_the_band(tmp_path, capsys) -> None:
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--hardware", "h100-sxm", "--model", "llama-3.1-70b", "--weight-format", "fp8",
+                 "--kv-cache-dtype", "fp8", "--tensor-parallel-size", "4", "--workload", "random", "--num-prompts", "40",
+                 "--input-len", "256:512", "--output-len", "16:32", "--request-rate", "20", "--max-model-len", "1024",
+                 "--no-save-requests", "--output-json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fp8 weights" in text and "x4" in text and "Band:" in text
+    doc = json.loads(out.read_text())
+    cm = doc["config"]["cost_model"]
+    assert (cm["form"], cm["weight_format"], cm["kv_cache_dtype"], cm["tensor_parallel_size"]) == ("kernels", "fp8",
+                                                                                                   "fp8", 4)
+    band = doc["results"]["band"]
+    assert band["low"]["median TPOT (ms)"] > band["central"]["median TPOT (ms)"] > band["high"]["median TPOT (ms)"]
+    assert band["central"]["output tok/s"] == pytest.approx(doc["results"]["summary"]["output_throughput"])

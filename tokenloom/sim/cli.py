@@ -194,6 +194,9 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
                    help="print the first N steps seed-style (who was batched, how many tokens, how long)")
     o.add_argument("--output-json", default=None, metavar="FILE", help="write config, workload and results here")
     o.add_argument("--no-save-requests", action="store_true", help="leave per-request records out of the JSON")
+    o.add_argument("--band", action=argparse.BooleanOptionalAction, default=True,
+                   help="also simulate the band's low and high ends (engines of lesser and greater quality) and "
+                        "print them beside the central figures (datasheet GPUs; default: on)")
     p.set_defaults(func=run_simulate)
 
 
@@ -557,6 +560,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     replicas = getattr(res, "replicas", None)
     if replicas is not None:
         console.print(replica_table(res))
+    band = None
+    if args.band and cm.form == "kernels" and not hasattr(cm, "calibration"):
+        band = band_runs(cm, sim_cfg, args, max_position_embeddings(config), reqs, percentiles)
+        band["central"] = band_figures(summary)
+        console.print(band_table(band))
     if args.output_json:
         doc = report.build_report(
             "simulate",
@@ -570,7 +578,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                                    **({"calibration": cm.calibration.to_dict(with_samples=False)}
                                       if hasattr(cm, "calibration") else {})}},
             workload={"spec": wl_spec.to_dict(), "stats": workload_stats(reqs)},
-            results={"summary": summary, "groups": groups, "steps": steps,
+            results={"summary": summary, "groups": groups, "steps": steps, **({"band": band} if band else {}),
                      **({"router": res.router, "replicas": [r.to_dict() for r in replicas]}
                         if replicas is not None else {})},
             # The "machine" is the simulated one; the host only ran the arithmetic.
@@ -585,6 +593,56 @@ def run_simulate(args: argparse.Namespace) -> int:
         report.write_json(args.output_json, doc)
         console.print(f"wrote {args.output_json}", markup=False)
     return 0 if summary.completed else 1
+
+
+_BAND_METRICS = (("output tok/s", ("output_throughput",)), ("median TTFT (ms)", ("ttft_ms", "median")),
+                 ("P95 TTFT (ms)", ("ttft_ms", "p95")), ("median TPOT (ms)", ("tpot_ms", "median")),
+                 ("P95 TPOT (ms)", ("tpot_ms", "p95")))
+
+
+def band_figures(summary) -> dict:
+    d = summary.to_dict() if hasattr(summary, "to_dict") else summary
+    out = {}
+    for label, path in _BAND_METRICS:
+        v = d
+        for k in path:
+            v = v.get(k) if isinstance(v, dict) else None
+        out[label] = v
+    return out
+
+
+def band_runs(cm, sim_cfg, args: argparse.Namespace, max_positions: int | None, reqs, percentiles) -> dict:
+    """The same requests on the band's low and high ends (`sim.efficiency.BANDS`): {label: figures}."""
+    from tokenloom.measure import metrics
+    from tokenloom.sim.efficiency import BANDS
+    from tokenloom.sim.simulator import Simulator
+
+    out = {}
+    for label in ("low", "high"):
+        other = cm.with_efficiency(BANDS[label])
+        if args.replicas != 1:
+            from tokenloom.sim.fleet import FleetSimulator
+
+            sim = FleetSimulator(other, sim_cfg, num_replicas=args.replicas, router=args.router,
+                                 model_max_positions=max_positions)
+        else:
+            sim = Simulator(other, sim_cfg, model_max_positions=max_positions)
+        res = sim.run(reqs, seed=args.seed, max_concurrency=args.max_concurrency)
+        out[label] = band_figures(metrics.summarize(res.records, duration=res.duration_s, percentiles=percentiles))
+    return out
+
+
+def band_table(band: dict) -> "object":
+    """Central figures beside what engines of lesser (low) and greater (high) quality reach."""
+    from rich.table import Table
+
+    t = Table(title="Band: the same requests on engines of lesser / greater quality (sim.efficiency.BANDS)")
+    for col in ("metric", "low", "central", "high"):
+        t.add_column(col, justify="right")
+    for label, _ in _BAND_METRICS:
+        cells = [band[k].get(label) for k in ("low", "central", "high")]
+        t.add_row(label, *("-" if v is None else f"{v:,.1f}" for v in cells))
+    return t
 
 
 def replica_table(res) -> "object":
