@@ -233,7 +233,8 @@ def test_every_figure_states_its_setup() -> None:
         assert f.hardware in CATALOG and f.measured > 0
         load_model_spec(f.model)
     assert {f.scenario for f in FIGURES} == scenarios
-    assert {"gguf-q8_0", "gguf-q4_0", "awq", "fp8", "mlc-q4f16_1", "tinygemm-int4"} <= {f.weight_format for f in FIGURES}
+    formats = {f.weight_format for f in FIGURES}
+    assert {"gguf-q8_0", "gguf-q4_0", "awq", "fp8", "mlc-q4f16_1", "tinygemm-int4"} <= formats
     assert any(f.tp > 1 and CATALOG[f.hardware].interconnect == "pcie" for f in FIGURES)
 
 
@@ -247,7 +248,8 @@ def test_doc_holds_the_table_the_code_computes(rows: list[P.Row]) -> None:
 def test_cli_simulate_takes_the_new_flags_and_prints_the_band(tmp_path, capsys) -> None:
     out = tmp_path / "sim.json"
     assert main(["simulate", "--hardware", "h100-sxm", "--model", "llama-3.1-70b", "--weight-format", "fp8",
-                 "--kv-cache-dtype", "fp8", "--tensor-parallel-size", "4", "--workload", "random", "--num-prompts", "40",
+                 "--kv-cache-dtype", "fp8", "--tensor-parallel-size", "4", "--workload", "random",
+                 "--num-prompts", "40",
                  "--input-len", "256:512", "--output-len", "16:32", "--request-rate", "20", "--max-model-len", "1024",
                  "--no-save-requests", "--output-json", str(out)]) == 0
     text = capsys.readouterr().out

@@ -313,7 +313,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     sc = sim.scheduler_config
     console.print(
         f"simulate: {spec.name} ({cm.dtype}{', ' + cm.quantization + ' weights' if cm.quantization else ''}) on "
-        f"{hw.name}{' x' + str(cm.tensor_parallel_size) if cm.tensor_parallel_size > 1 else ''} | {len(reqs)} requests, workload {wl_spec.name}, "
+        f"{hw.name}{' x' + str(cm.tensor_parallel_size) if cm.tensor_parallel_size > 1 else ''} | "
+        f"{len(reqs)} requests, workload {wl_spec.name}, "
         f"rate {wl_spec.request_rate} req/s | max_num_seqs {sc.max_num_seqs}, max_num_batched_tokens "
         f"{sc.max_num_batched_tokens}, max_model_len {sc.max_model_len}, {sim.num_kv_blocks:,} KV blocks x "
         f"{sim_cfg.block_size} tokens"

@@ -140,8 +140,9 @@ class CostModel:
         if overhead_s is not None or per_seq_overhead_s is not None:
             from dataclasses import replace
 
-            eff = replace(eff, step_overhead_s=eff.step_overhead_s if overhead_s is None else float(overhead_s),
-                          seq_overhead_s=eff.seq_overhead_s if per_seq_overhead_s is None else float(per_seq_overhead_s))
+            step = eff.step_overhead_s if overhead_s is None else float(overhead_s)
+            per_seq = eff.seq_overhead_s if per_seq_overhead_s is None else float(per_seq_overhead_s)
+            eff = replace(eff, step_overhead_s=step, seq_overhead_s=per_seq)
         self.efficiency = eff
         self.gpu = GpuStepModel(spec, hardware, self.dtype, self.weight_format, self.kv_format,
                                 self.tensor_parallel_size, eff)
@@ -406,7 +407,7 @@ def prefill_point(cm: CostModel, prompt_len: int, chunk_size: int | None = None)
     c, steps = cm.prefill_cost(prompt_len, chunk_size)
     bands = _bands(cm)
     band = ((c.time_s, c.time_s) if bands is None else
-            (bands[0].prefill_cost(prompt_len, chunk_size)[0].time_s, bands[1].prefill_cost(prompt_len, chunk_size)[0].time_s))
+            tuple(b.prefill_cost(prompt_len, chunk_size)[0].time_s for b in bands))
     return PrefillPoint(
         prompt_len=prompt_len,
         num_steps=steps,
@@ -455,8 +456,8 @@ def estimate(
         raise ValueError("batch sizes must be >= 1")
     cm = CostModel(spec, hardware, dtype, mem_efficiency=mem_efficiency,
                    compute_efficiency=compute_efficiency, overhead_s=overhead_s,
-                   per_seq_overhead_s=per_seq_overhead_s, quantization=quantization, weight_format=weight_format, kv_cache_dtype=kv_cache_dtype,
-                   tensor_parallel_size=tensor_parallel_size)
+                   per_seq_overhead_s=per_seq_overhead_s, quantization=quantization, weight_format=weight_format,
+                   kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size)
     return Estimate(
         hardware=hardware.to_dict(),
         model=spec.to_dict(),

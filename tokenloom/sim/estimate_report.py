@@ -187,8 +187,9 @@ def explain_kernels(est, spec, hw: Hardware) -> str:
         "",
         f"  weights read per step{per}   W  = {fmt_bytes(est.weight_bytes_streamed)} ({fmt}: scales, zero-points "
         f"and the 16-bit parts included)",
-        f"  streaming them               W / (bandwidth x {est.mem_efficiency:g}) = {fmt_bytes(est.weight_bytes_streamed)}"
-        f" / ({fmt_rate(bw, 'B/s')} x {est.mem_efficiency:g}) = {fmt_time(p.get('weights_s', 0))}",
+        f"  streaming them               W / (bandwidth x {est.mem_efficiency:g}) = "
+        f"{fmt_bytes(est.weight_bytes_streamed)} / ({fmt_rate(bw, 'B/s')} x {est.mem_efficiency:g}) = "
+        f"{fmt_time(p.get('weights_s', 0))}",
         f"  their GEMMs' FLOPs           2 x B x matmul params{per} / (peak x {est.compute_efficiency:g} x "
         f"B/(B + {e['gemm_half_rows']:g})) = {fmt_time(p.get('gemm_s', 0))}",
         f"  GEMMs (stream and compute overlap: the {e['gemm_overlap']:g}-norm of the two) = "
