@@ -261,3 +261,28 @@ def test_cli_simulate_takes_the_new_flags_and_prints_the_band(tmp_path, capsys) 
     band = doc["results"]["band"]
     assert band["low"]["median TPOT (ms)"] > band["central"]["median TPOT (ms)"] > band["high"]["median TPOT (ms)"]
     assert band["central"]["output tok/s"] == pytest.approx(doc["results"]["summary"]["output_throughput"])
+
+
+def test_a_checkpoints_declared_format_is_counted(tmp_path, capsys) -> None:
+    from tokenloom.specs.reference_models import reference_config
+    from tokenloom.specs.weight_formats import weight_format_from_config
+
+    ct = {"quant_method": "compressed-tensors", "config_groups": {
+        "group_0": {"weights": {"num_bits": 4, "type": "int", "group_size": 128}, "input_activations": None}}}
+    fp8 = {"quant_method": "compressed-tensors", "config_groups": {
+        "group_0": {"weights": {"num_bits": 8, "type": "float"}, "input_activations": {"num_bits": 8, "type": "float"}}}}
+    for q, fmt in (({"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq-int4"),
+                   ({"quant_method": "gptq", "bits": 8}, "gptq-int8"), ({"quant_method": "awq", "bits": 4}, "awq"),
+                   (ct, "ct-w4a16"), (fp8, "fp8")):
+        assert weight_format_from_config({"quantization_config": q}) == fmt
+    assert weight_format_from_config({}) is None
+    cfg = reference_config("llama-2-7b") | {"quantization_config": {"quant_method": "awq", "bits": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "est.json"
+    assert main(["estimate", "--hardware", "rtx4090", "--model", str(tmp_path), "--batch-size", "1",
+                 "--output-json", str(out)]) == 0
+    assert json.loads(out.read_text())["weight_format"] == "awq"
+    capsys.readouterr()
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"quantization_config": {"quant_method": "hqq"}}))
+    assert main(["estimate", "--hardware", "rtx4090", "--model", str(tmp_path)]) == 2
+    assert "--weight-format" in capsys.readouterr().err

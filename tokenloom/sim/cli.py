@@ -77,12 +77,19 @@ def _add_cost_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cost_model_kwargs(args: argparse.Namespace) -> dict:
-    """CostModel keyword arguments from the shared cost-model flags."""
+    """CostModel keyword arguments from the shared cost-model flags; without --weight-format or
+    --quantization, the format a model directory's config.json declares (GPTQ, AWQ, compressed-tensors)."""
+    weight_format = args.weight_format
+    if weight_format is None and args.quantization is None:
+        from tokenloom.specs.model_spec import load_config
+        from tokenloom.specs.weight_formats import weight_format_from_config
+
+        weight_format = weight_format_from_config(load_config(args.model)[0])
     return dict(
         mem_efficiency=args.mem_efficiency, compute_efficiency=args.compute_efficiency,
         overhead_s=None if args.overhead_ms is None else args.overhead_ms / 1e3,
         per_seq_overhead_s=None if args.per_seq_overhead_ms is None else args.per_seq_overhead_ms / 1e3,
-        quantization=args.quantization, weight_format=args.weight_format,
+        quantization=args.quantization, weight_format=weight_format,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
     )

@@ -244,3 +244,34 @@ def get_kv_format(name: str) -> KVFormat:
         return KV_FORMATS[key]
     except KeyError:
         raise ValueError(f"unknown KV cache dtype {name!r}; known: {', '.join(sorted(KV_FORMATS))}") from None
+
+
+def weight_format_from_config(config: dict) -> str | None:
+    """The weight format a checkpoint's config.json declares (its `quantization_config`), or None.
+
+    GPTQ and AWQ name their method and bits; compressed-tensors describes its weights' scheme
+    in config_groups (num_bits, type int/float, and whether activations are quantized too).
+    Group sizes other than 128 are counted as 128 (a difference below 0.1 bit a weight)."""
+    q = config.get("quantization_config") or config.get("compression_config")
+    if not isinstance(q, dict):
+        return None
+    method = str(q.get("quant_method", "")).lower()
+    bits = int(q.get("bits", 4) or 4)
+    if method == "gptq":
+        return "gptq-int8" if bits == 8 else "gptq-int4"
+    if method == "awq":
+        return "awq"
+    if method == "fp8":
+        return "fp8"
+    if method == "compressed-tensors":
+        for group in (q.get("config_groups") or {}).values():
+            w = group.get("weights") or {}
+            a = group.get("input_activations")
+            if str(w.get("type", "int")) == "float":
+                return "fp8"
+            nbits = int(w.get("num_bits", 8))
+            if a:
+                return "ct-w8a8-int8"
+            return "ct-w4a16" if nbits == 4 else "ct-w8a16"
+    raise ValueError(f"quantization_config method {method!r} is not a weight format the estimator counts; "
+                     f"pass --weight-format (one of {', '.join(weight_format_names())})")
