@@ -15,6 +15,8 @@ and the toy hardware moves 1000 B/s and does 10000 FLOP/s at efficiency 1.
 
 from __future__ import annotations
 
+import math
+
 import json
 
 import pytest
@@ -245,7 +247,9 @@ def test_bandwidth_without_our_kernel_reads_through_torch(monkeypatch) -> None:
     from tokenloom.kernels import cpu as cpu_kernels
 
     monkeypatch.setattr(cpu_kernels, "stream_read", lambda x: None)  # as where the kernels cannot build
-    assert microbench.measure_bandwidth(nbytes=2 * 2**20 + 12, repeats=2) > 1e8
+    # a figure, finite and positive: not a speed (a machine loaded by other work reads 2 MiB slowly)
+    bandwidth = microbench.measure_bandwidth(nbytes=2 * 2**20 + 12, repeats=2)
+    assert math.isfinite(bandwidth) and bandwidth > 1e6
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 31, 33, 4096 + 7, 3 * 2**18 + 1000 * 32 + 5, 2**21 + 64])
