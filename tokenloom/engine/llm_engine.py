@@ -11,6 +11,10 @@ Output processing never calls the scheduler: it returns `Decisions` (which sampl
 why, trailing tokens to drop, siblings to admit, runner state to release) and `_apply`
 carries them out, so state flows one way: scheduler -> processor -> engine -> scheduler.
 
+With async scheduling (`--async-scheduling`) the next step is scheduled and launched from
+this step's tokens on the device before the host reads them (core/lookahead.py); each call
+still completes one step, and a token computed for a request that ended meanwhile is dropped.
+
 Requests join (`add_request`) and leave (finish, `abort_request`) between steps.
 The engine knows nothing about HTTP; the async server wraps it.
 
