@@ -119,9 +119,17 @@ def test_logprobs_match(pair):
 
 
 def test_aborts_and_pauses_mid_stream(pair):
+    ref, _ = _drive(pair[False], [("t", PROMPTS[5], _greedy(14, ignore_eos=True))])
+    toks = ref["t"][0][0]
+    k = next(i for i in range(6, 14) if toks[i] not in toks[:i])
     reqs = [(f"a{i}", p, _greedy(30, ignore_eos=True)) for i, p in enumerate(PROMPTS[:5])]
+    # a5 is paused after its k-th token; with overlap its next one (a stop token) was already
+    # launched, so it ends while paused
+    reqs.append(("a5", PROMPTS[5], _greedy(30, stop_token_ids=[toks[k]])))
     actions = {4: [("abort", "a1")], 7: [("pause", "a3"), ("abort", "a4")], 11: [("resume", "a3")],
                13: [("abort", "a2")]}
+    actions.setdefault(k, []).append(("pause", "a5"))
+    actions.setdefault(k + 3, []).append(("resume", "a5"))
     off, _ = _drive(pair[False], reqs, actions)
     on, _ = _drive(pair[True], reqs, actions)
     # a paused request may get the token of the step already launched for it: the stream's
@@ -130,6 +138,7 @@ def test_aborts_and_pauses_mid_stream(pair):
     # an abort ends a request with no output of its own: what was streamed before it stays
     assert len(on["a1"][0][0]) == 4 and len(on["a2"][0][0]) < 30 and on["a1"][0][2] is None
     assert on["a3"][0][2] == "length" and len(on["a3"][0][0]) == 30
+    assert on["a5"][0][2] == "stop" and on["a5"][0][0] == toks[:k + 1]
 
 
 def test_structured_output_is_unchanged(pair):
