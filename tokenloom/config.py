@@ -68,6 +68,11 @@ class EngineArgs:
     chat_template: str | None = None
     revision: str | None = None
     trust_remote_code: bool = False
+    # what the engine runs: generate (sample tokens) or pooling (embeddings); auto = pooling
+    # for a base-model checkpoint (no LM head), else generate.  `task` is vLLM's older
+    # spelling (generate | embed).  See resolve_runner and docs/embeddings.md.
+    runner: str = "auto"
+    task: str | None = None
 
     # ---- CLI plumbing -------------------------------------------------
     @staticmethod
@@ -113,6 +118,11 @@ class EngineArgs:
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
         g.add_argument("--chat-template", default=None, help="Jinja chat template file or string")
         g.add_argument("--revision", default=None)
+        g.add_argument("--runner", default="auto", choices=list(RUNNERS),
+                       help="generate: sample tokens; pooling: embeddings (/v1/embeddings, LLM.embed); auto: "
+                            "pooling for a checkpoint without an LM head, else generate (docs/embeddings.md)")
+        g.add_argument("--task", default=None, choices=list(TASKS),
+                       help="vLLM's older spelling of --runner: embed = pooling")
         return parser
 
     @classmethod
@@ -124,6 +134,29 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+RUNNERS = ("auto", "generate", "pooling")
+TASKS = {"auto": "auto", "generate": "generate", "embed": "pooling"}  # vLLM's --task -> --runner
+
+
+def resolve_runner(runner: str, task: str | None, headless: bool) -> str:
+    """"generate" or "pooling": what `--runner` / `--task` ask of a model that has an LM head
+    (or not: `headless`); ValueError naming the setting that cannot hold."""
+    if runner not in RUNNERS:
+        raise ValueError(f"--runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    if task is not None:
+        if task not in TASKS:
+            raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
+        if runner != "auto" and TASKS[task] not in ("auto", runner):
+            raise ValueError(f"--task {task} contradicts --runner {runner}")
+        runner = TASKS[task] if runner == "auto" else runner
+    if runner == "auto":
+        return "pooling" if headless else "generate"
+    if runner == "generate" and headless:
+        raise ValueError("--runner generate: this checkpoint is a base model without an LM head (what "
+                         "sentence-transformers saves); it can only embed: use --runner pooling")
+    return runner
 
 
 @dataclass(frozen=True)

@@ -220,6 +220,11 @@ class CausalLM(nn.Module):
             x, residual = layer(x, residual, s, k_cache, v_cache)
         return x + residual
 
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Rows of `forward`'s hidden states after the final norm: what an embedding pools
+        (the base model's `last_hidden_state` in transformers)."""
+        return self.norm(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = self.norm(hidden)
         if self.lm_head is not None:

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from tokenloom.config import BackendPlan
 from tokenloom.model.llama import CausalLM, ModelArgs
 from tokenloom.model.weights.parallel import TPGroup, shard_model
-from tokenloom.model.registry import resolve_architecture
+from tokenloom.model.registry import is_headless, resolve_architecture
 from tokenloom.kernels import glibc_heap
 
 _DTYPES = {
@@ -177,6 +177,9 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
     cfg = load_config(path)
     arch = resolve_architecture(cfg)
     a = ModelArgs.from_hf_config(cfg, arch)
+    headless = is_headless(cfg)  # a base model (sentence-transformers saves one): no LM head, names unprefixed
+    if headless:
+        a = dataclasses.replace(a, tie_word_embeddings=True)  # no head of its own to load (it pools, never samples)
     if plan is None:
         from tokenloom.model.backends import resolve_backends
 
@@ -197,7 +200,7 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 names = list(sf.keys())
             for name in names:
-                tgt = _target(name, a)
+                tgt = _target("model." + name if headless else name, a)
                 if tgt is None:
                     continue
                 # One mapping per tensor: pages of the mmapped file are released as soon as
