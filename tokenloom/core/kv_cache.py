@@ -183,6 +183,7 @@ class KVCacheManager:
         # took them (`take_copies`); the runner copies them before the step's forward pass
         self.pending_copies: list[tuple[int, int]] = []
         self.num_forks = 0  # beam forks so far: until the first, no block is shared by writers
+        self.num_copies = 0  # blocks copied on write so far
 
     @property
     def num_blocks(self) -> int:
@@ -260,6 +261,7 @@ class KVCacheManager:
         for i in shared:  # copy-on-write: the writer gets its own copy of a shared block
             (copy,) = self.pool.allocate(1)
             self.pending_copies.append((table[i].block_id, copy.block_id))
+            self.num_copies += 1
             self.pool.release(table[i])
             table[i] = copy
             ids[i] = copy.block_id
