@@ -133,6 +133,21 @@ def test_beams_share_the_prompt_blocks_and_copy_on_write(model):
     assert kv.pool.num_free == kv.num_blocks
 
 
+def test_two_tensor_parallel_ranks_copy_the_same_blocks(model):
+    """Every rank holds its heads of each KV block: rank 1 makes the copy-on-write copies
+    rank 0 makes (they travel with the step), or its beams would read another beam's K/V."""
+    path, hf, eos = model
+    llm = LLM(str(path), tensor_parallel_size=2, block_size=4, num_kv_blocks=64, max_model_len=64)
+    try:
+        prompts = _prompts()[:2]
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(beam_width=3, max_tokens=8))
+        for p, out in zip(prompts, outs):
+            assert [s.output_token_ids for s in out.sequences] == hf_beams(hf, p, 3, 8, 1.0, False, eos)[0]
+        assert llm.llm_engine.kv.num_copies > 0
+    finally:
+        llm.shutdown()
+
+
 def test_bad_beam_settings_name_the_field(model):
     path, _, _ = model
     llm = LLM(str(path), block_size=4, num_kv_blocks=34, max_model_len=64, max_num_seqs=4)
