@@ -27,7 +27,8 @@ from transformers import AutoModelForCausalLM
 from server_fixtures import ThreadedServer, wait_until
 from tokenloom import LLM
 from tokenloom.bench.launcher import free_port
-from tokenloom.sampling_params import BeamSearchParams
+from tokenloom.request import Request
+from tokenloom.sampling_params import BeamSearchParams, SamplingParams
 
 PROMPT_LENS = (5, 13, 22, 9)
 # (beam_width, length_penalty, early_stopping, max_tokens, ignore_eos)
@@ -131,6 +132,27 @@ def test_beams_share_the_prompt_blocks_and_copy_on_write(model):
     ref, _ = hf_beams(hf, prompt, 4, 6, 1.0, False, None)
     assert [c.token_ids for c in done[0].outputs] == ref
     assert kv.pool.num_free == kv.num_blocks
+
+
+def test_speculative_decoding_leaves_beams_alone(model):
+    """n-gram drafting is on for the engine, but a beam takes no drafts (its next token is
+    the search's choice); ordinary requests beside it keep drafting."""
+    path, hf, eos = model
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64, max_model_len=64,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    p = _prompts()[2]
+    (out,) = llm.beam_search([{"prompt_token_ids": p}], BeamSearchParams(beam_width=3, max_tokens=8))
+    assert [s.output_token_ids for s in out.sequences] == hf_beams(hf, p, 3, 8, 1.0, False, eos)[0]
+    assert llm.llm_engine.kv.pool.num_free == 64
+    # the rule itself: a sequence whose last token repeats gets drafts, unless it is a beam
+    engine = llm.llm_engine
+    seq = [5, 6, 7, 8, 5, 6, 7]
+    for topk, drafted in ((0, True), (6, False)):
+        req = Request(request_id=f"r{topk}", prompt_token_ids=seq[:-1], sampling_params=SamplingParams(temperature=0),
+                      arrival_time=0.0, max_tokens=16, beam_topk=topk)
+        req.output_token_ids, req.num_computed_tokens = [seq[-1]], len(seq) - 1
+        engine.proposer.propose([req])
+        assert bool(req.spec_token_ids) == drafted
 
 
 def test_two_tensor_parallel_ranks_copy_the_same_blocks(model):
