@@ -40,6 +40,15 @@ BEAM_SEARCH_DEFAULTS: dict[str, Any] = {
     "guided_regex": None, "guided_choice": None, "guided_grammar": None,
 }
 
+RESPONSES_RUNTIME_RULES = (
+    "Beyond this schema, a request is refused (400, `error.param` naming the field) when: the conversation's "
+    "tokens (instructions, the stored conversation of previous_response_id, the input) plus max_output_tokens do "
+    "not fit max_model_len (`context_length_exceeded`); previous_response_id names no stored response "
+    "(`previous_response_not_found`); the input holds no message; tool_choice asks for a call without tools, or "
+    "names a function not in tools; two tools share a name; text.format's JSON schema, or a forced call's "
+    "parameters, does not compile, or both constrain the output; a forced call (tool_choice \"required\" or a "
+    "named function) cannot finish within max_output_tokens.")
+
 
 TEXT_PART = {"type": "object", "required": ["type", "text"],
              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
@@ -182,6 +191,11 @@ def apply_server_facts(doc: dict[str, Any], facts: ServerFacts) -> dict[str, Any
             "if": {"required": ["use_beam_search"], "properties": {"use_beam_search": {"const": True}}},
             "then": {"properties": {k: _NULL if v is None else {"const": v} for k, v in BEAM_SEARCH_DEFAULTS.items()}}})
     _embedding_limits(schemas.get("EmbeddingRequest"), facts)
+    responses = schemas.get("ResponsesRequest")
+    if responses is not None:
+        for s in _branches(responses.get("properties", {}).get("max_output_tokens", {}), "integer"):
+            s["maximum"] = context
+        responses["description"] = RESPONSES_RUNTIME_RULES
     prompt = schemas.get("CompletionRequest", {}).get("properties", {}).get("prompt", {})
     for s in _branches(prompt, "string"):
         if not facts.empty_text_has_tokens:

@@ -183,7 +183,7 @@ async def _prepare_beams(ctx: ServingContext, req: CompletionRequest,
     """use_beam_search: one beam search per prompt, `n` beams each (see the module docstring)."""
     for name, default in BEAM_SEARCH_DEFAULTS.items():
         if getattr(req, name) != default or (default is None) != (getattr(req, name) is None):
-            raise bad_request(f"{name} cannot be used with use_beam_search", param=name)
+            raise bad_request(f"{name} cannot be used with use_beam_search", param=name, code="unsupported_value")
 
     def params_for(max_tokens: int) -> BeamSearchParams:
         try:
