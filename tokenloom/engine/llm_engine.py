@@ -46,10 +46,11 @@ from tokenloom.config import EngineArgs, EngineConfig, ModelShape, resolve_max_m
 from tokenloom.core.events import StepEvent
 from tokenloom.core.kv_cache import KVCacheManager
 from tokenloom.core.scheduler import Scheduler, SchedulerOutput
-from tokenloom.engine.beam_search import BeamGroup, Fork, beam_request
+from tokenloom.engine.beam_search import Fork
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.engine.faults import FaultInjector
 from tokenloom.engine.output_processor import Decisions, Group, OutputProcessor, Sample, failure_message
+from tokenloom.engine.request_kinds import beam_search_group, check_beam_search, embedding_group
 from tokenloom.model.hf_config import model_args_fields
 from tokenloom.model.backends import plan_for_args
 from tokenloom.model.weights.formats import describe_prequantized
@@ -293,19 +294,9 @@ class LLMEngine:
     def _check_beams(self, params: BeamSearchParams, prompt_len: int) -> int:
         """Whether a beam search fits this engine; its max_tokens made concrete."""
         max_tokens = self.resolve_max_tokens(SamplingParams(max_tokens=params.max_tokens), prompt_len)
-        width = params.beam_width
-        keep = max(2, 1 + (0 if params.ignore_eos else len(self.eos_token_ids))) * width
-        if keep > self.vocab_size:
-            raise SamplingParamError("beam_width", f"{width} beams weigh {keep} candidates a step, more than the "
-                                                   f"vocabulary's {self.vocab_size} tokens")
-        if width > self.scheduler.num_seats:
-            raise SamplingParamError("beam_width", f"{width} beams must all run in one step: at most "
-                                                   f"{self.scheduler.num_seats} (--max-num-seqs)")
-        bs = self.kv.block_size
-        need = width * -(-(prompt_len + max_tokens) // bs)
-        if need > self.kv.num_blocks:
-            raise SamplingParamError("beam_width", f"{width} beams of {prompt_len + max_tokens} tokens may need "
-                                                   f"{need} KV blocks; the cache has {self.kv.num_blocks}")
+        check_beam_search(params, prompt_len, max_tokens, eos_token_ids=self.eos_token_ids,
+                          vocab_size=self.vocab_size, num_seats=self.scheduler.num_seats,
+                          num_blocks=self.kv.num_blocks, block_size=self.kv.block_size)
         return max_tokens
 
     def resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> int:
@@ -385,33 +376,21 @@ class LLMEngine:
     def _add_embedding(self, request_id: str, text: str | None, ids: list[int], params: PoolingParams,
                        arrival: float, priority: int, cache_salt: str | None) -> None:
         """An embedding request: its prompt is computed (chunked like any prefill) and pooled."""
-        sp = SamplingParams(max_tokens=1, detokenize=False)
-        req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=sp, arrival_time=arrival,
-                      max_tokens=1, priority=priority, cache_salt=cache_salt, pooling=params)
-        self.processor.add(Group(request_id=request_id, prompt=text, prompt_token_ids=ids, params=sp,
-                                 samples=[Sample(req, None, None)], pending=[], arrival_time=arrival, pooling=params))
-        self.scheduler.add_request(req)
+        group = embedding_group(request_id, text, ids, params, arrival, priority, cache_salt)
+        self.processor.add(group)
+        self.scheduler.add_request(group.samples[0].req)
 
     def _add_beam_search(self, request_id: str, text: str | None, ids: list[int], params: BeamSearchParams,
                          arrival: float, priority: int, cache_salt: str | None) -> None:
         """A beam search: one beam computes the prompt, then forks into `beam_width` beams."""
         max_tokens = self._check_beams(params, len(ids))
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=params.ignore_eos)
-        template = Request(request_id=f"{request_id}-beam0", prompt_token_ids=ids, sampling_params=sp,
-                           arrival_time=arrival, eos_token_ids=self.eos_token_ids, max_tokens=max_tokens,
-                           priority=priority, cache_salt=cache_salt)
         for i in range(params.beam_width):
             if self.processor.owns(f"{request_id}-beam{i}"):
                 raise ValueError(f"request id {request_id!r} collides with the beams of another request")
-        search = dataclasses.replace(params, max_tokens=max_tokens)
-        width = params.beam_width
-        topk = max(2, 1 + (0 if params.ignore_eos else len(self.eos_token_ids))) * width
-        beams = BeamGroup(search, self.eos_token_ids, lambda i: beam_request(template, i, width, topk))
-        head = beams.slots[0]
-        self.processor.add(Group(request_id=request_id, prompt=text, prompt_token_ids=ids,
-                                 params=dataclasses.replace(sp, n=width), samples=[Sample(head, None, None)],
-                                 pending=[], arrival_time=arrival, beam=beams))
-        self.scheduler.add_request(head)
+        group = beam_search_group(request_id, text, ids, params, max_tokens, self.eos_token_ids, arrival, priority,
+                                  cache_salt)
+        self.processor.add(group)
+        self.scheduler.add_request(group.samples[0].req)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """End requests now (no output); their KV blocks go back to the pool."""
