@@ -202,6 +202,7 @@ def beam_request(template: Request, index: int, width: int, topk: int) -> Reques
     prompt (the first beam holds a seat for every beam it will fork into)."""
     return dataclasses.replace(
         template, request_id=f"{template.request_id.rpartition('-beam')[0]}-beam{index}", output_token_ids=[],
-        status=RequestStatus.WAITING, stop_reason=None, num_computed_tokens=0, num_cached_tokens=-1, block_hashes=[], spec_token_ids=[], beam_topk=topk,
-        seats=width if index == 0 else 1, first_scheduled_time=None, first_token_time=None,
-        last_token_time=None, finished_time=None, num_preemptions=0, chunked=False, paused=False)
+        status=RequestStatus.WAITING, stop_reason=None, num_computed_tokens=0, num_cached_tokens=-1,
+        block_hashes=[], spec_token_ids=[], beam_topk=topk, seats=width if index == 0 else 1,
+        first_scheduled_time=None, first_token_time=None, last_token_time=None, finished_time=None,
+        num_preemptions=0, chunked=False, paused=False)

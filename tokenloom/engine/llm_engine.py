@@ -258,9 +258,9 @@ class LLMEngine:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"token id {t!r} is out of range for a vocabulary of {self.vocab_size}")
         if len(ids) + room > self.max_model_len:
-            why = "(the prompt must be shorter, leaving room for at least one generated token)" if room else ""
+            why = " (the prompt must be shorter, leaving room for at least one generated token)" if room else ""
             raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens, but this model's max_model_len is {self.max_model_len} {why}".rstrip(),
+                f"the prompt has {len(ids)} tokens, but this model's max_model_len is {self.max_model_len}{why}",
                 prompt_tokens=len(ids), max_model_len=self.max_model_len)
         return text, ids
 

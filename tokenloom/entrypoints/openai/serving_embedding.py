@@ -82,8 +82,8 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, raw: Requ
     inputs = split_inputs(req.input)
     cap = ctx.limits.max_prompts_per_request
     if len(inputs) > cap:
-        raise bad_request(f"at most {cap} inputs are allowed per request, got {len(inputs)} (--max-prompts-per-request)",
-                          param="input", code="limit_exceeded")
+        raise bad_request(f"at most {cap} inputs are allowed per request, got {len(inputs)} "
+                          f"(--max-prompts-per-request)", param="input", code="limit_exceeded")
     try:
         params = PoolingParams(dimensions=req.dimensions)
     except SamplingParamError as e:
