@@ -155,7 +155,8 @@ class LLMEngine:
         self.vocab_size = self.loaded.args.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)  # structured output
 
-        self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
+        self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching,
+                                 regime_split=c.scheduler.recompute_past)
         self.scheduler = Scheduler(c.scheduler, self.kv)
         runner_kwargs = dict(plan=self.backends, max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len)
         if self.tp_launcher:
