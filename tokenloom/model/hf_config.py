@@ -106,6 +106,8 @@ def model_args_fields(cfg: dict, architecture: str) -> dict[str, Any]:
     else:
         theta, scaling = rope_settings(cfg, max_pos)
     if scaling is not None and scaling["rope_type"] == "longrope":
+        if not phi3:  # transformers recomputes the cache at the switch for Phi-3 only; the others keep stale keys
+            raise ValueError("rope type 'longrope' is read for Phi-3 only (Phi3ForCausalLM)")
         _check_longrope(scaling, head_dim)
     qwen2, mistral = architecture == "Qwen2ForCausalLM", architecture == "MistralForCausalLM"
     # Qwen2's attention always carries q/k/v biases and never an o bias; Mistral's and Phi-3's
