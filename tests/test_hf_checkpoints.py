@@ -225,6 +225,10 @@ CHECKPOINTS |= {  # the context-extension rope types
     "qwen2-yarn-rope": lambda: Qwen2Config(**TINY, rope_theta=1e6, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
 }
+CHECKPOINTS |= {  # a window on the upper layer only: each layer attends its own way
+    "qwen2-window-on-upper-layer": lambda: Qwen2Config(**TINY, rope_theta=1e4, use_sliding_window=True,
+                                                       sliding_window=8, max_window_layers=1),
+}
 
 NEW_TOKENS = 16
 # Chunked prefill mixed with decodes: a 12-token step budget, 4-token KV blocks.
