@@ -92,6 +92,7 @@ class GatedMLP(nn.Module):
         def mlp(h):
             return down(act_and_mul(gate_up(h)))
 
+        mlp.act_and_mul = act_and_mul  # what it was bound to, for whoever checks the plan took
         return mlp
 
 
