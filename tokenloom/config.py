@@ -245,10 +245,14 @@ class BackendPlan:
     cuda_graphs_off: str | None = None  # why not, when not
     # layers whose attention the backend cannot run and the torch reference runs instead, and why
     attention_fallback: str | None = None
+    # the checkpoint's own quantization (GPTQ, AWQ, compressed-tensors: model/weights/formats/), in words
+    prequantized: str | None = None
 
     def describe(self) -> str:
         """The plan in words, for the start-up summary."""
         quant = f" ({self.quantization})" if self.quantization else ""
+        if self.prequantized:
+            quant = f" (pre-quantized: {self.prequantized})"
         graphs = "CUDA graphs" if self.cuda_graphs else f"no CUDA graphs ({self.cuda_graphs_off})"
         fallback = f" ({self.attention_fallback})" if self.attention_fallback else ""
         return (f"linear backend {self.linear}{quant}, attention backend {self.attention}{fallback}, "

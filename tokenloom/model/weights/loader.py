@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from tokenloom.config import BackendPlan
 from tokenloom.model.llama import CausalLM, ModelArgs
+from tokenloom.model.weights.formats import describe_prequantized, open_reader
 from tokenloom.model.weights.parallel import TPGroup, shard_model
 from tokenloom.model.registry import resolve_architecture
 from tokenloom.kernels import glibc_heap
@@ -134,7 +135,8 @@ def _shard_bounds(param_name: str, idx: int, a: ModelArgs) -> tuple[int, int]:
 
 
 def _parts(param_name: str) -> int:
-    """How many checkpoint tensors a parameter of ours is made of (q, k, v; gate, up)."""
+    """How many checkpoint tensors a parameter of ours is made of where the checkpoint stores
+    them apart (q, k, v; gate, up)."""
     return 3 if "qkv_proj" in param_name else 2 if "gate_up_proj" in param_name else 1
 
 
@@ -189,10 +191,14 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
 
         plan = resolve_backends(device, resolve_dtype(dtype, cfg, device), dataclasses.asdict(a),
                                 linear=linear_backend, quantization=quantization, pack_weights=pack_weights,
-                                tensor_parallel_size=tp.size if tp is not None else 1)
+                                tensor_parallel_size=tp.size if tp is not None else 1,
+                                prequantized=describe_prequantized(cfg))
     tdtype = getattr(torch, plan.dtype)
+    files = _weight_files(path)
     with torch.device("meta"):
         model = CausalLM(a, max_positions)
+    # a checkpoint quantized by GPTQ / AWQ / compressed-tensors: its quantized layers (formats/)
+    prequant = open_reader(cfg, plan.prequantized, files, lambda n: _target(n, a), model)
     ropes = {name: getattr(model, name) for name in ("rope", "local_rope")}  # built on the CPU, in float32,
     for name in ropes:  # even under the meta device: moved, not re-made
         setattr(model, name, None)
@@ -200,13 +206,18 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
     for name, rope in ropes.items():
         setattr(model, name, rope.to(device) if rope is not None else None)
     params = dict(model.named_parameters())
-    filled: dict[str, int] = {}
+    filled: dict[str, int] = {}  # checkpoint tensors copied into each parameter of ours
+    whole: set[str] = set()  # our linears the checkpoint stores fused already (Phi-3): one tensor each
     with torch.no_grad():
-        for f in _weight_files(path):
+        for f in files:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 names = list(sf.keys())
             for name in names:
                 tgt = _target(name, a)
+                if tgt is not None and tgt[1] is None:
+                    whole.add(tgt[0].rpartition(".")[0])
+                if prequant is not None and prequant.take(f, name):
+                    continue
                 if tgt is None:
                     continue
                 # One mapping per tensor: pages of the mmapped file are released as soon as
@@ -224,7 +235,7 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
                             raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != expected {tuple(p.shape)}")
                         # copy=True: a zero-copy view would pin the whole mmapped file in memory
                         p.data = t.to(device=device, dtype=tdtype, copy=True)
-                        filled[pname] = filled.get(pname, 0) + _parts(pname)  # Phi-3: stored fused
+                        filled[pname] = filled.get(pname, 0) + 1
                     else:
                         lo, hi = _shard_bounds(pname, idx, a)
                         if p.dtype != tdtype:
@@ -232,8 +243,10 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
                         p.data[lo:hi].copy_(t)
                         filled[pname] = filled.get(pname, 0) + 1
                     del t
+        if prequant is not None:
+            prequant.install(model, filled, panels=plan.linear == "panels", dtype=tdtype, device=device)
     for pname, p in params.items():
-        if filled.get(pname, 0) != _parts(pname):
+        if filled.get(pname, 0) != (1 if pname.rpartition(".")[0] in whole else _parts(pname)):
             raise ValueError(f"checkpoint at {path} is missing weights for {pname}")
     model.eval()
     del params  # drop our references, so packing can free each unpacked weight as it goes
