@@ -202,8 +202,8 @@ class LayerStep:
 
     def __init__(self, input_norm, attn_out_norm, ffn_norm, ffn_out_norm, eps, qkv, o, mlp, rope_kv, kind,
                  q_size, scale, ops: Ops):
-        self.input_norm, self.attn_out_norm, self.ffn_norm, self.ffn_out_norm = input_norm, attn_out_norm, \
-            ffn_norm, ffn_out_norm
+        self.input_norm, self.attn_out_norm = input_norm, attn_out_norm
+        self.ffn_norm, self.ffn_out_norm = ffn_norm, ffn_out_norm
         self.eps, self.qkv, self.o, self.mlp, self.rope_kv, self.kind = eps, qkv, o, mlp, rope_kv, kind
         self.q_size, self.scale = q_size, scale
         self.rms_norm, self.add_rms_norm = ops.rms_norm, ops.add_rms_norm
@@ -241,8 +241,12 @@ class CausalLM(nn.Module):
                                if a.local_rope_theta is not None else None)
         if self.local_rope is not None and self.rope.long_from is not None:
             raise ValueError("longrope with a second rotation for sliding layers is not supported")
-        # the backend serves these attention kinds (model/attention.py); each layer names its own
-        self.attention_kinds, kinds = attention_kinds(a.layer_attention)
+        # the backend serves these attention kinds (model/attention.py); each layer names its own.
+        # A window no shorter than the longest sequence is full attention (Phi-3-128k's 262144):
+        # left out, so those layers keep the kernels that have no window.
+        per_layer = [LayerAttention(k.window if k.window is not None and k.window < max_positions else None,
+                                    k.softcap) for k in a.layer_attention]
+        self.attention_kinds, kinds = attention_kinds(per_layer)
         for i, layer in enumerate(self.layers):
             layer.kind = kinds[i]
             layer.rope_index = 1 if self.local_rope is not None and a.sliding(i) else 0
