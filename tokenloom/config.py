@@ -168,6 +168,10 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    # A request that grows past this many tokens is recomputed from scratch once, at that
+    # step: the model rotates whole sequences differently beyond it (Phi-3's LongRoPE), so
+    # the K/V cached before no longer hold.  None: never.
+    recompute_past: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -211,10 +215,15 @@ class ModelShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # LongRoPE: the sequence length past which the long-context rotation applies, else None
+    rope_long_from: int | None = None
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, Any]) -> "ModelShape":
-        return cls(**{f.name: int(fields[f.name]) for f in dataclasses.fields(cls)})
+        rope = fields.get("rope_scaling") or {}
+        long_from = rope.get("original_max_position_embeddings") if rope.get("rope_type") == "longrope" else None
+        return cls(**{f.name: int(fields[f.name]) for f in dataclasses.fields(cls) if f.name != "rope_long_from"},
+                   rope_long_from=long_from)
 
     def kv_bytes_per_block(self, block_size: int, dtype: str) -> int:
         """K and V of `block_size` tokens, every layer."""
@@ -267,6 +276,8 @@ class BackendPlan:
     compile: bool  # torch.compile the forward
     cuda_graphs: bool  # decode-only steps replay CUDA graphs (runner/cuda_graphs.py)
     cuda_graphs_off: str | None = None  # why not, when not
+    # layers whose attention the backend cannot run and the torch reference runs instead, and why
+    attention_fallback: str | None = None
     # the checkpoint's own quantization (GPTQ, AWQ, compressed-tensors: model/weights/formats/), in words
     prequantized: str | None = None
 
@@ -276,7 +287,9 @@ class BackendPlan:
         if self.prequantized:
             quant = f" (pre-quantized: {self.prequantized})"
         graphs = "CUDA graphs" if self.cuda_graphs else f"no CUDA graphs ({self.cuda_graphs_off})"
-        return (f"linear backend {self.linear}{quant}, attention backend {self.attention}, ops backend {self.ops}"
+        fallback = f" ({self.attention_fallback})" if self.attention_fallback else ""
+        return (f"linear backend {self.linear}{quant}, attention backend {self.attention}{fallback}, "
+                f"ops backend {self.ops}"
                 f"{', fused rotary + KV write' if self.fused_kv_write else ''}"
                 f"{', flat calls' if self.flat_calls else ''}{', torch.compile' if self.compile else ''}, "
                 f"{graphs}")
@@ -369,6 +382,9 @@ class EngineConfig:
             max_model_len=max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
             scheduling_policy=args.scheduling_policy,
+            # LongRoPE's second rotation only where a request can grow past its first one
+            recompute_past=(shape.rope_long_from if shape.rope_long_from is not None
+                            and shape.rope_long_from < max_model_len else None),
         )
         return cls(
             model=str(model), model_name=str(model_name), tokenizer=str(args.tokenizer or model),

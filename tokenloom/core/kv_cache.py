@@ -59,12 +59,16 @@ class KVBlock:
     block_hash: BlockKey | None = None  # set once the block is full and computed
 
 
-def root_key(cache_salt: str | None) -> BlockKey:
+def root_key(cache_salt: str | None, regime: int = 0) -> BlockKey:
     """The parent key of a request's first block: a digest of its extra keys.
 
     Requests with different salts get unrelated chains, so they never share a block;
-    no salt and the empty salt are kept apart by a one-byte tag."""
+    no salt and the empty salt are kept apart by a one-byte tag.  `regime` (non-zero: a
+    request long enough for the model's long-context rotation, whose K/V differ for the
+    same tokens) comes first under its own tag, so no salt can imitate it."""
     h = hashlib.sha256(_KEY_DOMAIN)
+    if regime:
+        h.update(b"\x02" + regime.to_bytes(4, "little"))
     if cache_salt is not None:
         h.update(b"\x01" + cache_salt.encode("utf-8", "surrogatepass"))
     return h.digest()
@@ -167,10 +171,14 @@ class PrefixHit:
 class KVCacheManager:
     """Per-request block tables on top of a BlockPool."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 regime_split: int | None = None):
+        """`regime_split`: requests longer than this many tokens key their blocks apart from
+        shorter ones (the model rotates them differently: `SchedulerConfig.recompute_past`)."""
         if block_size < 1:
             raise ValueError("--block-size must be >= 1")
         self.block_size = block_size
+        self.regime_split = regime_split
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.tables: dict[str, list[KVBlock]] = {}
@@ -203,8 +211,11 @@ class KVCacheManager:
         full = num_tokens // bs
         while len(req.block_hashes) < full:
             i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if req.block_hashes else root_key(req.cache_salt)
+            parent = req.block_hashes[-1] if req.block_hashes else root_key(req.cache_salt, self._regime(req))
             req.block_hashes.append(hash_block(parent, req.token_slice(i * bs, (i + 1) * bs)))
+
+    def _regime(self, req: Request) -> int:
+        return int(self.regime_split is not None and req.num_tokens > self.regime_split)
 
     def find_cached_prefix(self, req: Request) -> PrefixHit:
         """Longest run of cached full blocks from the start of req's tokens.

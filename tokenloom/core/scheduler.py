@@ -48,6 +48,13 @@ each beam onto the sequence (tokens and KV blocks, shared copy-on-write) it cont
 beam waiting for that computes nothing (all its tokens are computed) but keeps its seat.
 A beam search's first beam holds a seat for every beam it will fork into (`Request.seats`).
 
+Long-context rotation (`SchedulerConfig.recompute_past`, Phi-3's LongRoPE): the model
+rotates a whole sequence one way up to that many tokens and another beyond, so the step a
+request grows past it, its cached K/V no longer hold.  It is recomputed then, as
+transformers recomputes it: its blocks are freed and it goes back to the front of the
+queue to prefill all its tokens again (drafts never carry it across).  The KV manager keys
+the blocks of such long requests apart from short ones' (`KVCacheManager.regime_split`).
+
 Pausing: a request whose client stops reading its stream can be taken out of the schedule
 without being ended (`pause_request`).  It leaves `running` -- so its seat goes to someone
 else -- but keeps its KV blocks, and `resume_request` puts it back: one that still holds
@@ -138,6 +145,7 @@ class Scheduler:
         self.resumed: deque[Request] = deque()
         self.step_counter = 0
         self.num_preemptions = 0
+        self.num_recomputes = 0  # requests recomputed for growing past `config.recompute_past`
         if kv.num_blocks * kv.block_size < config.max_model_len:
             raise ValueError(
                 f"the KV cache holds {kv.num_blocks} blocks x {kv.block_size} tokens = "
@@ -295,6 +303,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _recompute(self, req: Request) -> None:
+        """`req` grew past `config.recompute_past`: free its K/V and queue it to prefill all
+        its tokens again (a paused request stays paused, to recompute when resumed)."""
+        self.kv.free(req)
+        req.block_hashes = []  # its blocks are keyed in the long regime from now on
+        req.spec_token_ids = []
+        req.num_computed_tokens = 0
+        req.chunked = False
+        req.status = RequestStatus.PREEMPTED
+        self.num_recomputes += 1
+        if not req.paused:
+            self.running.remove(req)
+            self.waiting.appendleft(req)
+
     @staticmethod
     def _phase(req: Request, computed: int, num_new: int) -> Phase:
         """What `num_new` tokens from `computed` on are for this request (a query: it reads
@@ -351,6 +373,9 @@ class Scheduler:
                 # drafts take what budget the later decodes of this step do not need
                 room = budget - 1 - (num_decodes - i - 1)
                 drafts = req.spec_token_ids[:max(0, room)]
+                split = cfg.recompute_past
+                if split is not None and req.num_tokens <= split:
+                    drafts = drafts[:split - req.num_tokens]  # a step never carries it across
                 if drafts and not self.kv.can_allocate(req, 1 + len(drafts)):
                     drafts = []  # memory is short: no request is preempted for a guess
                 num_new += len(drafts)
@@ -448,6 +473,7 @@ class Scheduler:
             s.num_accepted = len(acc)
             s.emitted = []
             done = False
+            before = req.num_tokens
             for tok in (*acc, sampled[req.request_id]):
                 req.output_token_ids.append(tok)
                 s.emitted.append(tok)
@@ -457,7 +483,10 @@ class Scheduler:
             # Rejected drafts' positions are not computed: their KV slots get overwritten.
             rejected = len(s.spec_token_ids) - len(acc)
             req.num_computed_tokens = min(s.num_computed_before + s.num_new_tokens - rejected, req.num_tokens)
-            self.kv.cache_full_blocks(req)
+            split = self.config.recompute_past
+            crossed = split is not None and before <= split < req.num_tokens
+            if not crossed:  # a crossing request's blocks are not published: its keys change regime
+                self.kv.cache_full_blocks(req)
             if now is not None:
                 if req.first_token_time is None:
                     req.first_token_time = now
@@ -465,6 +494,8 @@ class Scheduler:
             if done:
                 self._end(req, now)
                 finished.append(req)
+            elif crossed:
+                self._recompute(req)
             elif rejected:
                 self.kv.trim(req, req.num_tokens)
         return finished

@@ -166,7 +166,8 @@ class LLMEngine:
         self.vocab_size = self.loaded.args.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)  # structured output
 
-        self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
+        self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching,
+                                 regime_split=c.scheduler.recompute_past)
         self.scheduler = Scheduler(c.scheduler, self.kv)
         # how embedding requests pool (the model's sentence-transformers files): rank 0 pools alone
         self.pooling_config: PoolingConfig | None = None

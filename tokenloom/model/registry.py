@@ -7,6 +7,9 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",  # text-only (model_type gemma3_text); not the multimodal Gemma3ForConditionalGeneration
+    "Phi3ForCausalLM",
 )
 
 

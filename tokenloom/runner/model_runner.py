@@ -162,10 +162,14 @@ class ModelRunner:
         if self.device.type == "cpu":
             glibc_heap.keep_step_buffers()  # every step's temporaries reused, not faulted in anew
         self.attn = build_backend(plan.attention, self.device, loaded.dtype, a.head_dim, a.num_kv_heads,
-                                  a.sliding_window)
+                                  self.model.attention_kinds)
         self.ops = build_ops(plan.ops, loaded.dtype, plan.fused_kv_write)
         self.model.bind(self.ops, self.attn, flat=plan.flat_calls)  # model/llama.py: the layers as they run
         self.max_blocks = -(-(max_model_len or a.max_position_embeddings) // block_size)
+        # LongRoPE: a request longer than `long_from` tokens rotates with the second table,
+        # `long_offset` rows on (model/layers.py RotaryEmbedding); the scheduler recomputes a
+        # request the step it grows past that length, as transformers does.
+        self._long_from, self._long_offset = self.model.rope.long_from, self.model.rope.long_offset
         self._forward = self.model.forward
         if plan.compile:
             # One graph per step kind (decode-only, prefill-only, mixed: which metadata
@@ -215,8 +219,7 @@ class ModelRunner:
         return g
 
     # ---- input preparation ------------------------------------------
-    @staticmethod
-    def _decode_inputs(decodes: list[ScheduledRequest], bs: int) -> tuple[list[int], list[int], list[int]]:
+    def _decode_inputs(self, decodes: list[ScheduledRequest], bs: int) -> tuple[list[int], list[int], list[int]]:
         """ids, positions and KV slots of one-token decodes: plain Python ints (the hot path)."""
         ids: list[int] = []
         pos: list[int] = []
@@ -226,7 +229,14 @@ class ModelRunner:
             ids.append(s.request.token_at(c))
             pos.append(c)
             slots.append(s.block_ids[c // bs] * bs + c % bs)
+        if self._long_from is not None:
+            pos = [p + self._rope_offset(s) for s, p in zip(decodes, pos)]
         return ids, pos, slots
+
+    def _rope_offset(self, s: ScheduledRequest) -> int:
+        """Where the request's rotation rows start in the tables: past the first table for a
+        request longer than LongRoPE's pretraining length."""
+        return self._long_offset if self._long_from is not None and s.request.num_tokens > self._long_from else 0
 
     def _prepare(self, out: SchedulerOutput):
         bs = self.block_size
@@ -246,10 +256,11 @@ class ModelRunner:
                 offsets.append(len(ids))
                 ids.append(s.request.token_at(c))
                 ids.extend(s.spec_token_ids)
+                off = self._rope_offset(s)
                 for p in range(c, c + s.num_new_tokens):
-                    pos.append(p)
+                    pos.append(p + off)
                     slots.append(s.block_ids[p // bs] * bs + p % bs)
-            decode_ctx = [p + 1 for p in pos]
+            decode_ctx = [p + 1 - self._rope_offset(s) for s, p in zip(decodes, pos)]
         else:
             ids, pos, slots = self._decode_inputs(decodes, bs)
             offsets = list(range(len(decodes)))
@@ -260,7 +271,7 @@ class ModelRunner:
             ids.extend(s.request.token_slice(c, c + n))
             p = np.arange(c, c + n, dtype=np.int64)
             table = np.asarray(s.block_ids, dtype=np.int64)
-            pos.extend(p.tolist())
+            pos.extend((p + self._rope_offset(s)).tolist())
             slots.extend((table[p // bs] * bs + p % bs).tolist())
             offsets.append(t)
             t += n
