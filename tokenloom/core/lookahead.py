@@ -17,7 +17,9 @@ Whenever that assumption or the equivalence could fail, there is no step ahead (
 engine waits for step N, then schedules normally: a request waits or was resumed with a free
 seat (admission, prefill chunks), a running request was not a sampling decode in step N
 (prefill chunk, speculative drafts, paused), its sampling reads its own output so far
-(penalties, min_tokens still counting, a grammar), or the KV pool cannot hold the new
+(penalties, min_tokens still counting, a grammar), it is a beam (beam search picks its tokens
+after the step) or an embedding, step N's token takes it past `SchedulerConfig.recompute_past`
+(LongRoPE: it is then recomputed), or the KV pool cannot hold the new
 position without preempting.  So a step ahead never preempts, admits or drafts, and the
 tokens are the same as without it.  Pure Python, no torch.
 """
@@ -32,7 +34,7 @@ def reads_own_output(req: Request, num_output: int) -> bool:
     """Whether sampling `req`'s next token depends on its output so far, which a step ahead
     does not hold yet (`num_output`: its output length once step N's token is in)."""
     p = req.sampling_params
-    if req.grammar is not None:
+    if req.grammar is not None or req.beam_topk or req.pooling is not None:  # beams: the engine picks
         return True
     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
         return True
@@ -42,7 +44,7 @@ def reads_own_output(req: Request, num_output: int) -> bool:
 def schedule_ahead(sched: Scheduler, prev: SchedulerOutput) -> SchedulerOutput | None:
     """Step N+1 for the requests of `prev` (step N, launched, results not in yet), or None
     when it cannot be chosen before those results (see the module docstring)."""
-    if sched.resumed:
+    if sched.resumed or sched.kv.pending_copies:  # copy-on-write of beam blocks goes with a normal step
         return None
     in_prev = {id(s.request): s for s in prev.scheduled}
     picked: list[tuple[Request, int]] = []
@@ -50,6 +52,8 @@ def schedule_ahead(sched: Scheduler, prev: SchedulerOutput) -> SchedulerOutput |
         s = in_prev.get(id(req))
         if s is None or not s.sample or s.spec_token_ids or req.paused or req.status != RequestStatus.RUNNING:
             return None
+        if sched.config.recompute_past == req.num_tokens:
+            return None  # step N's token takes it past LongRoPE's split: it will be recomputed
         num_output = req.num_output_tokens + 1
         if num_output >= req.max_tokens:
             continue  # step N's token ends it (length)
