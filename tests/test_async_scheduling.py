@@ -203,3 +203,15 @@ def test_graph_buffers_take_the_ids_from_the_device(tiny_llama):
         got[on], _ = _drive(eng, reqs)
     assert got[True] == got[False]
     assert any(fed)  # some steps' ids came from the device
+
+
+def test_beam_search_alongside_sampling_is_unchanged(pair):
+    """Beams take their tokens from the beam search after each step: no step runs ahead while
+    one is in the batch, and both the beams and the plain requests beside them are unchanged."""
+    from tokenloom.sampling_params import BeamSearchParams
+
+    reqs = [("b", PROMPTS[1], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)),
+            ("s0", PROMPTS[2], _greedy(10, ignore_eos=True)), ("s1", PROMPTS[3], _greedy(16, ignore_eos=True))]
+    off, _ = _drive(pair[False], reqs)
+    on, _ = _drive(pair[True], reqs)
+    assert on == off and len(off["b"]) == 3
