@@ -53,7 +53,8 @@ class PendingSample:
         return SamplerOutput(token_ids=self.token_ids.tolist(), logprobs=lp_out)
 
 
-__all__ = ["SamplingRow", "SamplerOutput", "PendingSample", "sample", "sample_start"]  # SamplingRow: tokenloom/sampling's, the runner builds them
+# SamplingRow: tokenloom/sampling's, the runner builds them
+__all__ = ["SamplingRow", "SamplerOutput", "PendingSample", "sample", "sample_start"]
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | None = None) -> SamplerOutput:
