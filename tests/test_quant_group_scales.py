@@ -41,7 +41,7 @@ def _blocks(name: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.T
 def test_kernel_multiplies_by_the_blocks_values(kernel_build, name, n, k):  # noqa: F811
     q, s = _blocks(name, n, k, n * k)
     scheme = SCHEMES[name][0]
-    ours, generic = PanelQuantized.from_quantized(q, s, scheme), TorchQuantized.from_quantized(q, s, scheme)
+    ours, generic = PanelQuantized.from_quantized(q, s, scheme, k), TorchQuantized.from_quantized(q, s, scheme, k)
     deq = generic.dequantize()
     assert torch.equal(deq, q.float() * s.float().repeat_interleave(32, dim=1))  # unrounded
     assert torch.equal(ours.dequantize(), deq)
@@ -70,7 +70,7 @@ def test_float16_scales_are_not_rounded_to_bfloat16(kernel_build, name):  # noqa
     scheme = SCHEMES[name][0]
     q = torch.full((32, 64), 3, dtype=torch.int8)
     s = torch.full((32, 2), 1 + 2**-10, dtype=torch.float16)  # 1.0009765625: bfloat16 rounds it to 1
-    ours = PanelQuantized.from_quantized(q, s, scheme)
+    ours = PanelQuantized.from_quantized(q, s, scheme, 64)
     y = ours.matmul(torch.ones(1, 64), None)
     assert torch.equal(y, torch.full((1, 32), 64 * 3 * (1 + 2**-10)))
 
@@ -80,7 +80,7 @@ def test_integer_path_rows_do_not_depend_on_the_rows_beside_them(kernel_build, n
     if cpu_kernels.quant_ops() is not getattr(torch.ops, "tokenloom_q512v", None):
         pytest.skip("the integer path is the VNNI build's")
     q, s = _blocks(name, 80, 320, 13)
-    ours = PanelQuantized.from_quantized(q, s, SCHEMES[name][0])
+    ours = PanelQuantized.from_quantized(q, s, SCHEMES[name][0], 320)
     x = torch.randn(8, 320, generator=torch.Generator().manual_seed(2))
     one = torch.cat([ours.matmul(x[i:i + 1], None) for i in range(8)])
     for m in range(2, 9):

@@ -139,25 +139,24 @@ class TorchQuantized(QuantizedMatrix):
 
     def __init__(self, weight: torch.Tensor, scheme: QuantScheme):
         super().__init__()
-        self._store(*quantize(weight, scheme), weight.shape[1], scheme, weight.device)
+        q, s = quantize(weight, scheme)
+        self._store(q.to(weight.device), s.to(weight.device), scheme, weight.shape[1])
 
     @classmethod
-    def from_quantized(cls, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme,
-                       in_features: int | None = None) -> "TorchQuantized":
-        """From integers q [N, K] (int8; -8..7 for 4 bits) and their scales, kept as they are:
-        [N] float32 per row (int8), or [N, K / G] per group (bfloat16 or float16)."""
+    def from_quantized(cls, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme, in_features: int) -> "TorchQuantized":
+        """An already quantized matrix (a checkpoint's, model/weights/formats/): q and s as
+        `quantize_int8` / `quantize_int4` return them -- or, for an int8 scheme with a group (GGUF's
+        Q8_0), scales [N, K / G] -- kept as they are; group scales in any float dtype."""
         m = cls.__new__(cls)
-        nn.Module.__init__(m)
-        m._store(q, s, in_features or q.shape[1], scheme, q.device)
+        QuantizedMatrix.__init__(m)
+        m._store(q, s, scheme, in_features)
         return m
 
-    def _store(self, q: torch.Tensor, s: torch.Tensor, k: int, scheme: QuantScheme, device: torch.device) -> None:
-        self.out_features, self.in_features = q.shape[0], k
+    def _store(self, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme, in_features: int) -> None:
+        self.out_features, self.in_features = q.shape[0], in_features
         self.scheme = scheme
-        if scheme.bits == 4:
-            q = pack_nibbles(q)
-        self.register_buffer("qweight", q.to(device), persistent=False)
-        self.register_buffer("scales", s.to(device), persistent=False)
+        self.register_buffer("qweight", q if scheme.bits == 8 else pack_nibbles(q), persistent=False)
+        self.register_buffer("scales", s, persistent=False)
 
     def _dequant(self, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         if self.scheme.bits == 8:
@@ -181,15 +180,16 @@ class PanelQuantized(QuantizedMatrix):
 
     def __init__(self, weight: torch.Tensor, scheme: QuantScheme):
         super().__init__()
-        self._store(*quantize(weight, scheme), weight.shape[1], scheme)
+        q, s = quantize(weight, scheme)
+        self._store(q, s, scheme, weight.shape[1])
 
     @classmethod
-    def from_quantized(cls, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme,
-                       in_features: int | None = None) -> "PanelQuantized":
-        """As `TorchQuantized.from_quantized`, packed into our kernel's panels."""
+    def from_quantized(cls, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme, in_features: int) -> "PanelQuantized":
+        """An already quantized matrix (a checkpoint's, model/weights/formats/): as
+        `TorchQuantized.from_quantized`, group scales in bfloat16 or float16 (what the kernel takes)."""
         m = cls.__new__(cls)
-        nn.Module.__init__(m)
-        m._store(q, s, in_features or q.shape[1], scheme)
+        QuantizedMatrix.__init__(m)
+        m._store(q, s, scheme, in_features)
         return m
 
     @classmethod
@@ -200,17 +200,17 @@ class PanelQuantized(QuantizedMatrix):
 
         assert scheme.bits == 4 and scheme.group == 32, scheme
         m = cls.__new__(cls)
-        nn.Module.__init__(m)
+        QuantizedMatrix.__init__(m)
         m.out_features, m.in_features, m.scheme = blocks.shape[0], blocks.shape[1] * 32, scheme
         m._op = cpu_kernels.quant_ops().linear_int4
         m.register_buffer("qweight", cpu_kernels.pack_int4_blocks(blocks), persistent=False)
         m.register_buffer("scales", cpu_kernels.pack_group_scales(s), persistent=False)
         return m
 
-    def _store(self, q: torch.Tensor, s: torch.Tensor, k: int, scheme: QuantScheme) -> None:
+    def _store(self, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme, in_features: int) -> None:
         from tokenloom.kernels import cpu as cpu_kernels
 
-        self.out_features, self.in_features = q.shape[0], k
+        self.out_features, self.in_features = q.shape[0], in_features
         self.scheme = scheme
         ops = cpu_kernels.quant_ops()
         assert ops is not None, "our quantized CPU kernel is not available here"

@@ -166,7 +166,7 @@ def _install(model: CausalLM, pname: str, ts: list, dtype: torch.dtype, device: 
     else:
         q, d = _stack([kept_blocks(t, rows) for t, _, rows in ts])
         make = PanelQuantized if kernels else TorchQuantized
-        matrix = make.from_quantized(q.to(device), d.to(device), scheme)
+        matrix = make.from_quantized(q.to(device), d.to(device), scheme, q.shape[1])
     pad = matrix.qweight.shape[0] * 32 if kernels else None
     module = pname.removesuffix(".weight")
     if module == "embed_tokens":  # tied: one matrix for the lookup and the head
