@@ -392,14 +392,29 @@ def pack_for(weight: torch.Tensor) -> torch.Tensor:
     return pack(weight, WIDE if weight.dtype == torch.float32 and avx512_enabled() else NR)
 
 
-def linear_op(packed: torch.Tensor):
+def linear_op(packed: torch.Tensor, amx: bool = True):
     """The op that multiplies by `packed`: its layout says which kernel it was packed for
-    (k-pairs: the bf16 kernel; 32-column panels: the AVX-512 one; 16-column: the AVX2 one)."""
+    (k-pairs: the bf16 kernel, or on AMX machines the AMX one for the row counts it wins,
+    kernels/amx.py; 32-column panels: the AVX-512 one; 16-column: the AVX2 one)."""
     if packed.dim() == 4:
-        return torch.ops.tokenloom_bf16.linear_fma if bf16_dot() == "fma" else torch.ops.tokenloom_bf16.linear
+        ours = torch.ops.tokenloom_bf16.linear_fma if bf16_dot() == "fma" else torch.ops.tokenloom_bf16.linear
+        return with_amx("bf16", ours) if amx else ours
     if packed.shape[-1] == WIDE:
         return torch.ops.tokenloom_avx512.linear
     return torch.ops.tokenloom_cpu.linear
+
+
+def with_amx(kind: str, ours):
+    """`ours` (a linear op of the bf16 / int8 / int4 kernel) or, on machines with usable AMX,
+    a function taking the same arguments that runs the AMX kernel of `kind` for the row
+    counts where it measured faster (kernels/amx.py `dispatch`)."""
+    from tokenloom.kernels import amx
+
+    if kind == "int8" and not int8_quads():
+        return ours  # the AMX int8 kernel reads the k-quad panels only the VNNI build packs
+    if not amx.enabled():
+        return ours
+    return amx.dispatch(kind, ours, getattr(torch.ops.tokenloom_amx, f"linear_{kind}"))
 
 
 def pad_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:

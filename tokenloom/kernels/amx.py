@@ -1,0 +1,150 @@
+"""AMX GEMMs beside the AVX-512 ones, chosen per row count by a one-time measurement.
+
+`cpu_gemm_amx.cpp` multiplies bf16, int8 and int4 weights with AMX bf16 tiles, reading the
+same packed weights as the AVX-512 kernels (so there is one copy of each weight and either
+kernel can take any call).  Which one wins depends on how many rows the call has: at one row
+both are bound by the weights' stream, from a few rows on the AVX-512 kernels by their
+arithmetic, which AMX does about sixteen times faster.  So for each kernel ("bf16", "int8",
+"int4") and row bucket (1, 2, 4, ... 64 and more rows) both are timed once on a model-sized
+matrix, and the faster one is used for calls of that bucket (`dispatch`).  The choice is
+cached beside the kernel builds (kernels/build.py `cache_root`), keyed by CPU model, kernel
+sources and thread count.
+
+Only where the AMX probe (kernels/amx_probe.py, a child process) said yes.  `TOKENLOOM_AMX=0`
+keeps the AVX-512 kernels, `=1` takes AMX at every row count (tests), `auto` (default)
+measures.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from tokenloom.kernels import amx_probe
+from tokenloom.kernels.build import _build, cache_root
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a call of M rows falls in the largest bucket <= M
+KINDS = ("bf16", "int8", "int4")
+CALIBRATION_SHAPE = (896, 4864)  # (K, N) of the matrices timed: Qwen2.5-0.5B's MLP
+_AMX_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
+              "-mamx-tile", "-mamx-int8", "-mamx-bf16"]
+
+
+@functools.cache
+def build() -> bool:
+    """Compile and load the AMX extension (no tile instruction runs here)."""
+    if not _build("tokenloom_cpu_amx", ["cpu_gemm_amx.cpp"], _AMX_FLAGS):
+        return False
+    for name in ("linear_bf16",):
+        torch.library.register_fake(f"tokenloom_amx::{name}")(
+            lambda x, weight_packed, n, bias: x.new_empty((*x.shape[:-1], n)))
+    torch.library.register_fake("tokenloom_amx::linear_int8")(
+        lambda x, qweight, scales, n, bias: x.new_empty((*x.shape[:-1], n)))
+    torch.library.register_fake("tokenloom_amx::linear_int4")(
+        lambda x, qweight, scales, n, group, bias: x.new_empty((*x.shape[:-1], n)))
+    return True
+
+
+def enabled() -> bool:
+    """Whether the AMX kernels run in this process: usable tiles (the probe) and a build."""
+    return amx_probe.amx_usable() and build()
+
+
+def bucket(rows: int) -> int:
+    """Index into BUCKETS of a call with `rows` rows."""
+    return min(max(rows, 1).bit_length() - 1, len(BUCKETS) - 1)
+
+
+def _calibration_path() -> Path:
+    h = hashlib.sha256()
+    for part in (amx_probe.cpu_model(), str(torch.get_num_threads()), *KINDS, *map(str, BUCKETS)):
+        h.update(part.encode() + b"\0")
+    here = Path(__file__).parent
+    for f in ("cpu_gemm_amx.cpp", "cpu_gemm_quant.cpp", "quant_vnni.h", "cpu_gemm_bf16.cpp"):
+        h.update((here / f).read_bytes())
+    return cache_root() / f"amx_calibration_{h.hexdigest()[:16]}.json"
+
+
+def _best_of(fn, x: torch.Tensor, reps: int) -> float:
+    fn(x)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(x)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _candidates(kind: str):
+    """(our AVX-512 op, AMX op) as functions of x, on one random calibration-sized matrix."""
+    from tokenloom.kernels import cpu
+
+    k, n = CALIBRATION_SHAPE
+    g = torch.Generator().manual_seed(0)
+    if kind == "bf16":
+        w = cpu.pack_pairs(torch.randn(n, k, generator=g).to(torch.bfloat16))
+        base = cpu.linear_op(w, amx=False)
+        return (lambda x: base(x, w, n, None)), (lambda x: torch.ops.tokenloom_amx.linear_bf16(x, w, n, None))
+    ops = cpu.quant_ops()
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    if kind == "int8":
+        w, s = cpu.pack_int8(q, torch.rand(n, generator=g) / 100, quads=True)
+        return ((lambda x: ops.linear_int8(x, w, s, n, None)),
+                (lambda x: torch.ops.tokenloom_amx.linear_int8(x, w, s, n, None)))
+    w, s = cpu.pack_int4(q.clamp(-8, 7), (torch.rand(n, k // 32, generator=g) / 100).to(torch.bfloat16))
+    return ((lambda x: ops.linear_int4(x, w, s, n, 32, None)),
+            (lambda x: torch.ops.tokenloom_amx.linear_int4(x, w, s, n, 32, None)))
+
+
+def calibrate(reps: int = 5) -> dict:
+    """Time both kernels of every kind at every bucket: {kind: {"amx": [bool per bucket],
+    "ms": [[ours, amx] per bucket]}}."""
+    out: dict = {}
+    for kind in KINDS:
+        ours, amx = _candidates(kind)
+        ms = []
+        for rows in BUCKETS:
+            x = torch.randn(rows, CALIBRATION_SHAPE[0]).to(torch.bfloat16 if kind == "bf16" else torch.float32)
+            ms.append([_best_of(ours, x, reps) * 1e3, _best_of(amx, x, reps) * 1e3])
+        out[kind] = {"amx": [a < o for o, a in ms], "ms": ms}
+    return out
+
+
+@functools.cache
+def choices() -> dict:
+    """The calibration of this machine, measured once and cached (see the module doc)."""
+    path = _calibration_path()
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    res = calibrate()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res))
+    return res
+
+
+def dispatch(kind: str, ours, amx_op):
+    """The function to multiply with for `kind`: `ours` where AMX is off or never wins, `amx_op`
+    where it always does, else one that picks by the call's row count."""
+    mode = os.environ.get("TOKENLOOM_AMX", "auto")
+    if mode == "0" or not enabled():
+        return ours
+    if mode == "1":
+        return amx_op
+    use = choices()[kind]["amx"]
+    if not any(use):
+        return ours
+    if all(use):
+        return amx_op
+
+    def pick(x, *args):
+        return (amx_op if use[bucket(x.numel() // max(x.shape[-1], 1))] else ours)(x, *args)
+
+    return pick
