@@ -75,18 +75,24 @@ def run_probe(timeout: float = 900.0) -> tuple[bool, str]:
     return True, "tile permission granted; int8 and bf16 tile multiplies correct"
 
 
-@functools.cache
 def amx_usable() -> bool:
     """Whether our AMX kernels may run in this process (see the module doc)."""
     if os.environ.get("TOKENLOOM_AMX", "auto") == "0" or not FLAGS <= cpu_flags():
         return False
+    return _verdict(os.environ.get("TOKENLOOM_AMX_PROBE_FAIL") == "1")
+
+
+@functools.cache
+def _verdict(forced_failure: bool) -> bool:
+    """The probe's verdict, from the cache or a child run once per process."""
     path = verdict_path()
-    try:
-        return bool(json.loads(path.read_text())["usable"])
-    except (OSError, ValueError, KeyError):
-        pass
+    if not forced_failure:
+        try:
+            return bool(json.loads(path.read_text())["usable"])
+        except (OSError, ValueError, KeyError):
+            pass
     usable, why = run_probe()
-    if os.environ.get("TOKENLOOM_AMX_PROBE_FAIL") != "1":  # a forced failure is not this machine's verdict
+    if not forced_failure:  # a forced failure is not this machine's verdict
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"usable": usable, "why": why, "cpu": cpu_model()}))
     return usable
