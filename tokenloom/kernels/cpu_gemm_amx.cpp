@@ -40,6 +40,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -316,6 +317,132 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   return amx_linear(x, K, src.K2p, q.size(0), n, src, sc, bias);
 }
 
+// int8 weights multiplied as bytes by AMX int8 tiles (TDPBSSD: [16 x 64] int8 x [64 x 16] int8
+// into int32), straight from the k-quad panels, which are AMX's int8 B-tile layout (a tile is
+// 16 k-quads of one 16-column half, rows 128 bytes apart): nothing is widened.  Each activation
+// row is split into two int8 planes: hi = round(x / s) with s = max|x| / 127, and lo = the
+// remainder in steps of s / 254, so x = s * hi + (s / 254) * lo to within s / 508 (2^-15.9 of
+// the row's largest value; bf16 rounding is 2^-9 of each value).  Two multiplies per tile pair.
+struct SplitRows {
+  at::Tensor hi, lo;      // [M rounded up to 16, Kq] int8, K zero-padded to Kq
+  std::vector<float> s;   // per row: s (hi's step); lo's is s / 254
+};
+
+SplitRows split_rows(const at::Tensor& x2, int64_t Kq) {
+  const int64_t M = x2.size(0), K = x2.size(1);
+  const at::Tensor xf = x2.to(at::kFloat).contiguous();
+  SplitRows r;
+  const int64_t Mp = (M + 15) / 16 * 16;
+  r.hi = at::zeros({Mp, Kq}, x2.options().dtype(at::kChar));
+  r.lo = at::zeros({Mp, Kq}, x2.options().dtype(at::kChar));
+  r.s.assign(Mp, 0.f);
+  const float* xp = xf.data_ptr<float>();
+  int8_t* hp = r.hi.data_ptr<int8_t>();
+  int8_t* lp = r.lo.data_ptr<int8_t>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* row = xp + m * K;
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+      const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s, inv_lo = 254.f / s;
+      r.s[m] = s;
+      for (int64_t k = 0; k < K; ++k) {
+        const float h = std::nearbyint(row[k] * inv);
+        hp[m * Kq + k] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, h)));
+        const float rest = row[k] - h * s;
+        lp[m * Kq + k] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(rest * inv_lo))));
+      }
+    }
+  });
+  return r;
+}
+
+at::Tensor linear_int8_tiles(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n,
+                             const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu(), "tokenloom_amx runs on CPU");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 4 && q.size(2) == PANEL && q.size(3) == 4 &&
+              q.is_contiguous(), "tokenloom_amx::linear_int8_tiles takes k-quad int8 panels");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() >= q.size(0) * PANEL && scales.is_contiguous(),
+              "int8 scales: float32, one per padded column");
+  const int64_t K = x.size(-1), K4 = q.size(1), panels = q.size(0);
+  TORCH_CHECK((K + 3) / 4 == K4, "x has ", K, " features, the packed weight ", K4, " quads");
+  TORCH_CHECK(panels * PANEL >= n, "n exceeds the packed panels");
+  const int64_t K4p = (K4 + 15) / 16 * 16, Kq = K4p * 4, nkb = K4p / 16;
+  const at::Tensor x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0);
+  const SplitRows a = split_rows(x2, Kq);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = n;
+  at::Tensor y = at::empty({M, n}, x.options().dtype(at::kFloat));
+  at::Tensor bias_f;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_f.numel() >= n, "bias shorter than n");
+    bp = bias_f.data_ptr<float>();
+  }
+  const int8_t* wp = q.data_ptr<int8_t>();
+  const int8_t* hp = a.hi.data_ptr<int8_t>();
+  const int8_t* lp = a.lo.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  tokenloom::for_panel_runs(panels, [&](int64_t p0, int64_t p1) {
+    begin_tiles();
+    std::vector<int8_t> buf(K4 == K4p ? 0 : K4p * PANEL * 4);
+    alignas(64) int32_t ct[4 * 256];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int8_t* b = wp + p * K4 * PANEL * 4;
+      if (K4 != K4p) {
+        std::memcpy(buf.data(), b, K4 * PANEL * 4);
+        std::memset(buf.data() + K4 * PANEL * 4, 0, (K4p - K4) * PANEL * 4);
+        b = buf.data();
+      }
+      const int64_t ncols = std::min<int64_t>(PANEL, n - p * PANEL);
+      const __mmask16 mk[2] = {static_cast<__mmask16>(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1),
+                               static_cast<__mmask16>(ncols >= 32 ? 0xFFFF : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0)};
+      __m512 cs[2], bs[2];
+      for (int h = 0; h < 2; ++h) {
+        cs[h] = _mm512_loadu_ps(sp + p * PANEL + h * 16);
+        bs[h] = bp ? _mm512_maskz_loadu_ps(mk[h], bp + p * PANEL + h * 16) : _mm512_setzero_ps();
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < nkb; ++kb) {
+          const int8_t* bt = b + kb * 16 * PANEL * 4;
+          _tile_loadd(6, bt, PANEL * 4);
+          _tile_loadd(7, bt + 64, PANEL * 4);
+          _tile_loadd(4, hp + m0 * Kq + kb * 64, Kq);
+          _tile_loadd(5, lp + m0 * Kq + kb * 64, Kq);
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbssd(1, 4, 7);
+          _tile_dpbssd(2, 5, 6);
+          _tile_dpbssd(3, 5, 7);
+        }
+        _tile_stored(0, ct, 64);
+        _tile_stored(1, ct + 256, 64);
+        _tile_stored(2, ct + 512, 64);
+        _tile_stored(3, ct + 768, 64);
+        for (int64_t i = 0; i < std::min<int64_t>(16, M - m0); ++i) {
+          const __m512 sh = _mm512_set1_ps(a.s[m0 + i]), sl = _mm512_set1_ps(a.s[m0 + i] / 254.f);
+          float* yi = yp + (m0 + i) * n + p * PANEL;
+          for (int h = 0; h < 2; ++h) {
+            if (!mk[h]) continue;
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_loadu_si512(ct + h * 256 + i * 16));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_loadu_si512(ct + 512 + h * 256 + i * 16));
+            const __m512 v = _mm512_fmadd_ps(_mm512_fmadd_ps(hi, sh, _mm512_mul_ps(lo, sl)), cs[h], bs[h]);
+            _mm512_mask_storeu_ps(yi + h * 16, mk[h], v);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+  return y.view(out_sizes).to(x.scalar_type());
+}
+
 // One int8 and one bf16 tile multiply on known values, checked against plain loops:
 // [permission granted, int8 correct, bf16 correct].  Traps (SIGILL) where the CPU or VM does
 // not run tile instructions: kernels/amx_probe.py calls it only in a child process.
@@ -373,6 +500,7 @@ at::Tensor probe() {
 TORCH_LIBRARY(tokenloom_amx, m) {
   m.def("linear_bf16(Tensor x, Tensor weight_packed, int n, Tensor? bias) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor qweight, Tensor scales, int n, Tensor? bias) -> Tensor");
+  m.def("linear_int8_tiles(Tensor x, Tensor qweight, Tensor scales, int n, Tensor? bias) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor qweight, Tensor scales, int n, int group, Tensor? bias) -> Tensor");
   m.def("probe() -> Tensor", &probe);
 }
@@ -380,5 +508,6 @@ TORCH_LIBRARY(tokenloom_amx, m) {
 TORCH_LIBRARY_IMPL(tokenloom_amx, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_int8", &linear_int8);
+  m.impl("linear_int8_tiles", &linear_int8_tiles);
   m.impl("linear_int4", &linear_int4);
 }
