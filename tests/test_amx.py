@@ -91,6 +91,27 @@ def test_amx_int4_matches_reference(group: int, m: int, k: int, n: int, bias: bo
         _check(y, x, dequantize_int4(q, s.to(scale_dtype).float(), k).float(), b)
 
 
+@settings(max_examples=25, deadline=None)
+@given(**shapes)
+def test_amx_int8_tiles_within_the_split_bound(m: int, k: int, n: int, bias: bool, seed: int) -> None:
+    """int8 tiles (activations split into two int8 planes): each activation is off by at most
+    max|x_row| / (127 * 508), so each output by at most that times sum_k |w[n, k]| (plus
+    float32 rounding of the sums)."""
+    _amx_or_skip()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 10
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    s = torch.rand(n, generator=g) + 0.01
+    b = torch.randn(n, generator=g) if bias else None
+    packed, scales = cpu_kernels.pack_int8(q, s, quads=True)
+    y = torch.ops.tokenloom_amx.linear_int8_tiles(x, packed, scales, n, cpu_kernels.pad_bias(b, n))
+    w = q.double() * s.double()[:, None]
+    ref = x.double() @ w.t() + (b.double() if b is not None else 0)
+    step = x.abs().amax(dim=1, keepdim=True).double() / (127 * 508)
+    bound = step * w.abs().sum(dim=1)[None] * 1.01 + 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-6
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
 def test_amx_rejects_groups_not_a_multiple_of_32() -> None:
     _amx_or_skip()
     q, s = quantize_int4(torch.randn(8, 48), 16)
@@ -103,10 +124,11 @@ def test_dispatch_picks_by_rows_and_matches_both_kernels(monkeypatch) -> None:
     """A calibration that takes AMX from 8 rows: calls below run our AVX-512 kernel, calls from
     8 rows the AMX one, each exactly as that kernel alone."""
     _amx_or_skip()
-    monkeypatch.setattr(amx, "choices", lambda: {"bf16": {"amx": [False, False, False, True, True, True, True]}})
+    monkeypatch.setattr(amx, "choices", lambda: {"bf16": {"names": ["ours", "linear_bf16"],
+                                                          "pick": [0, 0, 0, 1, 1, 1, 1]}})
     w = cpu_kernels.pack_pairs(torch.randn(40, 64).to(torch.bfloat16))
     ours = cpu_kernels.linear_op(w, amx=False)
-    op = amx.dispatch("bf16", ours, torch.ops.tokenloom_amx.linear_bf16)
+    op = amx.dispatch("bf16", ours)
     for rows, kernel in ((1, ours), (7, ours), (8, torch.ops.tokenloom_amx.linear_bf16),
                          (100, torch.ops.tokenloom_amx.linear_bf16)):
         x = torch.randn(rows, 64)
@@ -116,12 +138,20 @@ def test_dispatch_picks_by_rows_and_matches_both_kernels(monkeypatch) -> None:
 def test_calibration_is_cached_beside_the_builds(tmp_path, monkeypatch) -> None:
     _amx_or_skip()
     monkeypatch.setenv("TOKENLOOM_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(amx, "calibrate", lambda: {k: {"amx": [True] * len(amx.BUCKETS), "ms": []} for k in amx.KINDS})
+    calls = []
+
+    def fake_calibrate():
+        calls.append(1)
+        return {k: {"names": ["ours", f"linear_{k}"], "pick": [1] * len(amx.BUCKETS), "ms": []} for k in amx.KINDS}
+
+    monkeypatch.setattr(amx, "calibrate", fake_calibrate)
     amx.choices.cache_clear()
     try:
-        assert amx.choices()["int8"]["amx"][0] is True
+        assert amx.choices()["int8"]["pick"][0] == 1
+        amx.choices.cache_clear()
+        assert amx.choices()["bf16"]["pick"][-1] == 1 and len(calls) == 1  # the second process reads the file
         files = list(tmp_path.glob("amx_calibration_*.json"))
-        assert len(files) == 1 and json.loads(files[0].read_text())["bf16"]["amx"][-1] is True
+        assert len(files) == 1 and json.loads(files[0].read_text())["bf16"]["names"] == ["ours", "linear_bf16"]
     finally:
         amx.choices.cache_clear()
 

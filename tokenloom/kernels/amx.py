@@ -11,8 +11,10 @@ cached beside the kernel builds (kernels/build.py `cache_root`), keyed by CPU mo
 sources and thread count.
 
 Only where the AMX probe (kernels/amx_probe.py, a child process) said yes.  `TOKENLOOM_AMX=0`
-keeps the AVX-512 kernels, `=1` takes AMX at every row count (tests), `auto` (default)
-measures.
+keeps the AVX-512 kernels, `=1` takes AMX (the bf16-tile kernels) at every row count (tests),
+`auto` (default) measures.  For int8 two AMX kernels compete: bf16 tiles with the weights
+widened (exact products) and int8 tiles with each activation row split in two int8 planes
+(`linear_int8_tiles`: nothing widened; activations to 2^-15.9 of the row's largest value).
 """
 
 from __future__ import annotations
@@ -89,42 +91,47 @@ def _best_of(fns, x: torch.Tensor, reps: int, seconds: float) -> list[float]:
 
 
 def _candidates(kind: str):
-    """(our AVX-512 op, AMX op) as functions of x, on one random calibration-sized matrix."""
+    """Our AVX-512 op and the AMX ops for `kind`, as functions of x, on one random
+    calibration-sized matrix: [(name, fn)], ours first."""
     from tokenloom.kernels import cpu
 
     k, n = CALIBRATION_SHAPE
     g = torch.Generator().manual_seed(0)
+    amx = torch.ops.tokenloom_amx
     if kind == "bf16":
         assert cpu.bf16_enabled(), "the AVX512-BF16 kernel did not build"
         w = cpu.pack_pairs(torch.randn(n, k, generator=g).to(torch.bfloat16))
         base = cpu.linear_op(w, amx=False)
-        return (lambda x: base(x, w, n, None)), (lambda x: torch.ops.tokenloom_amx.linear_bf16(x, w, n, None))
+        return [("ours", lambda x: base(x, w, n, None)), ("linear_bf16", lambda x: amx.linear_bf16(x, w, n, None))]
     ops = cpu.quant_ops()
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     if kind == "int8":
         w, s = cpu.pack_int8(q, torch.rand(n, generator=g) / 100, quads=True)
-        return ((lambda x: ops.linear_int8(x, w, s, n, None)),
-                (lambda x: torch.ops.tokenloom_amx.linear_int8(x, w, s, n, None)))
+        return [("ours", lambda x: ops.linear_int8(x, w, s, n, None)),
+                ("linear_int8", lambda x: amx.linear_int8(x, w, s, n, None)),
+                ("linear_int8_tiles", lambda x: amx.linear_int8_tiles(x, w, s, n, None))]
     w, s = cpu.pack_int4(q.clamp(-8, 7), (torch.rand(n, k // 32, generator=g) / 100).to(torch.bfloat16))
-    return ((lambda x: ops.linear_int4(x, w, s, n, 32, None)),
-            (lambda x: torch.ops.tokenloom_amx.linear_int4(x, w, s, n, 32, None)))
+    return [("ours", lambda x: ops.linear_int4(x, w, s, n, 32, None)),
+            ("linear_int4", lambda x: amx.linear_int4(x, w, s, n, 32, None))]
 
 
 def calibrate(reps: int = 10, seconds: float = 0.4) -> dict:
-    """Time both kernels of every kind at every bucket: {kind: {"amx": [bool per bucket],
-    "ms": [[ours, amx] per bucket]}}.  AMX is taken from the smallest bucket from which it won
-    at every larger one too (a single noisy win among losses does not switch a bucket)."""
+    """Time our kernel and each AMX kernel of every kind at every bucket: {kind: {"names": [op
+    names, ours first], "pick": [index per bucket], "ms": [[ms per name] per bucket]}}.  AMX is
+    taken from the smallest bucket from which an AMX kernel beat ours at every larger bucket
+    too (one noisy win among losses does not switch a bucket), the fastest AMX kernel there."""
     out: dict = {}
     assert build(), "the AMX kernel did not build"
     for kind in KINDS:
-        ours, amx = _candidates(kind)
+        cands = _candidates(kind)
         ms = []
         for rows in BUCKETS:
             x = torch.randn(rows, CALIBRATION_SHAPE[0]).to(torch.bfloat16 if kind == "bf16" else torch.float32)
-            ms.append([t * 1e3 for t in _best_of((ours, amx), x, reps, seconds)])
-        wins = [a < o for o, a in ms]
-        use = [all(wins[i:]) for i in range(len(wins))]
-        out[kind] = {"amx": use, "ms": ms}
+            ms.append([t * 1e3 for t in _best_of([f for _, f in cands], x, reps, seconds)])
+        wins = [min(t[1:]) < t[0] for t in ms]
+        pick = [1 + min(range(len(t) - 1), key=lambda i: t[1 + i]) if all(wins[b:]) else 0
+                for b, t in enumerate(ms)]
+        out[kind] = {"names": [name for name, _ in cands], "pick": pick, "ms": ms}
     return out
 
 
@@ -142,21 +149,21 @@ def choices() -> dict:
     return res
 
 
-def dispatch(kind: str, ours, amx_op):
-    """The function to multiply with for `kind`: `ours` where AMX is off or never wins, `amx_op`
-    where it always does, else one that picks by the call's row count."""
+def dispatch(kind: str, ours):
+    """The function to multiply with for `kind` (same arguments as `ours`): `ours` where AMX is
+    off or never wins, else one AMX op for every call or one that picks by the call's rows."""
     mode = os.environ.get("TOKENLOOM_AMX", "auto")
     if mode == "0" or not enabled():
         return ours
     if mode == "1":
-        return amx_op
-    use = choices()[kind]["amx"]
-    if not any(use):
-        return ours
-    if all(use):
-        return amx_op
+        return getattr(torch.ops.tokenloom_amx, f"linear_{kind}")
+    c = choices()[kind]
+    ops = [ours, *(getattr(torch.ops.tokenloom_amx, name) for name in c["names"][1:])]
+    per_bucket = [ops[i] for i in c["pick"]]
+    if all(op is per_bucket[0] for op in per_bucket):
+        return per_bucket[0]
 
     def pick(x, *args):
-        return (amx_op if use[bucket(x.numel() // max(x.shape[-1], 1))] else ours)(x, *args)
+        return per_bucket[bucket(x.numel() // max(x.shape[-1], 1))](x, *args)
 
     return pick

@@ -414,7 +414,7 @@ def with_amx(kind: str, ours):
         return ours  # the AMX int8 kernel reads the k-quad panels only the VNNI build packs
     if not amx.enabled():
         return ours
-    return amx.dispatch(kind, ours, getattr(torch.ops.tokenloom_amx, f"linear_{kind}"))
+    return amx.dispatch(kind, ours)
 
 
 def pad_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
