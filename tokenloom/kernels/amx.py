@@ -7,8 +7,8 @@ both are bound by the weights' stream, from a few rows on the AVX-512 kernels by
 arithmetic, which AMX does about sixteen times faster.  So for each kernel ("bf16", "int8",
 "int4") and row bucket (1, 2, 4, ... 64 and more rows) both are timed once on a model-sized
 matrix, and the faster one is used for calls of that bucket (`dispatch`).  The choice is
-cached beside the kernel builds (kernels/build.py `cache_root`), keyed by CPU model, kernel
-sources and thread count.
+cached beside the kernel builds (kernels/build.py `cache_root`), keyed by CPU model and kernel
+sources; timed on one thread, in CPU time (robust on a busy machine).
 
 Only where the AMX probe (kernels/amx_probe.py, a child process) said yes.  `TOKENLOOM_AMX=0`
 keeps the AVX-512 kernels, `=1` takes AMX (the bf16-tile kernels) at every row count (tests),
@@ -65,7 +65,7 @@ def bucket(rows: int) -> int:
 
 def _calibration_path() -> Path:
     h = hashlib.sha256()
-    for part in (amx_probe.cpu_model(), str(torch.get_num_threads()), *KINDS, *map(str, BUCKETS)):
+    for part in (amx_probe.cpu_model(), *KINDS, *map(str, BUCKETS)):
         h.update(part.encode() + b"\0")
     here = Path(__file__).parent
     for f in ("cpu_gemm_amx.cpp", "cpu_gemm_quant.cpp", "quant_vnni.h", "cpu_gemm_bf16.cpp"):
@@ -75,7 +75,9 @@ def _calibration_path() -> Path:
 
 def _best_of(fns, x: torch.Tensor, reps: int, seconds: float) -> list[float]:
     """The fastest of at least `reps` calls (more, up to `seconds`) of each of `fns` on x, taken
-    in turns: on a busy machine the fastest call is the one other processes left alone."""
+    in turns, in this thread's CPU time: run on one thread (`calibrate`), a call's CPU time
+    leaves out the time other processes had the core, which wall time on a busy machine does
+    not (there a two-thread call waits for whichever of its threads was descheduled)."""
     best = [float("inf")] * len(fns)
     for f in fns:
         f(x)
@@ -84,9 +86,9 @@ def _best_of(fns, x: torch.Tensor, reps: int, seconds: float) -> list[float]:
     while done < reps or (time.perf_counter() < end and done < 50 * reps):
         done += 1
         for i, f in enumerate(fns):
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             f(x)
-            best[i] = min(best[i], time.perf_counter() - t0)
+            best[i] = min(best[i], time.thread_time() - t0)
     return best
 
 
@@ -122,17 +124,26 @@ def calibrate(reps: int = 10, seconds: float = 0.4) -> dict:
     too (one noisy win among losses does not switch a bucket), the fastest AMX kernel there."""
     out: dict = {}
     assert build(), "the AMX kernel did not build"
-    for kind in KINDS:
-        cands = _candidates(kind)
-        ms = []
-        for rows in BUCKETS:
-            x = torch.randn(rows, CALIBRATION_SHAPE[0]).to(torch.bfloat16 if kind == "bf16" else torch.float32)
-            ms.append([t * 1e3 for t in _best_of([f for _, f in cands], x, reps, seconds)])
-        wins = [min(t[1:]) < t[0] for t in ms]
-        pick = [1 + min(range(len(t) - 1), key=lambda i: t[1 + i]) if all(wins[b:]) else 0
-                for b, t in enumerate(ms)]
-        out[kind] = {"names": [name for name, _ in cands], "pick": pick, "ms": ms}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # both kernels split panels evenly over threads: one core's rates decide
+    try:
+        for kind in KINDS:
+            out[kind] = _calibrate_kind(kind, reps, seconds)
+    finally:
+        torch.set_num_threads(threads)
     return out
+
+
+def _calibrate_kind(kind: str, reps: int, seconds: float) -> dict:
+    """One kind's timings and picks (see `calibrate`); activations in bf16, as models pass them."""
+    cands = _candidates(kind)
+    ms = []
+    for rows in BUCKETS:
+        x = torch.randn(rows, CALIBRATION_SHAPE[0]).to(torch.bfloat16)
+        ms.append([t * 1e3 for t in _best_of([f for _, f in cands], x, reps, seconds)])
+    wins = [min(t[1:]) < t[0] for t in ms]
+    pick = [1 + min(range(len(t) - 1), key=lambda i: t[1 + i]) if all(wins[b:]) else 0 for b, t in enumerate(ms)]
+    return {"names": [name for name, _ in cands], "pick": pick, "ms": ms}
 
 
 @functools.cache

@@ -410,8 +410,10 @@ def with_amx(kind: str, ours):
     counts where it measured faster (kernels/amx.py `dispatch`)."""
     from tokenloom.kernels import amx
 
-    if kind == "int8" and not int8_quads():
-        return ours  # the AMX int8 kernel reads the k-quad panels only the VNNI build packs
+    if kind in ("int8", "int4") and not int8_quads():
+        # Calibrated against the VNNI build (and the AMX int8 kernels read the k-quad panels
+        # only it packs): a forced other build (TOKENLOOM_CPU_QUANT) runs alone.
+        return ours
     if not amx.enabled():
         return ours
     return amx.dispatch(kind, ours)

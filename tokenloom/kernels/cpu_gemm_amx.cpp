@@ -18,7 +18,8 @@
 // * int4 weights (`pack_int4`) are widened through a 16-entry table (nibble -> bf16 of -8..7,
 //   exact), and each group's sums are scaled by the group's scale when the group ends (the
 //   group must be a multiple of 32 k: one k-block).
-// Activations are rounded to bf16 (as the bf16 GEMM does); sums are float32.  AMX int8 tiles
+// bf16 activations are taken as they are; float32 ones as two bf16 planes (`amx_linear`);
+// sums are float32.  AMX int8 tiles
 // (TDPBSSD) would need the activations quantized to int8 too; docs/quantization.md, "AMX",
 // says why this kernel does not.
 //
@@ -180,8 +181,8 @@ struct GroupScale {
 // (rows m0.., m0 + 16..) times the panel's two 16-column weight tiles; at each group's end
 // the four sum tiles are scaled into `acc` [32 x 32] float32.
 template <typename Scale>
-inline void panel_rows(const uint16_t* a, int64_t lda, int64_t M, int64_t m0, const uint16_t* b, int64_t nkb,
-                       const Scale& scale, int64_t p, float* acc, float* ctile) {
+inline void panel_rows(const uint16_t* a, const uint16_t* alo, int64_t lda, int64_t M, int64_t m0, const uint16_t* b,
+                       int64_t nkb, const Scale& scale, int64_t p, float* acc, float* ctile) {
   const bool two = m0 + 16 < M;
   const int64_t rows = std::min<int64_t>(32, M - m0);
   std::fill(acc, acc + 32 * 32, 0.f);
@@ -200,10 +201,20 @@ inline void panel_rows(const uint16_t* a, int64_t lda, int64_t M, int64_t m0, co
       _tile_loadd(4, a + m0 * lda + kb * KB * 2, lda * 2);
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 4, 7);
+      if (alo) {
+        _tile_loadd(4, alo + m0 * lda + kb * KB * 2, lda * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+      }
       if (two) {
         _tile_loadd(5, a + (m0 + 16) * lda + kb * KB * 2, lda * 2);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+        if (alo) {
+          _tile_loadd(5, alo + (m0 + 16) * lda + kb * KB * 2, lda * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
       }
     }
     _tile_stored(0, ctile, 64);
@@ -222,8 +233,12 @@ inline void panel_rows(const uint16_t* a, int64_t lda, int64_t M, int64_t m0, co
   }
 }
 
-// The GEMM: x rounded to bf16 into row blocks padded to 16 rows and K2p pairs, panels split
-// over threads (gemm_driver.h), each thread widening one panel at a time into its scratch.
+// The GEMM: x in bf16 row blocks padded to 16 rows and K2p pairs, panels split over threads
+// (gemm_driver.h), each thread widening one panel at a time into its scratch.  A float32 x is
+// split into two bf16 planes, x = hi + lo (hi = x rounded to bf16, lo = the rest rounded to
+// bf16), each multiplied into the same sums: x is then kept to 2^-17 of each value, as the
+// AVX-512 kernels keep float32 activations, not rounded to bf16's 2^-9.  A bf16 x (bf16 and
+// quantized models) has no lo plane.
 template <typename Panels, typename Scale>
 at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panels, int64_t n, const Panels& src,
                       const Scale& scale, const c10::optional<at::Tensor>& bias) {
@@ -235,6 +250,12 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
   const int64_t lda = K2p * 2;
   at::Tensor a = at::zeros({(M + 15) / 16 * 16, lda}, x.options().dtype(at::kBFloat16));
   a.narrow(0, 0, M).narrow(1, 0, K).copy_(x2);
+  at::Tensor alo_t;
+  if (x.scalar_type() != at::kBFloat16) {
+    alo_t = at::zeros_like(a);
+    alo_t.narrow(0, 0, M).narrow(1, 0, K).copy_(x2.to(at::kFloat) - a.narrow(0, 0, M).narrow(1, 0, K).to(at::kFloat));
+  }
+  const uint16_t* alo = alo_t.defined() ? reinterpret_cast<const uint16_t*>(alo_t.data_ptr<at::BFloat16>()) : nullptr;
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = n;
   at::Tensor y = at::empty({M, n}, x.options().dtype(at::kFloat));
@@ -261,7 +282,7 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
       const __m512 b0 = bp ? _mm512_maskz_loadu_ps(m0k, bp + p * PANEL) : _mm512_setzero_ps();
       const __m512 b1 = bp ? _mm512_maskz_loadu_ps(m1k, bp + p * PANEL + 16) : _mm512_setzero_ps();
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
-        panel_rows(ap, lda, M, m0, b, nkb, scale, p, acc, ctile);
+        panel_rows(ap, alo, lda, M, m0, b, nkb, scale, p, acc, ctile);
         for (int64_t i = 0; i < std::min<int64_t>(32, M - m0); ++i) {
           float* yi = yp + (m0 + i) * n + p * PANEL;
           _mm512_mask_storeu_ps(yi, m0k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32), b0));
