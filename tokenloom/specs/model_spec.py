@@ -263,9 +263,12 @@ class ModelSpec:
 def load_config(model: str) -> tuple[dict, str]:
     """(config dict, display name) from a preset name, a model directory or a config.json path."""
     from tokenloom.model.tools.presets import PRESETS, get_preset
+    from tokenloom.specs.reference_models import REFERENCE_CONFIGS, reference_config
 
     if model in PRESETS:
         return get_preset(model), model
+    if model in REFERENCE_CONFIGS:  # shapes of published models, never built (specs/reference_models.py)
+        return reference_config(model), model
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
@@ -277,8 +280,8 @@ def load_config(model: str) -> tuple[dict, str]:
                 raise ValueError(f"model {model!r}: {path} is not a config.json ({e})") from None
         return config, os.path.basename(os.path.dirname(os.path.abspath(path))) or str(path)
     raise ValueError(
-        f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-        f"nor a directory containing config.json"
+        f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}), a reference model "
+        f"({', '.join(sorted(REFERENCE_CONFIGS))}) nor a directory containing config.json"
     )
 
 
