@@ -12,9 +12,10 @@ sources; timed on one thread, in CPU time (robust on a busy machine).
 
 Only where the AMX probe (kernels/amx_probe.py, a child process) said yes.  `TOKENLOOM_AMX=0`
 keeps the AVX-512 kernels, `=1` takes AMX (the bf16-tile kernels) at every row count (tests),
-`auto` (default) measures.  For int8 two AMX kernels compete: bf16 tiles with the weights
-widened (exact products) and int8 tiles with each activation row split in two int8 planes
-(`linear_int8_tiles`: nothing widened; activations to 2^-15.9 of the row's largest value).
+`auto` (default) measures.  int8 weights run in bf16 tiles, widened (exact products);
+`linear_int8_tiles` (int8 tiles, each activation row split in two int8 planes, nothing
+widened) is faster but keeps activations only to 2^-15.9 of the row's largest value, which an
+outlier channel ruins for the rest of the row, so it is not chosen (docs/quantization.md, "AMX").
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ from tokenloom.kernels.build import _build, cache_root
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a call of M rows falls in the largest bucket <= M
 KINDS = ("bf16", "int8", "int4")
+# Quantized calls of fewer rows stay on the VNNI build's integer path, whatever the timing: it
+# keeps each activation to 2^-20 of its block of 32 (an outlier 10^4 times larger costs the
+# others nothing) and each row's result independent of the rows beside it, which speculative
+# verifying steps (up to 8 rows) rely on (docs/quantization.md, "Integer dot products").
+MIN_QUANT_ROWS = 16
 CALIBRATION_SHAPE = (896, 4864)  # (K, N) of the matrices timed: Qwen2.5-0.5B's MLP
 _AMX_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
               "-mamx-tile", "-mamx-int8", "-mamx-bf16"]
@@ -110,8 +116,7 @@ def _candidates(kind: str):
     if kind == "int8":
         w, s = cpu.pack_int8(q, torch.rand(n, generator=g) / 100, quads=True)
         return [("ours", lambda x: ops.linear_int8(x, w, s, n, None)),
-                ("linear_int8", lambda x: amx.linear_int8(x, w, s, n, None)),
-                ("linear_int8_tiles", lambda x: amx.linear_int8_tiles(x, w, s, n, None))]
+                ("linear_int8", lambda x: amx.linear_int8(x, w, s, n, None))]
     w, s = cpu.pack_int4(q.clamp(-8, 7), (torch.rand(n, k // 32, generator=g) / 100).to(torch.bfloat16))
     return [("ours", lambda x: ops.linear_int4(x, w, s, n, 32, None)),
             ("linear_int4", lambda x: amx.linear_int4(x, w, s, n, 32, None))]
@@ -142,6 +147,8 @@ def _calibrate_kind(kind: str, reps: int, seconds: float) -> dict:
         x = torch.randn(rows, CALIBRATION_SHAPE[0]).to(torch.bfloat16)
         ms.append([t * 1e3 for t in _best_of([f for _, f in cands], x, reps, seconds)])
     wins = [min(t[1:]) < t[0] for t in ms]
+    if kind in ("int8", "int4"):  # the VNNI build's integer path keeps its decode rows (see the module doc)
+        wins = [w and rows >= MIN_QUANT_ROWS for w, rows in zip(wins, BUCKETS)]
     pick = [1 + min(range(len(t) - 1), key=lambda i: t[1 + i]) if all(wins[b:]) else 0 for b, t in enumerate(ms)]
     return {"names": [name for name, _ in cands], "pick": pick, "ms": ms}
 
