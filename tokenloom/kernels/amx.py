@@ -7,8 +7,8 @@ both are bound by the weights' stream, from a few rows on the AVX-512 kernels by
 arithmetic, which AMX does about sixteen times faster.  So for each kernel ("bf16", "int8",
 "int4") and row bucket (1, 2, 4, ... 64 and more rows) both are timed once on a model-sized
 matrix, and the faster one is used for calls of that bucket (`dispatch`).  The choice is
-cached beside the kernel builds (kernels/build.py `cache_root`), keyed by CPU model and kernel
-sources; timed on one thread, in CPU time (robust on a busy machine).
+cached beside the kernel builds (kernels/build.py `cache_root`), keyed by CPU model, kernel
+sources and this module's own; timed on one thread, in CPU time (robust on a busy machine).
 
 Only where the AMX probe (kernels/amx_probe.py, a child process) said yes.  `TOKENLOOM_AMX=0`
 keeps the AVX-512 kernels, `=1` takes AMX (the bf16-tile kernels) at every row count (tests),
@@ -74,7 +74,7 @@ def _calibration_path() -> Path:
     for part in (amx_probe.cpu_model(), *KINDS, *map(str, BUCKETS)):
         h.update(part.encode() + b"\0")
     here = Path(__file__).parent
-    for f in ("cpu_gemm_amx.cpp", "cpu_gemm_quant.cpp", "quant_vnni.h", "cpu_gemm_bf16.cpp"):
+    for f in ("amx.py", "cpu_gemm_amx.cpp", "cpu_gemm_quant.cpp", "quant_vnni.h", "cpu_gemm_bf16.cpp"):
         h.update((here / f).read_bytes())
     return cache_root() / f"amx_calibration_{h.hexdigest()[:16]}.json"
 
