@@ -28,15 +28,15 @@ _STACK_CONFIG = re.compile(r"^(\s*)alignas\(64\) tile_config_t tc = \{\};", re.M
 
 
 def gcc_needs_tile_fix() -> bool:
-    """Whether the compiler is gcc older than 13 (the 8-byte `_tile_loadconfig` declaration)."""
+    """Whether the C++ compiler is gcc older than 13 (the 8-byte `_tile_loadconfig` declaration)."""
     try:
-        out = subprocess.run(["c++", "--version"], capture_output=True, text=True, check=True).stdout
+        banner = subprocess.run(["c++", "--version"], capture_output=True, text=True, check=True).stdout
+        major = subprocess.run(["c++", "-dumpversion"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return False
-    m = re.search(r"\(.*GCC.*\) (\d+)\.|^g\+\+.* (\d+)\.\d+\.\d+", out, re.MULTILINE)
-    if "clang" in out.lower() or not m:
+    if "Free Software Foundation" not in banner or "clang" in banner.lower():
         return False
-    return int(m.group(1) or m.group(2)) < 13
+    return int(major.strip().split(".")[0]) < 13
 
 
 def patch_tile_config(src: Path) -> bool:
