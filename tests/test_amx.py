@@ -130,7 +130,7 @@ def test_dispatch_picks_by_rows_and_matches_both_kernels(monkeypatch) -> None:
     monkeypatch.setattr(amx, "choices", lambda: {"bf16": {"names": ["ours", "linear_bf16"],
                                                           "pick": [0, 0, 0, 1, 1, 1, 1]}})
     w = cpu_kernels.pack_pairs(torch.randn(40, 64).to(torch.bfloat16))
-    ours = cpu_kernels.linear_op(w, amx=False)
+    ours = cpu_kernels.linear_op(w)
     op = amx.dispatch("bf16", ours)
     for rows, kernel in ((1, ours), (7, ours), (8, torch.ops.tokenloom_amx.linear_bf16),
                          (100, torch.ops.tokenloom_amx.linear_bf16)):

@@ -147,7 +147,7 @@ def test_bf16_way_is_chosen_by_measured_rates(monkeypatch):
             assert cpu_kernels.bf16_dot() == forced
             packed = cpu_kernels.pack_pairs(torch.ones(32, 4).bfloat16())
             want = torch.ops.tokenloom_bf16.linear_fma if forced == "fma" else torch.ops.tokenloom_bf16.linear
-            assert cpu_kernels.linear_op(packed, amx=False) is want  # the AVX512-BF16 op (AMX aside)
+            assert cpu_kernels.linear_op(packed) is want
     finally:
         monkeypatch.delenv("TOKENLOOM_BF16_DOT", raising=False)
         cpu_kernels.bf16_dot.cache_clear()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from tokenloom.kernels import amx_probe
+from tokenloom.kernels import amx_probe, cpu
 from tokenloom.kernels.build import _build, cache_root
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a call of M rows falls in the largest bucket <= M
@@ -101,15 +101,13 @@ def _best_of(fns, x: torch.Tensor, reps: int, seconds: float) -> list[float]:
 def _candidates(kind: str):
     """Our AVX-512 op and the AMX ops for `kind`, as functions of x, on one random
     calibration-sized matrix: [(name, fn)], ours first."""
-    from tokenloom.kernels import cpu
-
     k, n = CALIBRATION_SHAPE
     g = torch.Generator().manual_seed(0)
     amx = torch.ops.tokenloom_amx
     if kind == "bf16":
         assert cpu.bf16_enabled(), "the AVX512-BF16 kernel did not build"
         w = cpu.pack_pairs(torch.randn(n, k, generator=g).to(torch.bfloat16))
-        base = cpu.linear_op(w, amx=False)
+        base = cpu.linear_op(w)
         return [("ours", lambda x: base(x, w, n, None)), ("linear_bf16", lambda x: amx.linear_bf16(x, w, n, None))]
     ops = cpu.quant_ops()
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
@@ -185,3 +183,22 @@ def dispatch(kind: str, ours):
         return per_bucket[bucket(x.numel() // max(x.shape[-1], 1))](x, *args)
 
     return pick
+
+
+def with_amx(kind: str, ours):
+    """`ours` (a linear op of the bf16 / int8 / int4 kernel) or, on machines with usable AMX,
+    a function taking the same arguments that runs the AMX kernel of `kind` for the row
+    counts where it measured faster (`dispatch`)."""
+    if kind in ("int8", "int4") and not cpu.int8_quads():
+        # Calibrated against the VNNI build (and the AMX int8 kernels read the k-quad panels
+        # only it packs): a forced other build (TOKENLOOM_CPU_QUANT) runs alone.
+        return ours
+    if not enabled():
+        return ours
+    return dispatch(kind, ours)
+
+
+def linear_op(packed: torch.Tensor):
+    """kernels/cpu.py `linear_op`, with the AMX bf16 kernel for the rows it wins on k-pair panels."""
+    ours = cpu.linear_op(packed)
+    return with_amx("bf16", ours) if packed.dim() == 4 else ours

@@ -392,31 +392,15 @@ def pack_for(weight: torch.Tensor) -> torch.Tensor:
     return pack(weight, WIDE if weight.dtype == torch.float32 and avx512_enabled() else NR)
 
 
-def linear_op(packed: torch.Tensor, amx: bool = True):
+def linear_op(packed: torch.Tensor):
     """The op that multiplies by `packed`: its layout says which kernel it was packed for
-    (k-pairs: the bf16 kernel, or on AMX machines the AMX one for the row counts it wins,
-    kernels/amx.py; 32-column panels: the AVX-512 one; 16-column: the AVX2 one)."""
+    (k-pairs: the bf16 kernel; 32-column panels: the AVX-512 one; 16-column: the AVX2 one).
+    kernels/amx.py `linear_op` adds the AMX kernel where it wins."""
     if packed.dim() == 4:
-        ours = torch.ops.tokenloom_bf16.linear_fma if bf16_dot() == "fma" else torch.ops.tokenloom_bf16.linear
-        return with_amx("bf16", ours) if amx else ours
+        return torch.ops.tokenloom_bf16.linear_fma if bf16_dot() == "fma" else torch.ops.tokenloom_bf16.linear
     if packed.shape[-1] == WIDE:
         return torch.ops.tokenloom_avx512.linear
     return torch.ops.tokenloom_cpu.linear
-
-
-def with_amx(kind: str, ours):
-    """`ours` (a linear op of the bf16 / int8 / int4 kernel) or, on machines with usable AMX,
-    a function taking the same arguments that runs the AMX kernel of `kind` for the row
-    counts where it measured faster (kernels/amx.py `dispatch`)."""
-    from tokenloom.kernels import amx
-
-    if kind in ("int8", "int4") and not int8_quads():
-        # Calibrated against the VNNI build (and the AMX int8 kernels read the k-quad panels
-        # only it packs): a forced other build (TOKENLOOM_CPU_QUANT) runs alone.
-        return ours
-    if not amx.enabled():
-        return ours
-    return amx.dispatch(kind, ours)
 
 
 def pad_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
