@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -173,7 +174,11 @@ def dispatch(kind: str, ours):
         return ours
     if mode == "1":
         return getattr(torch.ops.tokenloom_amx, f"linear_{kind}")
-    c = choices()[kind]
+    try:
+        c = choices()[kind]
+    except Exception as e:  # a calibration that cannot run leaves the AVX-512 kernels in charge
+        logging.getLogger("tokenloom.kernels.cpu").warning("AMX calibration failed (%s); not using AMX", e)
+        return ours
     ops = [ours, *(getattr(torch.ops.tokenloom_amx, name) for name in c["names"][1:])]
     per_bucket = [ops[i] for i in c["pick"]]
     if all(op is per_bucket[0] for op in per_bucket):
