@@ -420,7 +420,9 @@ at::Tensor linear_int8_tiles(const at::Tensor& x, const at::Tensor& q, const at:
       }
       const int64_t ncols = std::min<int64_t>(PANEL, n - p * PANEL);
       const __mmask16 mk[2] = {static_cast<__mmask16>(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1),
-                               static_cast<__mmask16>(ncols >= 32 ? 0xFFFF : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0)};
+                               static_cast<__mmask16>(ncols >= 32   ? 0xFFFF
+                                                      : ncols > 16 ? (1u << (ncols - 16)) - 1
+                                                                   : 0)};
       __m512 cs[2], bs[2];
       for (int h = 0; h < 2; ++h) {
         cs[h] = _mm512_loadu_ps(sp + p * PANEL + h * 16);
@@ -507,7 +509,8 @@ at::Tensor probe() {
       float f = 0;
       for (int k = 0; k < 64; ++k) s += a8[i * 64 + k] * b8[(k / 4) * 64 + j * 4 + k % 4];
       for (int k = 0; k < 32; ++k)
-        f += static_cast<float>((i * 32 + k) * 3 % 17 - 8) * static_cast<float>(((k / 2) * 32 + j * 2 + k % 2) * 11 % 13 - 6);
+        f += static_cast<float>((i * 32 + k) * 3 % 17 - 8) *
+             static_cast<float>(((k / 2) * 32 + j * 2 + k % 2) * 11 % 13 - 6);
       ok8 = ok8 && s == c32[i * 16 + j];
       ok16 = ok16 && f == cf[i * 16 + j];
     }
