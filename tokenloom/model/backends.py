@@ -42,7 +42,7 @@ def resolve_backends(device: torch.device, dtype: torch.dtype, fields: Mapping[s
     # Linears called as plain functions, without nn.Module's dispatch; torch.compile traces
     # the modules (their custom ops), so there they keep module calls.
     flat = not compile
-    graphs_off = _graphs_off(device, enforce_eager, tp, compile, attention_name)
+    graphs_off = _graphs_off(device, enforce_eager, tp, compile, attention_name, bool(fields.get("num_experts")))
     return BackendPlan(device=device.type, dtype=str(dtype).removeprefix("torch."), linear=linear_name,
                        quantization=quantization, attention=attention_name, ops=ops_name,
                        fused_kv_write=fused_kv_write, flat_calls=flat, compile=compile,
@@ -142,7 +142,8 @@ def _ops(name: str, device: torch.device, dtype: torch.dtype, attention: str) ->
     return name
 
 
-def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bool, attention: str) -> str | None:
+def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bool, attention: str,
+                moe: bool = False) -> str | None:
     """Why decode steps do not replay CUDA graphs, or None where they do."""
     if device.type != "cuda":
         return "not on a CUDA device"
@@ -154,4 +155,6 @@ def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bo
         return "--compile"
     if attention != "triton":
         return f"the {attention} attention backend cannot be captured (use triton)"
+    if moe:
+        return "mixture-of-experts steps pick their experts on the host (model/moe.py)"
     return None

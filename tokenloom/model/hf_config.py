@@ -7,7 +7,8 @@ scaling factors.  Keys a file omits take the defaults of *that family's* config 
 (Qwen3's head_dim is 128, not hidden/heads; Mistral's sliding window is 4096 unless the
 file says null), and switches such as Qwen2's `use_sliding_window` gate other keys.
 Reading a key with a generic default silently builds a different model that still runs
-and still emits plausible text, so every field the forward pass needs is resolved here,
+and still emits plausible text (a Mixtral without its rope_theta rotates with 1e6, not 1e4;
+a Qwen3-MoE layer listed in `mlp_only_layers` is dense), so every field the forward pass needs is resolved here,
 once, and `tests/test_hf_checkpoints.py` checks each against the installed transformers'
 own config classes and models.
 
@@ -28,8 +29,10 @@ from typing import Any
 # that a KV cache has already stored.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
-# transformers' default for rope_theta when a config names none (`default_theta`).
+# transformers' default for rope_theta when a config names none (`default_theta`), and the
+# families whose config class overrides it.
 _DEFAULT_THETA = 10000.0
+_FAMILY_THETA = {"MixtralForCausalLM": 1000000.0}
 
 # The defaults of each family's transformers config class, for keys a config.json omits.
 # `None` where the class derives the value (head_dim = hidden // heads, kv heads = heads).
@@ -54,6 +57,36 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 32, "head_dim": 128, "use_sliding_window": False, "sliding_window": 4096,
         "max_window_layers": 28, "layer_types": None,
     },
+    # Mixture of experts (model/moe.py).  Mixtral's experts are `intermediate_size` wide and
+    # every layer is sparse; the Qwen families' experts are `moe_intermediate_size` wide and a
+    # layer is dense where `mlp_only_layers` lists it or `decoder_sparse_step` skips it.
+    "MixtralForCausalLM": {
+        **_COMMON, "intermediate_size": 14336, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5,
+        "num_key_value_heads": 8, "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2,
+    },
+    "Qwen3MoeForCausalLM": {
+        **_COMMON, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
+        "num_key_value_heads": 4, "max_position_embeddings": 32768, "use_sliding_window": False,
+        "sliding_window": 4096, "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts_per_tok": 8,
+        "num_experts": 128, "norm_topk_prob": False, "mlp_only_layers": None,
+    },
+    "Qwen2MoeForCausalLM": {
+        **_COMMON, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 32768,
+        "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "layer_types": None,
+        "decoder_sparse_step": 1, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+        "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False, "mlp_only_layers": None,
+        "qkv_bias": True,
+    },
+}
+
+# Where each family's config.json keeps its expert count, first found wins: Mixtral's and
+# Qwen3-MoE's config classes map `num_experts` onto `num_local_experts` (transformers 5 writes
+# the latter for Qwen3-MoE; the hub's files hold the former); Qwen2-MoE reads `num_experts`.
+_EXPERT_COUNT_KEYS = {
+    "MixtralForCausalLM": ("num_local_experts", "num_experts"),
+    "Qwen3MoeForCausalLM": ("num_local_experts", "num_experts"),
+    "Qwen2MoeForCausalLM": ("num_experts",),
 }
 
 
@@ -70,12 +103,14 @@ def model_args_fields(cfg: dict, architecture: str) -> dict[str, Any]:
     num_layers = int(get("num_hidden_layers"))
     head_dim = int(get("head_dim") or hidden // heads)
     max_pos = int(get("max_position_embeddings"))
-    theta, scaling = rope_settings(cfg, max_pos)
+    theta, scaling = rope_settings(cfg, max_pos, _FAMILY_THETA.get(architecture, _DEFAULT_THETA))
     qwen2 = architecture == "Qwen2ForCausalLM"
-    mistral = architecture == "MistralForCausalLM"
-    # Qwen2's attention always carries q/k/v biases and never an o bias; Mistral's none
-    # (neither class reads attention_bias); Llama and Qwen3 put it on all four projections.
-    attention_bias = False if mistral else bool(get("attention_bias"))
+    # Qwen2's attention always carries q/k/v biases and never an o bias, Qwen2-MoE's as its
+    # `qkv_bias` says; Mistral's and Mixtral's none (their classes read no attention_bias);
+    # Llama, Qwen3 and Qwen3-MoE put attention_bias on all four projections.
+    attention_bias = (False if architecture in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
+                      else bool(get("attention_bias")))
+    qkv_bias = True if qwen2 else bool(get("qkv_bias")) if architecture == "Qwen2MoeForCausalLM" else attention_bias
     return dict(
         architecture=architecture,
         vocab_size=int(get("vocab_size")),
@@ -90,12 +125,55 @@ def model_args_fields(cfg: dict, architecture: str) -> dict[str, Any]:
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(get("tie_word_embeddings")),
-        qkv_bias=True if qwen2 else attention_bias,
+        qkv_bias=qkv_bias,
         o_bias=False if qwen2 else attention_bias,
         # Only Llama's MLP reads mlp_bias; the other families' MLPs have no bias.
         mlp_bias=bool(get("mlp_bias")) if architecture == "LlamaForCausalLM" else False,
-        qk_norm=architecture == "Qwen3ForCausalLM",
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         sliding_window=sliding_window(cfg, architecture, num_layers),
+        **moe_fields(cfg, architecture, num_layers),
+    )
+
+
+def moe_fields(cfg: dict, architecture: str, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of `ModelArgs` (all zero / empty for a dense family):
+
+    num_experts, num_experts_per_tok   E experts per sparse layer, k chosen per token
+    moe_intermediate_size              each expert's SwiGLU width
+    shared_expert_intermediate_size    Qwen2-MoE's always-on expert (0: none)
+    norm_topk_prob                     the k chosen probabilities renormalised to sum to 1
+                                       (Mixtral always; the Qwen families where the key says)
+    moe_weights_fp32                   the routing weights scale the experts' outputs in
+                                       float32 (Mixtral) or in the model's dtype (Qwen)
+    moe_layers                         the indices of the sparse layers; the others are dense
+                                       SwiGLU MLPs `intermediate_size` wide
+    """
+    none = dict(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0,
+                norm_topk_prob=False, moe_weights_fp32=False, moe_layers=())
+    if architecture not in _EXPERT_COUNT_KEYS:
+        return none
+    get = _getter(cfg, architecture)
+    count_key = next((k for k in _EXPERT_COUNT_KEYS[architecture] if cfg.get(k) is not None),
+                     _EXPERT_COUNT_KEYS[architecture][0])
+    num_experts = int(get(count_key) or 0)
+    top_k = int(get("num_experts_per_tok"))
+    if num_experts == 0:
+        return none  # transformers builds every layer dense
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
+    if architecture == "MixtralForCausalLM":
+        return dict(num_experts=num_experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=int(get("intermediate_size")), shared_expert_intermediate_size=0,
+                    norm_topk_prob=True, moe_weights_fp32=True, moe_layers=tuple(range(num_layers)))
+    step = int(get("decoder_sparse_step") or 1)
+    dense = set(get("mlp_only_layers") or ())
+    return dict(
+        num_experts=num_experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=int(get("moe_intermediate_size")),
+        shared_expert_intermediate_size=(int(get("shared_expert_intermediate_size") or 0)
+                                         if architecture == "Qwen2MoeForCausalLM" else 0),
+        norm_topk_prob=bool(get("norm_topk_prob")), moe_weights_fp32=False,
+        moe_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
     )
 
 
@@ -111,23 +189,31 @@ def _getter(cfg: dict, architecture: str):
 def sliding_window(cfg: dict, architecture: str, num_layers: int) -> int | None:
     """The attention window every layer uses (None: full causal attention).
 
-    Mistral applies `sliding_window` to every layer.  Qwen2/Qwen3 apply it only when
+    Mistral and Mixtral apply `sliding_window` to every layer, Qwen3-MoE too but only when
+    `use_sliding_window` is set.  Qwen2/Qwen3/Qwen2-MoE apply it only when
     `use_sliding_window` is set, and only to the layers `layer_types` marks
-    "sliding_attention" — by default those with index >= `max_window_layers`.  Llama has
-    no window (a stray key is ignored, as transformers ignores it).  A model whose layers
-    differ is refused: `ModelArgs` holds one window for all layers.
+    "sliding_attention" — by default those with index >= `max_window_layers` (Qwen2-MoE:
+    the even-numbered ones below it).  Llama has no window (a stray key is ignored, as
+    transformers ignores it).  A model whose layers differ is refused: `ModelArgs` holds
+    one window for all layers.
     """
     get = _getter(cfg, architecture)
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         return _window(get("sliding_window"))
-    if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if architecture == "Qwen3MoeForCausalLM":
+        return _window(get("sliding_window")) if get("use_sliding_window") else None
+    if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM"):
         return None
     window = _window(get("sliding_window")) if get("use_sliding_window") else None
     layer_types = get("layer_types")
     if layer_types is None:
         first_sliding = int(get("max_window_layers"))
-        layer_types = ["sliding_attention" if window is not None and i >= first_sliding else "full_attention"
-                       for i in range(num_layers)]
+        if architecture == "Qwen2MoeForCausalLM":
+            layer_types = ["sliding_attention" if window is not None and i % 2 == 0 and i < first_sliding
+                           else "full_attention" for i in range(num_layers)]
+        else:
+            layer_types = ["sliding_attention" if window is not None and i >= first_sliding else "full_attention"
+                           for i in range(num_layers)]
     if len(layer_types) != num_layers:
         raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
     windows = {window if t == "sliding_attention" else None for t in layer_types}
@@ -147,14 +233,16 @@ def _window(value: Any) -> int | None:
     return int(value)
 
 
-def rope_settings(cfg: dict, max_position_embeddings: int) -> tuple[float, dict | None]:
+def rope_settings(cfg: dict, max_position_embeddings: int,
+                  default_theta: float = _DEFAULT_THETA) -> tuple[float, dict | None]:
     """(rope_theta, scaling) from either config format, as transformers normalises them.
 
     `scaling` is None for plain rotary embeddings, else a dict holding `rope_type` and
     every parameter its frequency table needs, resolved (defaults filled in, yarn's
     attention factor computed), so the table builder reads no defaults of its own.
     As in transformers, `rope_scaling` wins over `rope_parameters` when a file has both,
-    and a theta inside the dict wins over a top-level one.
+    and a theta inside the dict wins over a top-level one; `default_theta` (the family's)
+    where neither names one.
     """
     raw = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if not isinstance(raw, dict):
@@ -162,8 +250,8 @@ def rope_settings(cfg: dict, max_position_embeddings: int) -> tuple[float, dict 
     if raw and all(isinstance(v, dict) for v in raw.values()):
         raise ValueError(f"per-layer-type rotary settings ({', '.join(raw)}) are not supported")
     params = dict(raw)
-    theta = params.get("rope_theta", cfg.get("rope_theta", _DEFAULT_THETA))
-    theta = float(theta if theta is not None else _DEFAULT_THETA)
+    theta = params.get("rope_theta", cfg.get("rope_theta", default_theta))
+    theta = float(theta if theta is not None else default_theta)
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if partial is not None and float(partial) != 1.0:

@@ -66,9 +66,13 @@ class RotaryEmbedding(nn.Module):
         return self.ops.rope(q, k, positions, self.cos, self.sin, cs if cs is not None else self.at(positions, q.dtype))
 
 
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
 class GatedMLP(nn.Module):
     """SwiGLU MLP's weights, gate and up projections fused into one matmul at load time:
-    down(silu(gate) * up), run by the layer that holds it (model/llama.py `LayerStep`)."""
+    down(silu(gate) * up), run as the `MLPStep` that `bind` makes of it (a layer's MLP,
+    and each expert of a mixture-of-experts block, model/moe.py)."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool):
         super().__init__()
@@ -76,8 +80,21 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
+    def bind(self, ops: Ops, flat: bool) -> "MLPStep":
+        return MLPStep(bound_linear(self.gate_up_proj, flat), bound_linear(self.down_proj, flat), ops.silu_and_mul)
 
-Linear = Callable[[torch.Tensor], torch.Tensor]
+
+class MLPStep:
+    """A SwiGLU MLP bound for running: h -> down(silu_and_mul(gate_up(h))), its linears and
+    activation as `bind` chose them.  The `mlp` piece of a dense layer's `LayerStep`."""
+
+    __slots__ = ("gate_up", "down", "silu_and_mul")
+
+    def __init__(self, gate_up: Linear, down: Linear, silu_and_mul: Callable):
+        self.gate_up, self.down, self.silu_and_mul = gate_up, down, silu_and_mul
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(self.silu_and_mul(self.gate_up(h)))
 
 
 def bound_linear(m: nn.Module, flat: bool) -> Linear:

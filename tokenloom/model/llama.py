@@ -1,7 +1,9 @@
 """The decoder-only transformer of the Llama family, configured by config.json.
 
 One class covers Llama, Mistral, Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on each
-head's q and k): they differ only in switches.  The forward pass takes *all* tokens
+head's q and k): they differ only in switches.  Its mixture-of-experts relatives
+(Mixtral, Qwen3-MoE, Qwen2-MoE) differ in one piece: the MLP of a sparse layer is a
+router over experts (model/moe.py), bound into the same layer loop.  The forward pass takes *all* tokens
 of *all* requests scheduled in a step, flattened into one sequence — prefill chunks
 and decode tokens together — and returns hidden states; logits are computed only for
 the rows that will be sampled (`compute_logits`).  The model knows nothing about
@@ -18,7 +20,8 @@ import torch
 from torch import nn
 
 from tokenloom.model.attention import AttentionBackend, AttentionMetadata
-from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, bound_linear
+from tokenloom.model.layers import GatedMLP, MLPStep, RMSNorm, RotaryEmbedding, bound_linear
+from tokenloom.model.moe import SparseMoE
 from tokenloom.model.ops import Ops, rotate
 
 RopeKV = Callable  # (qkv, StepInputs, k_cache, v_cache) -> q: `Attention.bind_rope_kv`
@@ -50,6 +53,16 @@ class ModelArgs:
     mlp_bias: bool
     qk_norm: bool
     sliding_window: int | None
+    # Mixture of experts (model/moe.py; `hf_config.moe_fields` says what each means): the
+    # layers in `moe_layers` route each token to `num_experts_per_tok` of `num_experts`
+    # SwiGLU experts; a dense family leaves them at zero.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_weights_fp32: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, cfg: dict, architecture: str) -> "ModelArgs":
@@ -117,19 +130,24 @@ class DecoderLayer(nn.Module):
     """One layer's weights (what loading, sharding, packing and quantizing act on); it runs
     as the `LayerStep` that `bind` makes of it."""
 
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = Attention(a)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
+        self.mlp: GatedMLP | SparseMoE
+        if index in a.moe_layers:
+            self.mlp = SparseMoE(a.hidden_size, a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size,
+                                 a.shared_expert_intermediate_size, a.norm_topk_prob, a.moe_weights_fp32)
+        else:
+            self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
 
     def bind(self, ops: Ops, rope: RotaryEmbedding, backend: AttentionBackend, flat: bool) -> "LayerStep":
-        attn, mlp = self.self_attn, self.mlp
+        attn = self.self_attn
         call = functools.partial(bound_linear, flat=flat)
         return LayerStep(self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                         self.input_layernorm.eps, call(attn.qkv_proj), call(attn.o_proj), call(mlp.gate_up_proj),
-                         call(mlp.down_proj), attn.bind_rope_kv(ops, rope, backend), attn.q_size, attn.scale, ops)
+                         self.input_layernorm.eps, call(attn.qkv_proj), call(attn.o_proj), self.mlp.bind(ops, flat),
+                         attn.bind_rope_kv(ops, rope, backend), attn.q_size, attn.scale, ops)
 
 
 class StepInputs:
@@ -143,8 +161,9 @@ class StepInputs:
 
 
 class LayerStep:
-    """One decoder layer of the Llama family, bound for running: its norm weights, its four
-    linears as callables and the model's ops.  The family's layer is written here once;
+    """One decoder layer of the Llama family, bound for running: its norm weights, its
+    attention's two linears and its MLP as callables (`mlp`: a SwiGLU `MLPStep`, or a
+    mixture-of-experts block's `MoEStep`, model/moe.py) and the model's ops.  The family's layer is written here once;
     how each piece is called (our CPU ops or PyTorch's, linears as plain functions or
     through their modules, the fused rotary + KV write or not) was bound by
     `DecoderLayer.bind` from the backend plan (model/backends.py), so the same code runs a
@@ -153,14 +172,14 @@ class LayerStep:
     x: the previous layer's output, not yet added to `residual`, the stream of sums before
     it (None at the first layer); each add happens inside the norm that follows it."""
 
-    __slots__ = ("input_norm", "post_norm", "eps", "qkv", "o", "gate_up", "down", "rope_kv", "q_size", "scale",
-                 "rms_norm", "add_rms_norm", "silu_and_mul")
+    __slots__ = ("input_norm", "post_norm", "eps", "qkv", "o", "mlp", "rope_kv", "q_size", "scale",
+                 "rms_norm", "add_rms_norm")
 
-    def __init__(self, input_norm, post_norm, eps, qkv, o, gate_up, down, rope_kv, q_size, scale, ops: Ops):
+    def __init__(self, input_norm, post_norm, eps, qkv, o, mlp: MLPStep | Callable, rope_kv, q_size, scale, ops: Ops):
         self.input_norm, self.post_norm, self.eps = input_norm, post_norm, eps
-        self.qkv, self.o, self.gate_up, self.down, self.rope_kv = qkv, o, gate_up, down, rope_kv
+        self.qkv, self.o, self.mlp, self.rope_kv = qkv, o, mlp, rope_kv
         self.q_size, self.scale = q_size, scale
-        self.rms_norm, self.add_rms_norm, self.silu_and_mul = ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul
+        self.rms_norm, self.add_rms_norm = ops.rms_norm, ops.add_rms_norm
 
     def __call__(self, x, residual, s: StepInputs, k_cache, v_cache):
         """Returns this layer's (output, residual)."""
@@ -171,7 +190,7 @@ class LayerStep:
         q = self.rope_kv(self.qkv(h), s, k_cache, v_cache)
         x = self.o(s.attend(q, k_cache, v_cache, self.scale).reshape(x.shape[0], self.q_size))
         h, residual = self.add_rms_norm(x, residual, self.post_norm, self.eps)
-        return self.down(self.silu_and_mul(self.gate_up(h))), residual
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -181,7 +200,7 @@ class CausalLM(nn.Module):
         # _weight skips nn.Embedding's random init (pointless before loading, and on the meta
         # device it drags in torch._dynamo, seconds of start-up).
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, _weight=torch.empty(a.vocab_size, a.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         with torch.device("cpu"):  # real tables even when the rest is built on the meta device

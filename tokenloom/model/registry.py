@@ -7,6 +7,9 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",  # mixture of experts (model/moe.py)
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
 )
 
 
