@@ -125,7 +125,9 @@ class CostModel:
         # Precompute the constants so a step is a handful of multiply-adds.
         self.bandwidth = hardware.mem_bandwidth * self.mem_efficiency
         self.flop_rate = hardware.flops_for(self.dtype) * self.compute_efficiency
-        self.weight_bytes = spec.streamed_weight_bytes(self.dtype, quantization)
+        self.weight_bytes = spec.streamed_weight_bytes(self.dtype, quantization)  # a one-token step's
+        # Mixture of experts: a step of T tokens reads the experts they touch (`ModelSpec.experts_touched`).
+        self._moe_bytes: dict[int, int] | None = {} if spec.is_moe else None
         self.total_weight_bytes = spec.weight_bytes(self.dtype, quantization)
         self.kv_bytes_per_token = spec.kv_bytes_per_token(self.dtype)
         self.layer_flops_per_token = 2 * spec.layer_matmul_params
@@ -149,13 +151,21 @@ class CostModel:
         kv_read_tokens += sum_ctx
         new_tokens += n_dec
         attn_positions += sum_ctx + n_dec  # each decode token sees its history + itself
-        nbytes = self.weight_bytes + (kv_read_tokens + new_tokens) * self.kv_bytes_per_token
+        nbytes = self.weights_read(new_tokens) + (kv_read_tokens + new_tokens) * self.kv_bytes_per_token
         flops = (new_tokens * self.layer_flops_per_token + n_seq * self.logits_flops
                  + attn_positions * self.attn_flops_per_position)
         mem_t = nbytes / self.bandwidth
         comp_t = flops / self.flop_rate
         over = self.overhead_s + self.per_seq_overhead_s * n_seq
         return StepCost(float(nbytes), float(flops), mem_t, comp_t, over, max(mem_t, comp_t) + over)
+
+    def weights_read(self, tokens: int) -> int:
+        """Weight bytes a step of `tokens` new tokens streams: all of them in a dense model."""
+        if self._moe_bytes is None:
+            return self.weight_bytes
+        if tokens not in self._moe_bytes:
+            self._moe_bytes[tokens] = self.spec.streamed_weight_bytes(self.dtype, self.quantization, tokens)
+        return self._moe_bytes[tokens]
 
     def step_time(self, prefill: Sequence[tuple[int, int]], decode_context_lens: Sequence[int]) -> float:
         """Seconds for one step (see class docstring); 0 for an empty step."""
@@ -167,7 +177,7 @@ class CostModel:
         b, ctx = batch_size, context_len
         if b <= 0:
             return _ZERO
-        nbytes = self.weight_bytes + b * (ctx + 1) * self.kv_bytes_per_token
+        nbytes = self.weights_read(b) + b * (ctx + 1) * self.kv_bytes_per_token
         flops = b * (self.layer_flops_per_token + self.logits_flops + (ctx + 1) * self.attn_flops_per_position)
         mem_t, comp_t = nbytes / self.bandwidth, flops / self.flop_rate
         over = self.overhead_s + self.per_seq_overhead_s * b
@@ -261,7 +271,7 @@ def decode_point(cm: CostModel, batch_size: int, context_len: int) -> DecodePoin
         batch_size=batch_size,
         context_len=context_len,
         bytes=c.bytes,
-        weight_bytes=float(cm.weight_bytes),
+        weight_bytes=float(cm.weights_read(batch_size)),
         kv_read_bytes=float(batch_size * context_len * kv),
         kv_write_bytes=float(batch_size * kv),
         flops=c.flops,
