@@ -338,7 +338,7 @@ def test_quantized_experts_generate_what_transformers_generates_dequantized(tmp_
         assert loaded.linear_backend == "panels"
     block = loaded.model.layers[0].mlp
     assert all(isinstance(e.gate_up_proj, QuantLinear) and isinstance(e.down_proj, QuantLinear) for e in block.experts)
-    assert block.gate.weight.dtype == torch.float32  # the router is not quantized
+    assert not isinstance(block.gate, QuantLinear) and block.gate.weight.dtype == torch.float32  # routers: full precision
     outs = _generate(llm, prompts, n, logprobs=5)
     assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(hf, prompts, n)
     _check_logprobs(hf, prompts, outs)

@@ -19,9 +19,10 @@ of a step is per used expert, never per token.
 
 Each expert is a `GatedMLP`, so loading, tensor-parallel sharding, packing and
 quantization treat its two linears as they treat a dense layer's.  The router and the
-shared expert's gate are not `nn.Linear`s on purpose: they stay in the model's dtype,
-unpacked and unquantized -- they are a sliver of the bytes and decide which bytes are
-read at all.
+shared expert's gate are `RouterLinear`s: packed for the same kernels as every matrix
+(PyTorch's own bf16 product of one row by a 128 x 1024 router takes longer than our
+kernel takes for an expert), but never quantized -- they are a sliver of the bytes and
+decide which bytes are read at all.
 """
 
 from __future__ import annotations
@@ -29,20 +30,21 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tokenloom.model.layers import GatedMLP, MLPStep
+from tokenloom.model.layers import GatedMLP, Linear, MLPStep, bound_linear
 from tokenloom.model.ops import Ops
 
 
-class RouterWeight(nn.Module):
-    """A [out, hidden] matrix applied with F.linear in the activations' dtype: the router
-    (`gate` in checkpoints) and Qwen2-MoE's `shared_expert_gate`."""
+class RouterLinear(nn.Linear):
+    """The router (`gate` in checkpoints) and Qwen2-MoE's `shared_expert_gate`: a linear
+    without bias that weight-only quantization leaves in the model's dtype
+    (`keep_precision`, model/weights/quantization.py)."""
+
+    keep_precision = True
 
     def __init__(self, hidden: int, out: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out, hidden))
+        super().__init__(hidden, out, bias=False)
 
 
 class SparseMoE(nn.Module):
@@ -54,18 +56,18 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.renormalize, self.weights_fp32 = renormalize, weights_fp32
-        self.gate = RouterWeight(hidden, num_experts)
+        self.gate = RouterLinear(hidden, num_experts)
         self.experts = nn.ModuleList(GatedMLP(hidden, intermediate, False) for _ in range(num_experts))
         self.shared_expert = GatedMLP(hidden, shared_intermediate, False) if shared_intermediate else None
-        self.shared_expert_gate = RouterWeight(hidden, 1) if shared_intermediate else None
+        self.shared_expert_gate = RouterLinear(hidden, 1) if shared_intermediate else None
         # Tensor parallel: each rank holds a slice of every expert's intermediate dimension,
         # so its output is a partial sum; this sums the ranks' (model/weights/parallel.py).
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def bind(self, ops: Ops, flat: bool) -> "MoEStep":
         shared = None if self.shared_expert is None else self.shared_expert.bind(ops, flat)
-        shared_gate = None if self.shared_expert_gate is None else self.shared_expert_gate.weight
-        return MoEStep(self.gate.weight, [e.bind(ops, flat) for e in self.experts], self.top_k, self.renormalize,
+        shared_gate = None if self.shared_expert_gate is None else bound_linear(self.shared_expert_gate, flat)
+        return MoEStep(bound_linear(self.gate, flat), [e.bind(ops, flat) for e in self.experts], self.top_k, self.renormalize,
                        self.weights_fp32, shared, shared_gate, self.reduce)
 
 
@@ -90,8 +92,8 @@ class MoEStep:
     __slots__ = ("router", "experts", "top_k", "renormalize", "weights_fp32", "shared", "shared_gate", "reduce",
                  "record")
 
-    def __init__(self, router: torch.Tensor, experts: list[MLPStep], top_k: int, renormalize: bool,
-                 weights_fp32: bool, shared: MLPStep | None, shared_gate: torch.Tensor | None,
+    def __init__(self, router: Linear, experts: list[MLPStep], top_k: int, renormalize: bool,
+                 weights_fp32: bool, shared: MLPStep | None, shared_gate: Linear | None,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None):
         self.router, self.experts, self.top_k = router, experts, top_k
         self.renormalize, self.weights_fp32 = renormalize, weights_fp32
@@ -100,12 +102,12 @@ class MoEStep:
         self.record: list[int] | None = None
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(h, self.router)
+        logits = self.router(h)
         weights, ids = route(logits, self.top_k, self.renormalize,
                              torch.float32 if self.weights_fp32 else h.dtype)
         out = self._one_token(h, weights, ids) if h.shape[0] == 1 else self._grouped(h, weights, ids)
         if self.shared is not None:
-            out = out + torch.sigmoid(F.linear(h, self.shared_gate)) * self.shared(h)
+            out = out + torch.sigmoid(self.shared_gate(h)) * self.shared(h)
         if self.reduce is not None:
             out = self.reduce(out)
         return out
