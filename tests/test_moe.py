@@ -322,8 +322,11 @@ def _fake_quantized_hf(path, name: str):
     return hf
 
 
-@pytest.mark.parametrize("name,backend", [("int8", "auto"), ("int4", "auto"), ("int4-g128", "torch")])
-@pytest.mark.parametrize("config", ["mixtral", "qwen2-moe-shared"])
+@pytest.mark.parametrize("config,name,backend", [
+    ("mixtral", "int8", "auto"),  # our int8 kernel (panels) where it builds
+    ("qwen2-moe-shared", "int4", "auto"),  # our int4 kernel; the shared expert quantized too
+    ("mixtral", "int4-g128", "torch"),  # the generic PyTorch path
+])
 def test_quantized_experts_generate_what_transformers_generates_dequantized(tmp_path, config, name, backend):
     from tokenloom.kernels import cpu as cpu_kernels
     from tokenloom.model.weights.quantization import QuantLinear
@@ -407,6 +410,9 @@ def test_estimator_counts_active_experts_at_one_token_and_the_union_at_more():
     assert cm.decode_cost(16, 100).bytes > 5 * cm.decode_cost(1, 100).bytes
     assert cd.decode_cost(16, 100).bytes < 1.1 * cd.decode_cost(1, 100).bytes
     assert cm.step_cost([(16, 0)], []).bytes == cm.decode_cost(16, 0).bytes  # by tokens, not requests
+    # the crossover batch solves with the bytes of the experts that batch touches
+    c = cm.decode_cost(round(cm.crossover_batch(0)), 0)
+    assert c.mem_time_s == pytest.approx(c.compute_time_s, rel=0.01)
     f = StepFeatures(moe, "bfloat16")
     assert f.parts([(1, 10, True)]).layer_bytes < f.parts([(1, 10, True)] * 16).layer_bytes
 

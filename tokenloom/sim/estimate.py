@@ -189,7 +189,17 @@ class CostModel:
         denom = per_req_flops / self.flop_rate - (context_len + 1) * self.kv_bytes_per_token / self.bandwidth
         if denom <= 0:
             return None
-        return (self.weight_bytes / self.bandwidth) / denom
+        b = (self.weight_bytes / self.bandwidth) / denom
+        if self._moe_bytes is not None:
+            # The weights read grow with the batch (the experts it touches), towards all of them:
+            # B = W(B) / bw' / denom, reached from below by iterating (W rises and is bounded).
+            for _ in range(100):
+                nxt = (self.spec.streamed_weight_bytes(self.dtype, self.quantization, max(1, round(b)))
+                       / self.bandwidth) / denom
+                if abs(nxt - b) < 0.5:
+                    break
+                b = nxt
+        return b
 
     def prefill_cost(self, prompt_len: int, chunk_size: int | None = None, context_start: int = 0) -> tuple[StepCost, int]:
         """Summed cost of prefilling one prompt alone, in steps of `chunk_size` tokens; (cost, steps)."""
