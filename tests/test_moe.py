@@ -226,6 +226,18 @@ def test_checkpoint_saved_by_transformers_generates_what_transformers_generates(
     assert llm.llm_engine.kv.pool.num_free == STRESS["num_kv_blocks"]
 
 
+def test_generic_pytorch_path_matches_transformers(tmp_path):
+    """What other devices run: nn.Linear experts, PyTorch's ops and SDPA attention, the same
+    grouping by expert."""
+    path = _save_checkpoint(CONFIGS["qwen3-moe-dense-layer"](), tmp_path)
+    prompts, n = _prompts()[:4], 12
+    llm = LLM(str(path), linear_backend="torch", ops_backend="torch", attention_backend="sdpa", **STRESS)
+    plan = llm.llm_engine.backends
+    assert (plan.linear, plan.ops, plan.attention) == ("torch", "torch", "sdpa")
+    assert type(llm.llm_engine.loaded.model.layers[0].mlp.experts[0].down_proj) is torch.nn.Linear
+    assert [o.outputs[0].token_ids for o in _generate(llm, prompts, n)] == _hf_greedy(_hf(path), prompts, n)
+
+
 def test_saved_names_are_per_expert_and_the_stacked_layout_loads_too(tmp_path):
     """transformers 5 writes the hub's per-expert names; a checkpoint holding the stacked 3D
     tensors transformers keeps in memory (`mlp.experts.gate_up_proj` [E, 2I, H]) loads to the
