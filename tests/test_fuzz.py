@@ -108,9 +108,58 @@ def _prompt_lengths(srv: ThreadedServer, body: dict) -> list[int] | None:
     return [len(tok.encode(p, add_special_tokens=special)) if isinstance(p, str) else len(p) for p in prompts]
 
 
+def _responses_messages(body: dict) -> list[dict] | None:
+    """The chat messages a Responses body stands for, as docs/responses.md maps them (the
+    oracle for the prompt-length rule): None where the input holds no message."""
+    msgs = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") is not None else []
+    items = body["input"]
+    if isinstance(items, str):
+        return msgs + [{"role": "user", "content": items}]
+    text = lambda c: c if isinstance(c, str) else "".join(part["text"] for part in c)  # noqa: E731
+    assistant = None  # the assistant message a function_call joins
+    for item in items:
+        kind = item.get("type") or "message"
+        if kind == "message":
+            msgs.append({"role": "system" if item["role"] == "developer" else item["role"],
+                         "content": text(item["content"])})
+            assistant = msgs[-1] if item["role"] == "assistant" else None
+        elif kind == "function_call" and assistant is None:
+            assistant = {"role": "assistant", "content": ""}
+            msgs.append(assistant)
+        elif kind == "function_call_output":
+            msgs.append({"role": "tool", "content": text(item["output"])})
+            assistant = None
+    return msgs or None
+
+
+def _responses_rules_hold(srv: ThreadedServer, body: dict) -> bool:
+    """`openapi_limits.RESPONSES_RUNTIME_RULES`, each by its own oracle."""
+    if body.get("previous_response_id") is not None:  # a stored response: none is, under the fuzzer
+        return False
+    tools = body.get("tools") or []
+    names = [t["name"] for t in tools]
+    choice = body.get("tool_choice")
+    if len(set(names)) < len(names) or (not tools and choice not in (None, "none")):
+        return False
+    if choice == "required" or isinstance(choice, dict):  # forced calls: may not finish in max_output_tokens
+        return False
+    fmt = ((body.get("text") or {}).get("format")) or {}
+    if fmt.get("type") == "json_schema" and not _compiles(srv, {"guided_json": fmt["schema"]}):
+        return False
+    msgs = _responses_messages(body)
+    if msgs is None:
+        return False
+    tok = srv.engine.tokenizer
+    length = len(tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+                            add_special_tokens=False))
+    return length + max(body.get("max_output_tokens") or 1, 1) <= MAX_MODEL_LEN
+
+
 def _runtime_rules_hold(srv: ThreadedServer, label: str, body: object) -> bool:
     """Whether a schema-valid body also keeps `openapi_limits.RUNTIME_RULES` (which the
     document states but JSON Schema cannot): only such bodies must be accepted."""
+    if label == "POST /v1/responses" and isinstance(body, dict):
+        return _responses_rules_hold(srv, body)
     if label not in ("POST /v1/completions", "POST /v1/chat/completions") or not isinstance(body, dict):
         return True
     chat = label.endswith("chat/completions")
@@ -134,7 +183,9 @@ def test_openapi_document_is_what_the_server_accepts(server):
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.label for op in operations} >= {"POST /v1/completions", "POST /v1/chat/completions", "GET /health",
-                                               "GET /v1/models/{model_id}", "GET /tokenizer_info"}
+                                               "GET /v1/models/{model_id}", "GET /tokenizer_info",
+                                               "POST /v1/responses", "GET /v1/responses/{response_id}",
+                                               "DELETE /v1/responses/{response_id}"}
     for op in operations:
         label = op.label
         valid = op.as_strategy(GenerationMode.POSITIVE).filter(
@@ -155,7 +206,7 @@ def test_openapi_document_is_what_the_server_accepts(server):
 
 def _edge_cases(vocab: int) -> list[tuple[str, str, dict]]:
     """(route, request schema, body): each limit the server enforces, just inside and just outside."""
-    c, chat = "/v1/completions", "/v1/chat/completions"
+    c, chat, resp = "/v1/completions", "/v1/chat/completions", "/v1/responses"
     msgs = [{"role": "user", "content": "hi"}]
     g = {"prompt": "hi", "max_tokens": 2}
     return [
@@ -188,6 +239,20 @@ def _edge_cases(vocab: int) -> list[tuple[str, str, dict]]:
         ("/tokenize", "TokenizeRequest", {"messages": []}), ("/tokenize", "TokenizeRequest", {"messages": msgs}),
         ("/detokenize", "DetokenizeRequest", {"tokens": [vocab]}), ("/detokenize", "DetokenizeRequest", {"tokens": [-1]}),
         ("/detokenize", "DetokenizeRequest", {"tokens": [vocab - 1, 5]}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": MAX_MODEL_LEN}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 0}),
+        (resp, "ResponsesRequest", {"input": [], "max_output_tokens": 2}),
+        (resp, "ResponsesRequest", {"input": [{"role": "tool", "content": "x"}], "max_output_tokens": 2}),
+        (resp, "ResponsesRequest", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}]}],
+                                    "max_output_tokens": 2}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2, "background": True}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2, "background": False}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2, "tools": [{"type": "web_search"}]}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2,
+                                    "text": {"format": {"type": "json_object"}}}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2, "metadata": {"k" * 65: "v"}}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2, "metadata": {"k": "v"}}),
     ]
 
 
@@ -264,6 +329,7 @@ def test_disconnect_storm_leaves_nothing_running(server):
     ("/v1/completions", {"model": "tiny", "prompt": "Once", "max_tokens": 4, "stream": True}),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
                               "stream": True}),
+    ("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 4, "stream": True}),
 ])
 def test_streamed_events_match_the_documented_event_schema(server, route, body):
     """Every server-sent event of a real stream validates against the event schema the
@@ -276,6 +342,9 @@ def test_streamed_events_match_the_documented_event_schema(server, route, body):
     with httpx.stream("POST", url + route, json=body, timeout=60) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [{"data": line[len("data: "):]} for line in r.iter_lines() if line.startswith("data: ")]
-    assert events and events[-1] == {"data": "[DONE]"}
+    if route == "/v1/responses":  # typed events, the last one the response's end; no [DONE]
+        assert events and any(f'"response.{end}"' in events[-1]["data"] for end in ("completed", "incomplete"))
+    else:
+        assert events and events[-1] == {"data": "[DONE]"}
     for ev in events:
         jsonschema.validate(ev, event_schema)

@@ -418,9 +418,13 @@ def test_estimator_counts_active_experts_at_one_token_and_the_union_at_more():
     # int8: the experts' bytes in the scheme
     assert moe.streamed_weight_bytes("bfloat16", "int8", 16) < moe.streamed_weight_bytes("bfloat16", None, 16) / 1.9
     hw = get_hardware("rtx4090")
-    cm, cd = CostModel(moe, hw, "bfloat16"), CostModel(dense, hw, "bfloat16")
-    assert cm.decode_cost(16, 100).bytes > 5 * cm.decode_cost(1, 100).bytes
-    assert cd.decode_cost(16, 100).bytes < 1.1 * cd.decode_cost(1, 100).bytes
+    for form in ({}, {"mem_efficiency": 0.8}):  # kernel by kernel, and the plain roofline
+        cm, cd = CostModel(moe, hw, "bfloat16", **form), CostModel(dense, hw, "bfloat16", **form)
+        assert cm.decode_cost(16, 100).bytes > 5 * cm.decode_cost(1, 100).bytes
+        assert cd.decode_cost(16, 100).bytes < 1.1 * cd.decode_cost(1, 100).bytes
+        assert cm.total_weight_bytes == moe.weight_bytes("bfloat16")
+        assert cm.crossover_batch(0) > 5 * cd.crossover_batch(0)
+    assert cm.form == "roofline"
     assert cm.step_cost([(16, 0)], []).bytes == cm.decode_cost(16, 0).bytes  # by tokens, not requests
     # the crossover batch solves with the bytes of the experts that batch touches
     c = cm.decode_cost(round(cm.crossover_batch(0)), 0)

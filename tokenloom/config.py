@@ -234,10 +234,14 @@ class BackendPlan:
     compile: bool  # torch.compile the forward
     cuda_graphs: bool  # decode-only steps replay CUDA graphs (runner/cuda_graphs.py)
     cuda_graphs_off: str | None = None  # why not, when not
+    # the checkpoint's own quantization (GPTQ, AWQ, compressed-tensors: model/weights/formats/), in words
+    prequantized: str | None = None
 
     def describe(self) -> str:
         """The plan in words, for the start-up summary."""
         quant = f" ({self.quantization})" if self.quantization else ""
+        if self.prequantized:
+            quant = f" (pre-quantized: {self.prequantized})"
         graphs = "CUDA graphs" if self.cuda_graphs else f"no CUDA graphs ({self.cuda_graphs_off})"
         return (f"linear backend {self.linear}{quant}, attention backend {self.attention}, ops backend {self.ops}"
                 f"{', fused rotary + KV write' if self.fused_kv_write else ''}"

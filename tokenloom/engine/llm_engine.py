@@ -48,6 +48,7 @@ from tokenloom.engine.faults import FaultInjector
 from tokenloom.engine.output_processor import Decisions, Group, OutputProcessor, Sample, failure_message
 from tokenloom.model.hf_config import model_args_fields
 from tokenloom.model.backends import plan_for_args
+from tokenloom.model.weights.formats import describe_prequantized
 from tokenloom.model.weights.loader import (load_config, load_eos_token_ids, load_model, resolve_device,
                                             resolve_dtype, resolve_model_path)
 from tokenloom.model.registry import resolve_architecture
@@ -59,7 +60,7 @@ from tokenloom.model.weights.parallel import check_split
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.spec_decode.config import SpeculativeConfig
 from tokenloom.spec_decode.proposer import SpecProposer
-from tokenloom.structured import GrammarCompiler
+from tokenloom.structured import GrammarCompiler, gate_grammar
 
 logger = logging.getLogger("tokenloom")
 
@@ -104,7 +105,8 @@ class LLMEngine:
         max_positions = resolve_max_model_len(args.max_model_len, shape.max_position_embeddings)
         # which code runs here, decided once before anything loads (model/backends.py)
         self.backends = plan_for_args(args, self.device, resolve_dtype(args.dtype, cfg, self.device),
-                                      model_args_fields(cfg, resolve_architecture(cfg)))
+                                      model_args_fields(cfg, resolve_architecture(cfg)),
+                                      prequantized=describe_prequantized(cfg))
         self.tp_launcher = None
         if args.tensor_parallel_size > 1:  # ranks 1..N-1 load their shards meanwhile (runner/tp_worker.py)
             f = model_args_fields(cfg, resolve_architecture(cfg))
@@ -294,7 +296,9 @@ class LLMEngine:
                 max_tokens=max_tokens,
                 priority=priority,
                 cache_salt=cache_salt,
-                grammar=self.grammars.new_state(params.structured_outputs) if params.structured_outputs else None,
+                # with reasoning tags, the grammar holds only the answer after the thinking
+                grammar=gate_grammar(self.grammars.new_state(params.structured_outputs), params.reasoning_tags, ids)
+                if params.structured_outputs else None,
             )
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                            params.stop, params.include_stop_str_in_output)

@@ -245,6 +245,13 @@ class ModelSpec:
         the model's dtype: model/moe.py.)"""
         return self._static_shapes() + self.expert_shapes * (self.num_experts * self.num_moe_layers)
 
+    @property
+    def static_layer_matmul_params(self) -> int:
+        """The decoder layers' stored matmul weights every step reads whole: all of them in a
+        dense model; attention, dense MLPs and shared experts in a sparse one (not its routed
+        experts, not its routers, which stay in the dtype)."""
+        return sum(n * k for n, k in self._static_shapes()) - self.vocab_size * self.hidden_size
+
     def _static_shapes(self) -> list[tuple[int, int]]:
         """`matmul_shapes` less the routed experts: what every step reads whole."""
         h, i, s = self.hidden_size, self.intermediate_size, self.shared_expert_intermediate_size
@@ -380,9 +387,12 @@ def _moe_shape(config: dict, architecture: str) -> dict:
 def load_config(model: str) -> tuple[dict, str]:
     """(config dict, display name) from a preset name, a model directory or a config.json path."""
     from tokenloom.model.tools.presets import PRESETS, get_preset
+    from tokenloom.specs.reference_models import REFERENCE_CONFIGS, reference_config
 
     if model in PRESETS:
         return get_preset(model), model
+    if model in REFERENCE_CONFIGS:  # shapes of published models, never built (specs/reference_models.py)
+        return reference_config(model), model
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
@@ -394,8 +404,8 @@ def load_config(model: str) -> tuple[dict, str]:
                 raise ValueError(f"model {model!r}: {path} is not a config.json ({e})") from None
         return config, os.path.basename(os.path.dirname(os.path.abspath(path))) or str(path)
     raise ValueError(
-        f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-        f"nor a directory containing config.json"
+        f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}), a reference model "
+        f"({', '.join(sorted(REFERENCE_CONFIGS))}) nor a directory containing config.json"
     )
 
 

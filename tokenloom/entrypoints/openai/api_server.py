@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes around one AsyncLLMEngine.
 
     /v1/completions, /v1/chat/completions   generation (JSON or SSE)      [--api-key applies]
+    /v1/responses (+ GET/DELETE /{id})      the Responses API (serving_responses.py) [--api-key applies]
     /v1/models, /v1/models/{id}             what is served                [--api-key applies]
     /tokenize /detokenize /tokenizer_info   the model's tokenizer over HTTP [--api-key applies]
     /health /version /metrics               liveness, version, Prometheus
@@ -50,6 +51,7 @@ from tokenloom.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCo
 from tokenloom.entrypoints.openai.serving_chat import create_chat_completion, render_messages
 from tokenloom.entrypoints.openai.serving_common import ServingContext, encode_text, off_loop, tokenize_limit
 from tokenloom.entrypoints.openai.serving_completion import create_completion
+from tokenloom.entrypoints.openai.serving_responses import install_responses
 from tokenloom.entrypoints.openai.unsent_bound import with_unsent_bound
 
 logger = logging.getLogger("tokenloom.server")
@@ -205,6 +207,8 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None, dashboard: boo
         """The tokenizer's settings (vLLM's endpoint, read by lm-eval-harness's remote tokenizer)."""
         return TokenizerInfo.of(engine.tokenizer, engine.max_model_len, engine.engine.vocab_size)
 
+    install_responses(app, ctx, guarded)  # /v1/responses: the Responses API over the chat path
+
     if dashboard:  # checks the key itself: ?key= and a cookie count there, not only the header
         hub = install_dashboard(app, engine.engine, ctx.served_model_names, api_key)
     app.state.dashboard = hub
@@ -282,7 +286,8 @@ def build_server(args: argparse.Namespace) -> tuple[_Server, AsyncLLMEngine]:
     else:  # a path is served under its directory's name, and still accepted as given
         names, aliases = default_served_names(args.model, engine.model_name)
     ctx = ServingContext(engine, names, limits, tool_call_parser=getattr(args, "tool_call_parser", None),
-                         model_aliases=aliases)
+                         model_aliases=aliases, reasoning_parser=getattr(args, "reasoning_parser", None),
+                         max_stored_responses=getattr(args, "max_stored_responses", 1024))
     app = build_app(ctx, api_key=args.api_key, dashboard=getattr(args, "dashboard", True))
     grace = max(0.0, args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

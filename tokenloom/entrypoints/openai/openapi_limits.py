@@ -27,6 +27,15 @@ RUNTIME_RULES = (
     "(response_format, structured_outputs, guided_*), or its JSON schema, regex or grammar does not compile; "
     "the chat template cannot render the messages; a string prompt has no tokens.")
 
+RESPONSES_RUNTIME_RULES = (
+    "Beyond this schema, a request is refused (400, `error.param` naming the field) when: the conversation's "
+    "tokens (instructions, the stored conversation of previous_response_id, the input) plus max_output_tokens do "
+    "not fit max_model_len (`context_length_exceeded`); previous_response_id names no stored response "
+    "(`previous_response_not_found`); the input holds no message; tool_choice asks for a call without tools, or "
+    "names a function not in tools; two tools share a name; text.format's JSON schema, or a forced call's "
+    "parameters, does not compile, or both constrain the output; a forced call (tool_choice \"required\" or a "
+    "named function) cannot finish within max_output_tokens.")
+
 
 TEXT_PART = {"type": "object", "required": ["type", "text"],
              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
@@ -128,6 +137,11 @@ def apply_server_facts(doc: dict[str, Any], facts: ServerFacts) -> dict[str, Any
                 props[field]["anyOf"] = [shape, _NULL]
         if name in schemas:
             schemas[name]["description"] = RUNTIME_RULES
+    responses = schemas.get("ResponsesRequest")
+    if responses is not None:
+        for s in _branches(responses.get("properties", {}).get("max_output_tokens", {}), "integer"):
+            s["maximum"] = context
+        responses["description"] = RESPONSES_RUNTIME_RULES
     prompt = schemas.get("CompletionRequest", {}).get("properties", {}).get("prompt", {})
     for s in _branches(prompt, "string"):
         if not facts.empty_text_has_tokens:

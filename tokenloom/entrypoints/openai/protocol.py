@@ -272,6 +272,7 @@ class ChatLogprobs(_Response):
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's field: the thinking, with --reasoning-parser
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's shape (tool_calls.ToolCall.to_openai)
 
 
@@ -296,6 +297,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(_Response):

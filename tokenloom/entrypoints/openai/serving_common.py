@@ -34,6 +34,7 @@ from tokenloom.engine.prompt_bound import prompt_bound
 from tokenloom.entrypoints.openai.errors import (OpenAIError, bad_request, context_length_exceeded, grammar_error,
                                                  sse_error)
 from tokenloom.entrypoints.openai.limits import ServerLimits, check_sampling_limits
+from tokenloom.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from tokenloom.entrypoints.openai.protocol import LOGIT_BIAS_KEY, PromptTokensDetails, Usage, _SamplingFields
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParamError, SamplingParams, StructuredOutputsParams
@@ -53,8 +54,13 @@ class ServingContext:
     created: int = field(default_factory=lambda: int(time.time()))
     tool_call_parser: str | None = None  # --tool-call-parser: reads tool_choice "auto" answers
     model_aliases: list[str] = field(default_factory=list)  # accepted in requests, not listed (model_names.py)
+    reasoning_parser: str | None = None  # --reasoning-parser: splits <think> ... </think> off the answer
+    max_stored_responses: int = 1024  # --max-stored-responses: the Responses API's memory (responses_store.py)
+    reasoning: ReasoningParser | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:  # ValueError naming the flag when the tokenizer lacks the tags
+            self.reasoning = get_reasoning_parser(self.reasoning_parser, self.engine.tokenizer)
         # The server compiles grammars in worker processes it can kill (started on the first
         # grammar), bounded by the --max-grammar-* limits; see `compile_grammar`.
         grammars = self.engine.engine.grammars

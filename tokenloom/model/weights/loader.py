@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from tokenloom.config import BackendPlan
 from tokenloom.model.llama import CausalLM, ModelArgs
+from tokenloom.model.weights.formats import describe_prequantized, open_reader
 from tokenloom.model.weights.parallel import TPGroup, shard_model
 from tokenloom.model.registry import resolve_architecture
 from tokenloom.kernels import glibc_heap
@@ -221,10 +222,14 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
 
         plan = resolve_backends(device, resolve_dtype(dtype, cfg, device), dataclasses.asdict(a),
                                 linear=linear_backend, quantization=quantization, pack_weights=pack_weights,
-                                tensor_parallel_size=tp.size if tp is not None else 1)
+                                tensor_parallel_size=tp.size if tp is not None else 1,
+                                prequantized=describe_prequantized(cfg))
     tdtype = getattr(torch, plan.dtype)
+    files = _weight_files(path)
     with torch.device("meta"):
         model = CausalLM(a, max_positions)
+    # a checkpoint quantized by GPTQ / AWQ / compressed-tensors: its quantized layers (formats/)
+    prequant = open_reader(cfg, plan.prequantized, files, lambda n: _target(n, a), model)
     rope = model.rope  # built on the CPU, in float32, even under the meta device
     model.rope = None
     model = model.to_empty(device=device)
@@ -232,10 +237,12 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     with torch.no_grad():
-        for f in _weight_files(path):
+        for f in files:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 names = list(sf.keys())
             for name in names:
+                if prequant is not None and prequant.take(f, name):
+                    continue
                 tgt = _target(name, a)
                 if tgt is None:
                     continue
@@ -260,6 +267,8 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
                             p.data[lo:hi].copy_(part)
                         filled[pname] = filled.get(pname, 0) + 1
                     del t, part
+        if prequant is not None:
+            prequant.install(model, filled, panels=plan.linear == "panels", dtype=tdtype, device=device)
     for pname, p in params.items():
         expect = 1
         if "qkv_proj" in pname:
