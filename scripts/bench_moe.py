@@ -79,7 +79,8 @@ def bench_steps(moe_path: Path, dense_path: Path, batches: list[int], args, kw: 
     rows = []
     for b in batches:
         total = args.rounds * args.steps + 2
-        moe, dense = prefilled(moe_path, b, args.context, total, **kw), prefilled(dense_path, b, args.context, total, **kw)
+        moe = prefilled(moe_path, b, args.context, total, **kw)
+        dense = prefilled(dense_path, b, args.context, total, **kw)
         times: dict[str, list[float]] = {"moe": [], "dense": []}
         for _ in range(args.rounds):
             times["moe"].append(time_steps(moe, args.steps))

@@ -115,7 +115,8 @@ def test_settings_the_model_cannot_honour_are_refused(tmp_path):
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         model_args_fields(cfg, "Qwen3MoeForCausalLM")
     # refused before any worker starts or weight loads (the directory holds only config.json)
-    (tmp_path / "config.json").write_text(json.dumps(dict(CONFIG_CASES["qwen3-moe-hub-keys"], moe_intermediate_size=15)))
+    cfg = dict(CONFIG_CASES["qwen3-moe-hub-keys"], moe_intermediate_size=15)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="moe_intermediate_size 15"):
         LLM(str(tmp_path), tensor_parallel_size=2, max_model_len=64)
 
@@ -353,7 +354,8 @@ def test_quantized_experts_generate_what_transformers_generates_dequantized(tmp_
         assert loaded.linear_backend == "panels"
     block = loaded.model.layers[0].mlp
     assert all(isinstance(e.gate_up_proj, QuantLinear) and isinstance(e.down_proj, QuantLinear) for e in block.experts)
-    assert not isinstance(block.gate, QuantLinear) and block.gate.weight.dtype == torch.float32  # routers: full precision
+    assert not isinstance(block.gate, QuantLinear)  # routers stay in full precision
+    assert block.gate.weight.dtype == torch.float32
     outs = _generate(llm, prompts, n, logprobs=5)
     assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(hf, prompts, n)
     _check_logprobs(hf, prompts, outs)

@@ -67,8 +67,9 @@ class SparseMoE(nn.Module):
     def bind(self, ops: Ops, flat: bool) -> "MoEStep":
         shared = None if self.shared_expert is None else self.shared_expert.bind(ops, flat)
         shared_gate = None if self.shared_expert_gate is None else bound_linear(self.shared_expert_gate, flat)
-        return MoEStep(bound_linear(self.gate, flat), [e.bind(ops, flat) for e in self.experts], self.top_k, self.renormalize,
-                       self.weights_fp32, shared, shared_gate, self.reduce)
+        experts = [e.bind(ops, flat) for e in self.experts]
+        return MoEStep(bound_linear(self.gate, flat), experts, self.top_k, self.renormalize, self.weights_fp32,
+                       shared, shared_gate, self.reduce)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool,

@@ -77,7 +77,8 @@ def weight_bytes(spec: ModelSpec, fmt: WeightFormat | None, dtype_bytes: int) ->
             layers += fmt.tensor_bytes(t, n)
     for i in range(dense_layers, n):  # a sparse layer: its shared expert, its routed experts
         if spec.shared_expert_intermediate_size:
-            layers += sum(fmt.tensor_bytes(t, n) for t in _ffn(spec.hidden_size, spec.shared_expert_intermediate_size, i))
+            shared = _ffn(spec.hidden_size, spec.shared_expert_intermediate_size, i)
+            layers += sum(fmt.tensor_bytes(t, n) for t in shared)
         experts += spec.num_experts * sum(fmt.tensor_bytes(t, n) for t in _ffn(spec.hidden_size,
                                                                                 spec.moe_intermediate_size, i))
     vocab = (spec.vocab_size, spec.hidden_size)

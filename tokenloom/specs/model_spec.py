@@ -178,7 +178,8 @@ class ModelSpec:
     @property
     def active_params(self) -> int:
         """Parameters one token uses: all, less the experts it was not routed to."""
-        return self.total_params - self.num_moe_layers * (self.num_experts - self.num_experts_per_tok) * self.expert_params
+        unused = self.num_experts - self.num_experts_per_tok
+        return self.total_params - self.num_moe_layers * unused * self.expert_params
 
     @property
     def routed_expert_params(self) -> int:
