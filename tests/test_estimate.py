@@ -87,12 +87,17 @@ def test_published_parameter_counts() -> None:
     assert load_model_spec("qwen3-0.6b").total_params == 596_049_920
     assert load_model_spec("llama-3.2-1b").total_params == 1_235_814_400
     assert load_model_spec("llama-3-8b").total_params == 8_030_261_248
+    assert load_model_spec("gemma-2-2b").total_params == 2_614_341_888
+    assert load_model_spec("gemma-3-1b").total_params == 999_885_952
+    assert load_model_spec("phi-3-mini-4k").total_params == 3_821_079_552
 
 
 @pytest.mark.parametrize("name,extra", [
     ("tiny-llama", {}), ("tiny-mistral", {}), ("tiny-qwen2", {}), ("tiny-qwen3", {}),
     ("tiny-llama", {"attention_bias": True, "mlp_bias": True}),
     ("tiny-qwen3", {"attention_bias": True, "tie_word_embeddings": False}),
+    ("tiny-gemma2", {}), ("tiny-gemma3", {}), ("tiny-phi3", {}),
+    ("gemma-2-2b", {}), ("gemma-3-1b", {}), ("phi-3-mini-4k", {}),
 ])
 def test_param_count_matches_transformers(name: str, extra: dict) -> None:
     torch = pytest.importorskip("torch")

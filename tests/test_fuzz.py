@@ -10,7 +10,10 @@ vocabulary, max_model_len, --max-n, ...).  What no JSON Schema can state is the 
 runtime rules the document itself carries (`openapi_limits.RUNTIME_RULES`): valid requests
 are generated to respect them, each rule checked here by its own oracle (the tokenizer, the
 grammar compiler, the chat template), never by asking the route under test.  The server runs
-with a short context and small `n`, so a fuzzed generation request stays cheap.
+with a short context and small `n`, so a fuzzed generation request stays cheap.  A second
+server runs `--runner pooling` on a sentence-transformers model (matryoshka, so `dimensions`
+has values to take): its document lists /v1/embeddings instead of the generation routes, and
+is held to what it accepts the same way.
 
 Then a disconnect storm: 50 streams cut at random points (before the headers, mid-stream,
 after the first chunk) must leave nothing running, the KV cache empty, and the next greedy
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 from pathlib import Path
 
 import httpx
@@ -33,6 +37,7 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 
 from server_fixtures import ThreadedServer, make_tiny_model, metric, wait_until  # noqa: E402
+from st_models import make_st_model  # noqa: E402
 from tokenloom.bench.launcher import free_port  # noqa: E402
 
 EXAMPLES_PER_OPERATION = int(os.environ.get("TOKENLOOM_FUZZ_EXAMPLES", 25))
@@ -44,6 +49,19 @@ def server(tmp_path_factory):
     model = make_tiny_model(tmp_path_factory.mktemp("fuzz") / "tiny")
     srv = ThreadedServer([str(model), "--port", str(free_port()), "--max-model-len", str(MAX_MODEL_LEN),
                           "--num-kv-blocks", "96", "--max-num-seqs", "16", "--max-n", "2", "--seed", "0",
+                          "--served-model-name", "tiny", "--log-level", "critical", "--disable-access-log"]).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def pooling_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fuzz-emb")
+    tiny = make_tiny_model(root / "tiny")
+    model = make_st_model(tiny, root / "st", "mean", config_extra={"matryoshka_dimensions": [16, 32]})
+    shutil.copy(tiny / "tokenizer_config.json", model)  # the chat template back, for /tokenize's messages
+    srv = ThreadedServer([str(model), "--runner", "pooling", "--port", str(free_port()), "--max-model-len",
+                          str(MAX_MODEL_LEN), "--num-kv-blocks", "96", "--max-num-seqs", "16", "--seed", "0",
                           "--served-model-name", "tiny", "--log-level", "critical", "--disable-access-log"]).start()
     yield srv
     srv.stop()
@@ -158,6 +176,12 @@ def _responses_rules_hold(srv: ThreadedServer, body: dict) -> bool:
 def _runtime_rules_hold(srv: ThreadedServer, label: str, body: object) -> bool:
     """Whether a schema-valid body also keeps `openapi_limits.RUNTIME_RULES` (which the
     document states but JSON Schema cannot): only such bodies must be accepted."""
+    if label == "POST /v1/embeddings" and isinstance(body, dict):  # EMBEDDING_RULES: every input fits
+        inputs = body["input"]
+        inputs = [inputs] if isinstance(inputs, str) or (inputs and isinstance(inputs[0], (int, float))) else inputs
+        tok, special = srv.engine.tokenizer, body.get("add_special_tokens", True)
+        return all(0 < (len(tok.encode(x, add_special_tokens=special)) if isinstance(x, str) else len(x))
+                   <= MAX_MODEL_LEN for x in inputs)
     if label == "POST /v1/responses" and isinstance(body, dict):
         return _responses_rules_hold(srv, body)
     if label not in ("POST /v1/completions", "POST /v1/chat/completions") or not isinstance(body, dict):
@@ -179,13 +203,22 @@ def _runtime_rules_hold(srv: ThreadedServer, label: str, body: object) -> bool:
 
 
 def test_openapi_document_is_what_the_server_accepts(server):
+    _fuzz(server, {"POST /v1/completions", "POST /v1/chat/completions", "GET /health", "GET /v1/models/{model_id}",
+                   "GET /tokenizer_info", "POST /v1/responses", "GET /v1/responses/{response_id}",
+                   "DELETE /v1/responses/{response_id}"}, absent={"POST /v1/embeddings"})
+
+
+def test_pooling_server_document_is_what_it_accepts(pooling_server):
+    _fuzz(pooling_server, {"POST /v1/embeddings", "GET /health", "GET /v1/models/{model_id}", "POST /tokenize"},
+          absent={"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses"})
+
+
+def _fuzz(server: ThreadedServer, expected: set[str], absent: set[str] = frozenset()) -> None:
     url = server.base_url
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.label for op in operations} >= {"POST /v1/completions", "POST /v1/chat/completions", "GET /health",
-                                               "GET /v1/models/{model_id}", "GET /tokenizer_info",
-                                               "POST /v1/responses", "GET /v1/responses/{response_id}",
-                                               "DELETE /v1/responses/{response_id}"}
+    labels = {op.label for op in operations}
+    assert labels >= expected and not labels & absent
     for op in operations:
         label = op.label
         valid = op.as_strategy(GenerationMode.POSITIVE).filter(
@@ -230,6 +263,14 @@ def _edge_cases(vocab: int) -> list[tuple[str, str, dict]]:
         (c, "CompletionRequest", {**g, "structured_outputs": {"choice": ["a"], "json_object": False}}),
         (c, "CompletionRequest", {**g, "response_format": {"type": "json_schema"}}),
         (c, "CompletionRequest", {**g, "response_format": {"type": "json_object"}}),
+        (c, "CompletionRequest", {**g, "use_beam_search": True, "n": 2}),
+        (c, "CompletionRequest", {**g, "use_beam_search": True, "n": 2, "length_penalty": -2.5}),
+        (c, "CompletionRequest", {**g, "use_beam_search": True, "logprobs": 1}),
+        (c, "CompletionRequest", {**g, "use_beam_search": True, "echo": True}),
+        (c, "CompletionRequest", {**g, "use_beam_search": True, "stop": ["a"]}),
+        (c, "CompletionRequest", {**g, "use_beam_search": True, "presence_penalty": 0.5}),
+        (c, "CompletionRequest", {**g, "use_beam_search": True, "response_format": {"type": "text"}}),
+        (c, "CompletionRequest", {**g, "length_penalty": 10.5}), (c, "CompletionRequest", {**g, "length_penalty": 3}),
         (chat, "ChatCompletionRequest", {"messages": msgs, "max_tokens": 2, "chat_template": "{{ 1 }}"}),
         (chat, "ChatCompletionRequest", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}],
                                          "max_tokens": 2}),
@@ -256,17 +297,35 @@ def _edge_cases(vocab: int) -> list[tuple[str, str, dict]]:
     ]
 
 
+def _embedding_edge_cases(vocab: int) -> list[tuple[str, str, dict]]:
+    e, name = "/v1/embeddings", "EmbeddingRequest"
+    return [(e, name, body) for body in (
+        {"input": "hi"}, {"input": ""}, {"input": []}, {"input": [[]]}, {"input": [vocab]}, {"input": [vocab - 1]},
+        {"input": list(range(1, MAX_MODEL_LEN + 1))}, {"input": list(range(1, MAX_MODEL_LEN + 2))},
+        {"input": [[5, 6], [7]]}, {"input": ["a", "b"]}, {"input": ["a", ""]}, {"input": [5.0, 6]},
+        {"input": [True]}, {"input": "hi", "dimensions": 16}, {"input": "hi", "dimensions": 20},
+        {"input": "hi", "dimensions": 0}, {"input": "hi", "encoding_format": "base64"},
+        {"input": "hi", "encoding_format": "hex"})]
+
+
 def test_document_and_server_agree_at_each_limit(server):
     """Deterministic companion of the fuzz test (which samples): at every limit the server
     enforces, a body just outside is refused by the server (400) *and* by the document's
     schema, one just inside is served (200) and valid -- the mismatches schemathesis found
     (guided_choice [], out-of-vocabulary ids) among them."""
+    _agree_at_limits(server, _edge_cases(server.engine.engine.vocab_size))
+
+
+def test_pooling_document_and_server_agree_at_each_limit(pooling_server):
+    _agree_at_limits(pooling_server, _embedding_edge_cases(pooling_server.engine.engine.vocab_size))
+
+
+def _agree_at_limits(server: ThreadedServer, cases: list[tuple[str, str, dict]]) -> None:
     import jsonschema
 
     url = server.base_url
     doc = httpx.get(url + "/openapi.json").json()
-    vocab = server.engine.engine.vocab_size
-    for route, name, body in _edge_cases(vocab):
+    for route, name, body in cases:
         validator = jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", **doc})
         valid = validator.is_valid(body)
         status = httpx.post(url + route, json=body, timeout=60).status_code

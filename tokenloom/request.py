@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -43,6 +44,16 @@ class Request:
     priority: int = 0
     cache_salt: str | None = None
     grammar: Any = None  # structured output: its tokenloom.structured.GrammarState (None: unconstrained)
+    # An embedding request: prefill only; the runner pools its hidden states and it ends
+    # when its prompt is computed (no token is sampled).
+    pooling: PoolingParams | None = None
+    # A beam of a beam search: after its last position the runner returns this many top
+    # log-probabilities instead of sampling, and the engine appends the token its beam
+    # search chose (engine/beam_search.py).  0: an ordinary request.
+    beam_topk: int = 0
+    # Batch seats it accounts for: a beam search's first beam holds one for every beam it
+    # will fork into, so the forks never push the batch past max_num_seqs.
+    seats: int = 1
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -65,6 +76,12 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+
+    @property
+    def samples_tokens(self) -> bool:
+        """Whether the scheduler appends the token sampled after its last position (not for
+        an embedding, which produces none, nor a beam, whose token the beam search picks)."""
+        return self.pooling is None and not self.beam_topk
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -234,3 +234,47 @@ class SamplingParams:
             bad_ids = [t for t in ids if t >= vocab_size]
             if bad_ids:
                 raise SamplingParamError(param, f"token id {bad_ids[0]} is out of range for a vocabulary of {vocab_size}")
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search (vLLM's `LLM.beam_search` parameters, plus transformers' `early_stopping`).
+
+    Keeps the `beam_width` most probable continuations at every step and returns the
+    `beam_width` best finished ones.  Scoring is transformers' (`generate(num_beams=...)`):
+    a finished sequence scores its summed log-probability divided by
+    (generated tokens) ** `length_penalty`; `early_stopping` is transformers' too -- True
+    stops once `beam_width` sequences finished, False (the default) once no running beam can
+    plausibly beat the worst finished one, "never" only when none can (docs/beam-search.md).
+    `temperature` is accepted for vLLM's signature and must be 0: the search is deterministic
+    and scores the model's own log-probabilities."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        def bad(param: str, msg: str) -> None:
+            raise SamplingParamError(param, msg)
+
+        if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool) or self.beam_width < 1:
+            bad("beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature != 0:
+            bad("temperature", f"beam search is deterministic here: only 0 is accepted, got {self.temperature!r}")
+        lp = self.length_penalty
+        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not -10 <= lp <= 10:
+            bad("length_penalty", f"must be a number in [-10, 10], got {lp!r}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            bad("early_stopping", f"must be true, false or 'never', got {self.early_stopping!r}")
+
+    @property
+    def n(self) -> int:
+        """Sequences the request returns (and holds at once): one per beam."""
+        return self.beam_width

@@ -1,7 +1,9 @@
 """Which code runs on this machine: every backend choice, resolved once into a `BackendPlan`.
 
     linear     panels | onednn | torch    how each matmul runs, per weight format (model/weights/loader.py packs for it)
-    attention  cpu | triton | sdpa        how attention reads the paged KV cache (model/attention.py)
+    attention  cpu | triton | sdpa        how attention reads the paged KV cache (model/attention.py);
+                                          soft-capped layers (Gemma 2) through the reference where
+                                          the backend's kernels do not cap scores
     ops        torch | cpu | triton       norms, rotary, SwiGLU (model/ops.py)
     flat       on | off                   layers call linears as plain functions (model/layers.py `bound_linear`)
     graphs     on | off (why)             decode steps replay CUDA graphs (runner/cuda_graphs.py)
@@ -32,7 +34,7 @@ def resolve_backends(device: torch.device, dtype: torch.dtype, fields: Mapping[s
                      compile: bool = False, enforce_eager: bool = False, tensor_parallel_size: int = 1,
                      pack_weights: bool = True, prequantized: str | None = None) -> BackendPlan:
     """The plan for a model whose parsed config is `fields` (`model/hf_config.model_args_fields`:
-    head_dim, sliding_window, qk_norm are read) on `device` in `dtype`, from the user's
+    head_dim and attn_softcap are read) on `device` in `dtype`, from the user's
     choices (each "auto" or a name).  `prequantized`: the checkpoint's own quantization, in
     words (model/weights/formats `describe_prequantized`).  ValueError for a choice that
     cannot run here."""
@@ -42,16 +44,19 @@ def resolve_backends(device: torch.device, dtype: torch.dtype, fields: Mapping[s
     else:
         linear_name = _linear(linear, quantization, device, dtype, tp, pack_weights)
     attention_name = _attention(attention, device, dtype, int(fields["head_dim"]))
+    fallback = _attention_fallback(attention_name, fields.get("attn_softcap"))
     ops_name = _ops(ops, device, dtype, attention_name)
     fused_kv_write = ops_name != "torch" and not compile
     # Linears called as plain functions, without nn.Module's dispatch; torch.compile traces
     # the modules (their custom ops), so there they keep module calls.
     flat = not compile
-    graphs_off = _graphs_off(device, enforce_eager, tp, compile, attention_name, bool(fields.get("num_experts")))
+    graphs_off = _graphs_off(device, enforce_eager, tp, compile, attention_name, fallback,
+                             moe=bool(fields.get("num_experts")))
     return BackendPlan(device=device.type, dtype=str(dtype).removeprefix("torch."), linear=linear_name,
                        quantization=quantization, attention=attention_name, ops=ops_name,
                        fused_kv_write=fused_kv_write, flat_calls=flat, compile=compile,
-                       cuda_graphs=graphs_off is None, cuda_graphs_off=graphs_off, prequantized=prequantized)
+                       cuda_graphs=graphs_off is None, cuda_graphs_off=graphs_off, prequantized=prequantized,
+                       attention_fallback=fallback)
 
 
 def plan_for_args(args, device: torch.device, dtype: torch.dtype, fields: Mapping[str, Any],
@@ -177,8 +182,19 @@ def _ops(name: str, device: torch.device, dtype: torch.dtype, attention: str) ->
     return name
 
 
+def _attention_fallback(attention: str, softcap: float | None) -> str | None:
+    """Which layers the torch reference attends for instead of `attention`, and why; None
+    where the backend runs every layer.  A model's kind of attention a backend's kernels
+    cannot run is decided here, once: the backend then routes those layers (model/attention.py)."""
+    from tokenloom.model.attention import SOFTCAP_NATIVE
+
+    if softcap is None or SOFTCAP_NATIVE[attention]:
+        return None
+    return f"soft-capped scores ({softcap:g}) through the torch reference: the {attention} kernels do not cap"
+
+
 def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bool, attention: str,
-                moe: bool = False) -> str | None:
+                fallback: str | None = None, moe: bool = False) -> str | None:
     """Why decode steps do not replay CUDA graphs, or None where they do."""
     if device.type != "cuda":
         return "not on a CUDA device"
@@ -190,6 +206,8 @@ def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bo
         return "--compile"
     if attention != "triton":
         return f"the {attention} attention backend cannot be captured (use triton)"
+    if fallback is not None:
+        return "some layers attend through the torch reference, which cannot be captured"
     if moe:
         return "mixture-of-experts steps pick their experts on the host (model/moe.py)"
     return None

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tokenloom.model.layers import GatedMLP, Linear, MLPStep, bound_linear
+from tokenloom.model.layers import GatedMLP, Linear, bound_linear
 from tokenloom.model.ops import Ops
 
 
@@ -93,8 +93,8 @@ class MoEStep:
     __slots__ = ("router", "experts", "top_k", "renormalize", "weights_fp32", "shared", "shared_gate", "reduce",
                  "record")
 
-    def __init__(self, router: Linear, experts: list[MLPStep], top_k: int, renormalize: bool,
-                 weights_fp32: bool, shared: MLPStep | None, shared_gate: Linear | None,
+    def __init__(self, router: Linear, experts: list[Linear], top_k: int, renormalize: bool,
+                 weights_fp32: bool, shared: Linear | None, shared_gate: Linear | None,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None):
         self.router, self.experts, self.top_k = router, experts, top_k
         self.renormalize, self.weights_fp32 = renormalize, weights_fp32

@@ -43,6 +43,8 @@ OPS_PER_LAYER = 30
 OPS_PER_QK_NORM = 12  # Qwen3: two more RMSNorms per layer
 OPS_FIXED = 10  # embedding, final norm, lm_head, sampling
 
+_GEMMA = ("gemma2", "gemma3_text")
+
 
 def normalize_dtype(dtype: str) -> str:
     """'fp16' -> 'float16' etc.; ValueError for anything the estimator does not model."""
@@ -54,9 +56,10 @@ def normalize_dtype(dtype: str) -> str:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The shape of a decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3, and the
-    mixture-of-experts Mixtral / Qwen3-MoE / Qwen2-MoE: `num_moe_layers` of its layers
-    route each token to `num_experts_per_tok` of `num_experts` experts)."""
+    """The shape of a decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 /
+    Gemma 3 / Phi-3, and the mixture-of-experts Mixtral / Qwen3-MoE / Qwen2-MoE:
+    `num_moe_layers` of its layers route each token to `num_experts_per_tok` of `num_experts`
+    experts)."""
 
     name: str
     hidden_size: int
@@ -71,6 +74,7 @@ class ModelSpec:
     o_bias: bool = False
     qk_norm: bool = False
     mlp_bias: bool = False
+    sandwich_norm: bool = False  # Gemma: four RMSNorms per layer, not two
     torch_dtype: str | None = None  # the dtype the checkpoint ships in, if known
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -99,7 +103,8 @@ class ModelSpec:
                 num_layers=int(config["num_hidden_layers"]),
                 num_heads=heads,
                 num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
+                # Gemma's config classes default head_dim to 256, not hidden // heads
+                head_dim=int(config.get("head_dim") or (256 if model_type in _GEMMA else hidden // heads)),
                 intermediate_size=int(config["intermediate_size"]),
                 vocab_size=int(config["vocab_size"]),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -107,7 +112,8 @@ class ModelSpec:
                 # Llama/Qwen3/Qwen3-MoE have one switch for all four.
                 qkv_bias=bool(qwen2) or bool(config.get("attention_bias", False)),
                 o_bias=model_type not in ("qwen2", "qwen2_moe") and bool(config.get("attention_bias", False)),
-                qk_norm=model_type in ("qwen3", "qwen3_moe"),
+                qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
+                sandwich_norm=model_type in _GEMMA,
                 mlp_bias=bool(config.get("mlp_bias", False)),
                 torch_dtype=config.get("torch_dtype") or config.get("dtype"),
                 **moe,
@@ -151,7 +157,8 @@ class ModelSpec:
 
     @property
     def norm_params_per_layer(self) -> int:
-        return 2 * self.hidden_size  # input and post-attention RMSNorm
+        # input and post-attention RMSNorm (Gemma: and the two around the MLP)
+        return (4 if self.sandwich_norm else 2) * self.hidden_size
 
     @property
     def layer_params(self) -> int:

@@ -321,15 +321,18 @@ def validate_prompt(ctx: ServingContext, prompt: str | list[int], params: Sampli
 
 
 def add_requests(ctx: ServingContext, base_id: str, prompts: Sequence[tuple[str | None, list[int]]],
-                 params: SamplingParams, *, priority: int, cache_salt: str | None) -> list[RequestStream]:
-    """Queue validated prompts (one engine request each); 503 if over capacity."""
+                 params: Any, *, priority: int, cache_salt: str | None) -> list[RequestStream]:
+    """Queue validated prompts (one engine request each); 503 if over capacity.  `params`:
+    one set for every prompt (SamplingParams, BeamSearchParams or PoolingParams), or a list
+    of one per prompt."""
     ctx.check_engine()
-    ctx.check_capacity(len(prompts) * params.n)
+    each = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    ctx.check_capacity(sum(p.n for p in each))
     arrival = time.perf_counter()
     try:
-        return [ctx.engine.add_request(f"{base_id}-{i}", text, ids, params, arrival_time=arrival,
+        return [ctx.engine.add_request(f"{base_id}-{i}", text, ids, p, arrival_time=arrival,
                                        priority=priority, cache_salt=cache_salt)
-                for i, (text, ids) in enumerate(prompts)]
+                for i, ((text, ids), p) in enumerate(zip(prompts, each))]
     except EngineDeadError as e:
         raise OpenAIError(503, str(e), code="engine_unavailable") from None
 
