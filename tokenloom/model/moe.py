@@ -20,7 +20,7 @@ of a step is per used expert, never per token.
 Each expert is a `GatedMLP`, so loading, tensor-parallel sharding, packing and
 quantization treat its two linears as they treat a dense layer's.  The router and the
 shared expert's gate are `RouterLinear`s: packed for the same kernels as every matrix
-(PyTorch's own bf16 product of one row by a router is several times slower than ours:
+(PyTorch's own bf16 product of one row by a router is 4x slower than ours:
 docs/models.md), but never quantized -- they are a sliver of the bytes and
 decide which bytes are read at all.
 """
