@@ -137,7 +137,8 @@ class LLMEngine:
         self.tp_launcher = None
         if args.tensor_parallel_size > 1:  # ranks 1..N-1 load their shards meanwhile (runner/tp_worker.py)
             f = model_args_fields(cfg, resolve_architecture(cfg))
-            check_split(f["num_heads"], f["num_kv_heads"], f["intermediate_size"], args.tensor_parallel_size)
+            check_split(f["num_heads"], f["num_kv_heads"], f["intermediate_size"], args.tensor_parallel_size,
+                        f["moe_intermediate_size"], f["shared_expert_intermediate_size"])
             if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
                 # Under torchrun every rank runs the same command; all but rank 0 become workers
                 # here and leave when rank 0 shuts the group down.

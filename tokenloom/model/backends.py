@@ -50,7 +50,8 @@ def resolve_backends(device: torch.device, dtype: torch.dtype, fields: Mapping[s
     # Linears called as plain functions, without nn.Module's dispatch; torch.compile traces
     # the modules (their custom ops), so there they keep module calls.
     flat = not compile
-    graphs_off = _graphs_off(device, enforce_eager, tp, compile, attention_name, fallback)
+    graphs_off = _graphs_off(device, enforce_eager, tp, compile, attention_name, fallback,
+                             moe=bool(fields.get("num_experts")))
     return BackendPlan(device=device.type, dtype=str(dtype).removeprefix("torch."), linear=linear_name,
                        quantization=quantization, attention=attention_name, ops=ops_name,
                        fused_kv_write=fused_kv_write, flat_calls=flat, compile=compile,
@@ -193,7 +194,7 @@ def _attention_fallback(attention: str, softcap: float | None) -> str | None:
 
 
 def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bool, attention: str,
-                fallback: str | None = None) -> str | None:
+                fallback: str | None = None, moe: bool = False) -> str | None:
     """Why decode steps do not replay CUDA graphs, or None where they do."""
     if device.type != "cuda":
         return "not on a CUDA device"
@@ -207,4 +208,6 @@ def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bo
         return f"the {attention} attention backend cannot be captured (use triton)"
     if fallback is not None:
         return "some layers attend through the torch reference, which cannot be captured"
+    if moe:
+        return "mixture-of-experts steps pick their experts on the host (model/moe.py)"
     return None

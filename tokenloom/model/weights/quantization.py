@@ -196,18 +196,20 @@ class PanelQuantized(QuantizedMatrix):
     def from_int4_blocks(cls, blocks: torch.Tensor, s: torch.Tensor, scheme: QuantScheme) -> "PanelQuantized":
         """int4 with group-32 scales s [N, K / 32], the integers given as blocks of 32 nibbles
         (kernels/cpu.py `pack_int4_blocks`: GGUF's Q4_0 layout), packed from the bytes directly."""
+        from tokenloom.kernels import amx as amx_kernels
         from tokenloom.kernels import cpu as cpu_kernels
 
         assert scheme.bits == 4 and scheme.group == 32, scheme
         m = cls.__new__(cls)
         QuantizedMatrix.__init__(m)
         m.out_features, m.in_features, m.scheme = blocks.shape[0], blocks.shape[1] * 32, scheme
-        m._op = cpu_kernels.quant_ops().linear_int4
+        m._op = amx_kernels.with_amx("int4", cpu_kernels.quant_ops().linear_int4)  # float16 scales: AMX reads them
         m.register_buffer("qweight", cpu_kernels.pack_int4_blocks(blocks), persistent=False)
         m.register_buffer("scales", cpu_kernels.pack_group_scales(s), persistent=False)
         return m
 
     def _store(self, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme, in_features: int) -> None:
+        from tokenloom.kernels import amx as amx_kernels
         from tokenloom.kernels import cpu as cpu_kernels
 
         self.out_features, self.in_features = q.shape[0], in_features
@@ -216,14 +218,15 @@ class PanelQuantized(QuantizedMatrix):
         assert ops is not None, "our quantized CPU kernel is not available here"
         if scheme.bits == 8 and not scheme.group:
             packed, s = cpu_kernels.pack_int8(q, s, quads=cpu_kernels.int8_quads())
-            self._op = ops.linear_int8
-        elif scheme.bits == 8:
+            self._op = amx_kernels.with_amx("int8", ops.linear_int8)
+        elif scheme.bits == 8:  # groups (GGUF's Q8_0): our kernel alone, no AMX kernel reads them
             packed, _ = cpu_kernels.pack_int8(q, torch.zeros(q.shape[0]), quads=cpu_kernels.int8_quads())
             s = cpu_kernels.pack_group_scales(s)
             self._op = ops.linear_int8_group
         else:
             packed, s = cpu_kernels.pack_int4(q, s)
-            self._op = ops.linear_int4
+            amx_ok = scheme.group % 32 == 0 and s.dtype in (torch.bfloat16, torch.float16)
+            self._op = amx_kernels.with_amx("int4", ops.linear_int4) if amx_ok else ops.linear_int4
         self.register_buffer("qweight", packed, persistent=False)
         self.register_buffer("scales", s, persistent=False)
 
@@ -298,20 +301,30 @@ def quantize_model(model: nn.Module, scheme: QuantScheme, panels: bool) -> int:
     """Replace every nn.Linear of `model` (a CausalLM) by a QuantLinear, one at a time (each
     full-precision weight freed as soon as its quantized copy exists), and a tied embedding /
     LM head by one shared quantized matrix.  `panels`: our CPU kernel, else the PyTorch path.
-    Returns how many matrices were quantized."""
+    A linear marked `keep_precision` (a mixture-of-experts router, model/moe.py) stays in the
+    model's dtype, in our GEMM's panels with `panels`.  Returns how many matrices were quantized."""
+    from tokenloom.kernels import cpu as cpu_kernels
+    from tokenloom.model.weights.packed_linear import PanelLinear
+
     make = PanelQuantized if panels else TorchQuantized
     pad = None
     names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    kept = 0
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, attr)
+        if getattr(old, "keep_precision", False):
+            if panels and cpu_kernels.load():
+                setattr(parent, attr, PanelLinear(old.weight, old.bias))
+            kept += 1
+            continue
         matrix = make(old.weight, scheme)
         if panels:
             pad = matrix.qweight.shape[0] * 32
         setattr(parent, attr, QuantLinear(matrix, old.bias, pad))
         del old, matrix
-    n = len(names)
+    n = len(names) - kept
     if getattr(model, "lm_head", 0) is None:  # tied: one quantized copy for the lookup and the head
         emb = model.embed_tokens
         matrix = make(emb.weight, scheme)
