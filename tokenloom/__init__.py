@@ -25,6 +25,7 @@ _EXPORTS = {
     "StepEvent": "tokenloom.core.events",
     "StepEntry": "tokenloom.core.events",
     "LLMEngine": "tokenloom.engine.llm_engine",
+    "LoRARequest": "tokenloom.request",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -42,4 +43,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from tokenloom.engine.llm_engine import LLMEngine
     from tokenloom.entrypoints.llm import LLM
     from tokenloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from tokenloom.request import LoRARequest
     from tokenloom.sampling_params import SamplingParams

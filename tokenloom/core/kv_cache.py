@@ -8,7 +8,7 @@ needs a new block every `block_size` steps, and memory is never fragmented.
 
 Prefix caching: a *full* block is named by a key: a SHA-256 digest chained over
 (parent block key, its token ids), where the first block's parent is a root digest of
-the request's extra keys (its `cache_salt`).  One key therefore names the whole token
+the request's extra keys (its `cache_salt` and its LoRA adapter).  One key therefore names the whole token
 prefix up to the end of its block, so a lookup by key alone is exact: serving another
 prompt's KV would need a SHA-256 collision, not merely equal Python `hash()` values
 (which collide on demand: `hash(-1) == hash(-2)`, and are per-process under hash
@@ -49,14 +49,20 @@ class KVBlock:
     block_hash: BlockKey | None = None  # set once the block is full and computed
 
 
-def root_key(cache_salt: str | None) -> BlockKey:
-    """The parent key of a request's first block: a digest of its extra keys.
+def root_key(cache_salt: str | None, lora_int_id: int = 0) -> BlockKey:
+    """The parent key of a request's first block: a digest of its extra keys, its
+    `cache_salt` and its LoRA adapter (the same tokens under another adapter have other
+    K/V: every layer's projections differ).
 
-    Requests with different salts get unrelated chains, so they never share a block;
-    no salt and the empty salt are kept apart by a one-byte tag."""
+    Requests with different salts or adapters get unrelated chains, so they never share
+    a block; no salt and the empty salt are kept apart by a one-byte tag, and each extra
+    key has its own tag.  The base model (adapter 0) adds nothing, so its keys are those
+    of an engine without LoRA."""
     h = hashlib.sha256(_KEY_DOMAIN)
     if cache_salt is not None:
         h.update(b"\x01" + cache_salt.encode("utf-8", "surrogatepass"))
+    if lora_int_id:
+        h.update(b"\x02" + lora_int_id.to_bytes(8, "little", signed=True))
     return h.digest()
 
 
@@ -188,7 +194,7 @@ class KVCacheManager:
         full = num_tokens // bs
         while len(req.block_hashes) < full:
             i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if req.block_hashes else root_key(req.cache_salt)
+            parent = req.block_hashes[-1] if req.block_hashes else root_key(req.cache_salt, req.lora_int_id)
             req.block_hashes.append(hash_block(parent, req.token_slice(i * bs, (i + 1) * bs)))
 
     def find_cached_prefix(self, req: Request) -> PrefixHit:

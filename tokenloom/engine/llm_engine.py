@@ -39,7 +39,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from tokenloom.config import EngineArgs, EngineConfig, ModelShape, resolve_max_model_len
+from tokenloom.config import EngineArgs, EngineConfig, LoRAConfig, ModelShape, resolve_max_model_len
 from tokenloom.core.events import StepEvent
 from tokenloom.core.kv_cache import KVCacheManager
 from tokenloom.core.scheduler import Scheduler, SchedulerOutput
@@ -52,7 +52,9 @@ from tokenloom.model.weights.loader import (load_config, load_eos_token_ids, loa
                                             resolve_dtype, resolve_model_path)
 from tokenloom.model.registry import resolve_architecture
 from tokenloom.outputs import RequestOutput
-from tokenloom.request import Request
+from tokenloom.model.lora import LoRAAdapter, LoRASlots
+from tokenloom.model.weights.peft_lora import load_peft_adapter
+from tokenloom.request import LoRARequest, Request
 from tokenloom.runner.model_runner import ModelRunner, RunnerOutput
 from tokenloom.runner.tp_worker import TPLauncher, launched_by_torchrun, run_worker, worker_spec
 from tokenloom.model.weights.parallel import check_split
@@ -84,6 +86,9 @@ class LLMEngine:
         self.args = args
         # checked before anything loads: a bad speculative_config is a quick, clear error
         self.speculative_config = SpeculativeConfig.parse(args.speculative_config)
+        self.lora_config = LoRAConfig.from_args(args)  # --enable-lora: adapter slots (same: checked first)
+        # loaded adapters by id: what requests run with (`add_lora`, or loaded on first use)
+        self.loras: dict[int, tuple[LoRARequest, LoRAAdapter]] = {}
         if args.model is None:
             from tokenloom.bundled import BUNDLED_MODEL_DIR, BUNDLED_MODEL_NAME
 
@@ -132,6 +137,10 @@ class LLMEngine:
         """Everything after the tensor-parallel group exists: the model, the config, the runner."""
         self.loaded = load_model(path, args.dtype, self.device, max_positions=max_positions, tp=tp, plan=self.backends)
         device = self.device
+        lora_slots = None
+        if self.lora_config is not None:  # allocated before the KV cache is sized from what memory is left
+            lc = self.lora_config
+            lora_slots = LoRASlots(self.loaded.args, lc.max_loras, lc.max_lora_rank, self.loaded.dtype, device)
         # Every default decided once (config.py); on CUDA the KV cache takes what the weights left free.
         self.config = EngineConfig.resolve(
             args, shape, model=str(path), model_name=str(self.model_name), device=str(device),
@@ -160,7 +169,8 @@ class LLMEngine:
         runner_kwargs = dict(plan=self.backends, max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len)
         if self.tp_launcher:
             self.tp_launcher.send_runner_spec(c.num_kv_blocks, c.block_size, **runner_kwargs)
-        self.runner = ModelRunner(self.loaded, c.num_kv_blocks, c.block_size, tp=tp, **runner_kwargs)
+        self.runner = ModelRunner(self.loaded, c.num_kv_blocks, c.block_size, tp=tp, lora_slots=lora_slots,
+                                  **runner_kwargs)
         self.processor = OutputProcessor(self.tokenizer)
         self.paused_requests: set[str] = set()  # ids of requests out of the schedule (pause_request)
         # n-gram drafts set on running requests before each schedule() (spec_decode/proposer.py)
@@ -213,6 +223,59 @@ class LLMEngine:
 
     def remove_observer(self, fn: Callable[[StepEvent], None]) -> None:
         self.observers.remove(fn)
+
+    # ---- LoRA adapters ------------------------------------------------
+    def load_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Read and check the adapter `lora_request` names, for this model (touches no engine
+        state: a server runs it off the engine thread).  FileNotFoundError: no adapter at its
+        path; ValueError: one this engine cannot run (the message names the setting)."""
+        if self.lora_config is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True (--enable-lora)")
+        return load_peft_adapter(lora_request.lora_path, self.loaded.args, self.lora_config.max_lora_rank,
+                                 self.loaded.dtype, name=lora_request.lora_name)
+
+    def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter | None = None) -> bool:
+        """Make an adapter available to requests (`adapter`: already read by `load_lora`).
+        False if its id is loaded already; ValueError if that id is another adapter's."""
+        held = self.loras.get(lora_request.lora_int_id)
+        if held is not None:
+            self._check_same(held[0], lora_request)
+            return False
+        if adapter is None:
+            adapter = self.load_lora(lora_request)
+        self.loras[lora_request.lora_int_id] = (lora_request, adapter)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: new requests cannot use it; running ones finish with it (they
+        hold its weights).  False if it was not loaded."""
+        return self.loras.pop(lora_int_id, None) is not None
+
+    def list_loras(self) -> set[int]:
+        return set(self.loras)
+
+    @staticmethod
+    def _check_same(held: LoRARequest, asked: LoRARequest) -> None:
+        if held.lora_path != asked.lora_path:
+            raise ValueError(f"lora_int_id {asked.lora_int_id} is already adapter {held.lora_name!r} from "
+                             f"{held.lora_path!r}; one id must always name one adapter (give {asked.lora_path!r} "
+                             f"another id)")
+
+    def _adapter_for(self, lora_request: LoRARequest | None, load: bool) -> LoRAAdapter | None:
+        """The loaded weights a request on `lora_request` runs with (read now if `load` and
+        not loaded yet); ValueError without --enable-lora or, with `load` False, if not loaded."""
+        if lora_request is None:
+            return None
+        if self.lora_config is None:
+            raise ValueError("lora_request needs an engine started with enable_lora=True (--enable-lora)")
+        held = self.loras.get(lora_request.lora_int_id)
+        if held is None:
+            if not load:
+                raise ValueError(f"LoRA adapter {lora_request.lora_name!r} is not loaded")
+            self.add_lora(lora_request)
+            held = self.loras[lora_request.lora_int_id]
+        self._check_same(held[0], lora_request)
+        return held[1]
 
     # ---- requests -----------------------------------------------------
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -267,10 +330,15 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+        load_lora: bool = True,
     ) -> None:
+        """Queue a request; with `lora_request` it runs with that adapter (loaded now, unless
+        `load_lora` is False: then it must have been added already)."""
         params = params or SamplingParams()
         if self.processor.owns(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        adapter = self._adapter_for(lora_request, load_lora)
         text, ids = self.process_prompt(prompt)
         params.check_vocab(self.vocab_size)
         max_tokens = self.resolve_max_tokens(params, len(ids))
@@ -294,6 +362,8 @@ class LLMEngine:
                 priority=priority,
                 cache_salt=cache_salt,
                 grammar=self.grammars.new_state(params.structured_outputs) if params.structured_outputs else None,
+                lora_request=lora_request,
+                lora_adapter=adapter,
             )
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                            params.stop, params.include_stop_str_in_output)

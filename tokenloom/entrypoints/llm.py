@@ -15,6 +15,7 @@ from tokenloom.config import EngineArgs
 from tokenloom.core.events import StepEvent
 from tokenloom.engine.llm_engine import LLMEngine, PromptType
 from tokenloom.outputs import CompletionOutput, RequestOutput
+from tokenloom.request import LoRARequest
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -46,8 +47,14 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         cache_salt: str | Sequence[str | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order.
+
+        `lora_request`: the LoRA adapter every prompt runs with, or one per prompt (None: the
+        base model); needs `LLM(..., enable_lora=True)`.  Each adapter is read when first
+        used (a missing or unsupported one raises here, before any prompt runs); prompts on
+        different adapters and on the base model share the same steps.
 
         A failed request does not stop the others, and nothing is raised for it: its
         RequestOutput has finish_reason "error" and the reason in `RequestOutput.error`
@@ -69,7 +76,14 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         salts = list(cache_salt) if isinstance(cache_salt, (list, tuple)) else [cache_salt] * len(prompts)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
         engine = self.llm_engine
+        for lr in dict.fromkeys(lr for lr in loras if lr is not None):  # a bad adapter raises before any prompt runs
+            if not isinstance(lr, LoRARequest):
+                raise TypeError(f"lora_request must be a LoRARequest (or a list of them), got {type(lr).__name__}")
+            engine.add_lora(lr)
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
@@ -79,7 +93,8 @@ class LLM:
                 rid = str(next(self._counter))
                 ids.append(rid)
                 try:
-                    engine.add_request(rid, p, sp, priority=priority[i] if priority else 0, cache_salt=salts[i])
+                    engine.add_request(rid, p, sp, priority=priority[i] if priority else 0, cache_salt=salts[i],
+                                       lora_request=loras[i])
                 except ValueError as e:
                     results[rid] = _error_output(rid, p, str(e))
             bar.update(len(results))

@@ -419,3 +419,9 @@ def packed_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor
     return packed[ids // width, :, ids % width]
 
 
+
+
+def lora_op(device: torch.device, dtype: torch.dtype):
+    """Our batched LoRA shrink/expand (one call per linear, every segment of a step), or None
+    where it cannot run (then PyTorch's matmuls do it: model/lora.py `apply_torch`)."""
+    return None

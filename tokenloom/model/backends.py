@@ -5,6 +5,7 @@
     ops        torch | cpu | triton       norms, rotary, SwiGLU (model/ops.py)
     flat       on | off                   layers call linears as plain functions (model/layers.py `bound_linear`)
     graphs     on | off (why)             decode steps replay CUDA graphs (runner/cuda_graphs.py)
+    lora       cpu | torch | none         LoRA adapters' shrink/expand (model/lora.py), with --enable-lora
 
 `resolve_backends` is the one place an "auto" becomes a name and an explicit choice that
 cannot run here becomes an error (not a silent fallback).  It runs right after the
@@ -30,7 +31,7 @@ OPS_BACKENDS = ("auto", "torch", "cpu", "triton")
 def resolve_backends(device: torch.device, dtype: torch.dtype, fields: Mapping[str, Any], *, linear: str = "auto",
                      attention: str = "auto", ops: str = "auto", quantization: str | None = None,
                      compile: bool = False, enforce_eager: bool = False, tensor_parallel_size: int = 1,
-                     pack_weights: bool = True) -> BackendPlan:
+                     pack_weights: bool = True, lora: bool = False) -> BackendPlan:
     """The plan for a model whose parsed config is `fields` (`model/hf_config.model_args_fields`:
     head_dim, sliding_window, qk_norm are read) on `device` in `dtype`, from the user's
     choices (each "auto" or a name).  ValueError for a choice that cannot run here."""
@@ -42,18 +43,20 @@ def resolve_backends(device: torch.device, dtype: torch.dtype, fields: Mapping[s
     # Linears called as plain functions, without nn.Module's dispatch; torch.compile traces
     # the modules (their custom ops), so there they keep module calls.
     flat = not compile
-    graphs_off = _graphs_off(device, enforce_eager, tp, compile, attention_name)
+    lora_name = _lora(device, dtype, tp, compile) if lora else None
+    graphs_off = _graphs_off(device, enforce_eager, tp, compile, attention_name, lora)
     return BackendPlan(device=device.type, dtype=str(dtype).removeprefix("torch."), linear=linear_name,
                        quantization=quantization, attention=attention_name, ops=ops_name,
                        fused_kv_write=fused_kv_write, flat_calls=flat, compile=compile,
-                       cuda_graphs=graphs_off is None, cuda_graphs_off=graphs_off)
+                       cuda_graphs=graphs_off is None, cuda_graphs_off=graphs_off, lora=lora_name)
 
 
 def plan_for_args(args, device: torch.device, dtype: torch.dtype, fields: Mapping[str, Any]) -> BackendPlan:
     """`resolve_backends` for an `EngineArgs`."""
     return resolve_backends(device, dtype, fields, linear=args.linear_backend, attention=args.attention_backend,
                             ops=args.ops_backend, quantization=args.quantization, compile=args.compile,
-                            enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
+                            enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+                            lora=args.enable_lora)
 
 
 def torch_dtype(plan: BackendPlan) -> torch.dtype:
@@ -142,7 +145,21 @@ def _ops(name: str, device: torch.device, dtype: torch.dtype, attention: str) ->
     return name
 
 
-def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bool, attention: str) -> str | None:
+def _lora(device: torch.device, dtype: torch.dtype, tp: bool, compile: bool) -> str:
+    """How LoRA deltas run with --enable-lora: our C++ shrink/expand on CPUs where it builds,
+    PyTorch's matmuls elsewhere.  ValueError where adapters cannot run yet."""
+    from tokenloom.kernels import cpu as cpu_kernels
+
+    if tp:
+        raise ValueError("--enable-lora is not supported with --tensor-parallel-size > 1 yet")
+    if compile:
+        raise ValueError("--enable-lora is not supported with --compile yet (each step's adapter rows are Python "
+                         "data the compiled graph would guard on)")
+    return "cpu" if cpu_kernels.lora_op(device, dtype) is not None else "torch"
+
+
+def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bool, attention: str,
+                lora: bool = False) -> str | None:
     """Why decode steps do not replay CUDA graphs, or None where they do."""
     if device.type != "cuda":
         return "not on a CUDA device"
@@ -152,6 +169,8 @@ def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bo
         return "tensor parallel"
     if compile:
         return "--compile"
+    if lora:
+        return "--enable-lora (each step's adapter rows change the work)"
     if attention != "triton":
         return f"the {attention} attention backend cannot be captured (use triton)"
     return None
