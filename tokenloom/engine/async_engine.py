@@ -53,6 +53,7 @@ from tokenloom.config import EngineArgs
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.engine.metrics_observer import EngineMetrics
 from tokenloom.outputs import RequestOutput
+from tokenloom.request import LoRARequest
 from tokenloom.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenloom.async")
@@ -172,6 +173,7 @@ class _Add:
     priority: int
     cache_salt: str | None
     stream: RequestStream
+    lora_request: LoRARequest | None = None
 
 
 DEFAULT_MAX_FAILED_STEPS = 3
@@ -287,8 +289,9 @@ class AsyncLLMEngine:
 
     def add_request(self, request_id: str, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
                     *, arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> RequestStream:
-        """Queue an already validated request; returns its stream."""
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
+        """Queue an already validated request (on `lora_request`'s adapter, which must be
+        added to the engine already); returns its stream."""
         prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
         with self._inbox_lock:
             if not self.is_running:
@@ -298,7 +301,7 @@ class AsyncLLMEngine:
             self._adds_submitted += 1
             self._inbox.put(_Add(request_id, prompt, params,
                                  time.perf_counter() if arrival_time is None else arrival_time,
-                                 priority, cache_salt, stream))
+                                 priority, cache_salt, stream, lora_request))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -435,7 +438,8 @@ class AsyncLLMEngine:
     def _apply_add(self, cmd: _Add) -> None:
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
-                                    priority=cmd.priority, cache_salt=cmd.cache_salt)
+                                    priority=cmd.priority, cache_salt=cmd.cache_salt,
+                                    lora_request=cmd.lora_request, load_lora=False)
         except Exception as e:  # validated already, so a bug or a duplicate id: fail this request only
             if not isinstance(e, ValueError):
                 logger.exception("add_request(%s) failed", cmd.request_id)

@@ -99,6 +99,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="read the model's own tool calls for tool_choice \"auto\": hermes (Hermes, Qwen2.5 "
                         "<tool_call> JSON) or llama3_json (Llama 3.1 JSON); default: chosen by the chat "
                         "template's family, and with none that fits \"auto\" answers in text")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (peft directories) to serve from the start, each as name=path or "
+                        "'{\"name\": ..., \"path\": ...}'; requests pick one by name as their model "
+                        "(needs --enable-lora; docs/lora.md)")
     g.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the live step picture at /dashboard (guarded by --api-key: open "
                         "/dashboard?key=KEY); --no-dashboard answers 404 there")

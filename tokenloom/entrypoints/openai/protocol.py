@@ -326,6 +326,19 @@ class ModelCard(_Response):
     max_model_len: int
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """POST /v1/load_lora_adapter (vLLM's): serve the peft adapter at `lora_path` as `lora_name`."""
+
+    lora_name: NonEmptyStr
+    lora_path: NonEmptyStr
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """POST /v1/unload_lora_adapter (vLLM's): stop serving the adapter `lora_name`."""
+
+    lora_name: NonEmptyStr
+
+
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]

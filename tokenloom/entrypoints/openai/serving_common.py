@@ -34,8 +34,10 @@ from tokenloom.engine.prompt_bound import prompt_bound
 from tokenloom.entrypoints.openai.errors import (OpenAIError, bad_request, context_length_exceeded, grammar_error,
                                                  sse_error)
 from tokenloom.entrypoints.openai.limits import ServerLimits, check_sampling_limits
+from tokenloom.entrypoints.openai.lora_models import LoRAModels
 from tokenloom.entrypoints.openai.protocol import LOGIT_BIAS_KEY, PromptTokensDetails, Usage, _SamplingFields
 from tokenloom.outputs import RequestOutput
+from tokenloom.request import LoRARequest
 from tokenloom.sampling_params import SamplingParamError, SamplingParams, StructuredOutputsParams
 from tokenloom.structured import GrammarError
 
@@ -53,8 +55,10 @@ class ServingContext:
     created: int = field(default_factory=lambda: int(time.time()))
     tool_call_parser: str | None = None  # --tool-call-parser: reads tool_choice "auto" answers
     model_aliases: list[str] = field(default_factory=list)  # accepted in requests, not listed (model_names.py)
+    loras: LoRAModels = field(init=False)  # LoRA adapters served by name (--enable-lora)
 
     def __post_init__(self) -> None:
+        self.loras = LoRAModels(self.engine, self.served_model_names, self.model_aliases)
         # The server compiles grammars in worker processes it can kill (started on the first
         # grammar), bounded by the --max-grammar-* limits; see `compile_grammar`.
         grammars = self.engine.engine.grammars
@@ -75,11 +79,18 @@ class ServingContext:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names and model not in self.model_aliases:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for a name
+        this server does not serve."""
+        if model is None or model in self.served_model_names or model in self.model_aliases:
+            return None
+        lora = self.loras.get(model)
+        if lora is None:
+            served = [*self.served_model_names, *self.loras.by_name]
             raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
-                                   f"{', '.join(repr(n) for n in self.served_model_names)}",
+                                   f"{', '.join(repr(n) for n in served)}",
                               param="model", code="model_not_found")
+        return lora
 
     def check_capacity(self, num_new: int) -> None:
         """429 (retry later, as OpenAI and vLLM answer overload) when admitting `num_new` more
@@ -116,15 +127,17 @@ async def off_loop(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
-def check_request(ctx: ServingContext, req: _SamplingFields) -> None:
-    """What every generation request must satisfy before any work is done for it."""
-    ctx.check_model(req.model)
+def check_request(ctx: ServingContext, req: _SamplingFields) -> LoRARequest | None:
+    """What every generation request must satisfy before any work is done for it; returns
+    the LoRA adapter its `model` names (None: the base model)."""
+    lora = ctx.check_model(req.model)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
     check_sampling_limits(ctx.limits, n=req.n, stop=req.stop, logit_bias=req.logit_bias,
                           token_lists={"stop_token_ids": req.stop_token_ids,
                                        "allowed_token_ids": req.allowed_token_ids},
                           vocab_size=ctx.engine.engine.vocab_size)
+    return lora
 
 
 def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
@@ -315,14 +328,16 @@ def validate_prompt(ctx: ServingContext, prompt: str | list[int], params: Sampli
 
 
 def add_requests(ctx: ServingContext, base_id: str, prompts: Sequence[tuple[str | None, list[int]]],
-                 params: SamplingParams, *, priority: int, cache_salt: str | None) -> list[RequestStream]:
-    """Queue validated prompts (one engine request each); 503 if over capacity."""
+                 params: SamplingParams, *, priority: int, cache_salt: str | None,
+                 lora_request: LoRARequest | None = None) -> list[RequestStream]:
+    """Queue validated prompts (one engine request each, on `lora_request`'s adapter if
+    given); 503 if over capacity."""
     ctx.check_engine()
     ctx.check_capacity(len(prompts) * params.n)
     arrival = time.perf_counter()
     try:
         return [ctx.engine.add_request(f"{base_id}-{i}", text, ids, params, arrival_time=arrival,
-                                       priority=priority, cache_salt=cache_salt)
+                                       priority=priority, cache_salt=cache_salt, lora_request=lora_request)
                 for i, (text, ids) in enumerate(prompts)]
     except EngineDeadError as e:
         raise OpenAIError(503, str(e), code="engine_unavailable") from None

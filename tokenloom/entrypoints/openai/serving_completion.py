@@ -145,7 +145,7 @@ def _tokenize_all(ctx: ServingContext, prompts: list[str | list[int]], params: S
 
 async def _prepare(ctx: ServingContext, req: CompletionRequest,
                    raw: Request | None = None) -> tuple[_Prepared, list[RequestStream]]:
-    check_request(ctx, req)
+    lora = check_request(ctx, req)
     if req.suffix:
         raise bad_request("suffix is not supported by this server", param="suffix", code="unsupported")
     if req.best_of is not None and req.best_of != req.n:
@@ -163,7 +163,8 @@ async def _prepare(ctx: ServingContext, req: CompletionRequest,
     prompts, texts = await off_loop(_tokenize_all, ctx, single, params, req)
     await compile_grammar(ctx, req, params, raw)  # stopped if the client leaves meanwhile
     rid = new_id("cmpl")
-    streams = add_requests(ctx, rid, prompts, params, priority=req.priority, cache_salt=req.cache_salt)
+    streams = add_requests(ctx, rid, prompts, params, priority=req.priority, cache_salt=req.cache_salt,
+                           lora_request=lora)
     return _Prepared(rid, req.model or ctx.model_name, texts, req, ctx.engine.tokenizer, score_only), streams
 
 

@@ -54,9 +54,17 @@ _REFUSED = (
 )
 
 
+def _dir(path: str | Path) -> Path:
+    """`path` with a leading ~ expanded; FileNotFoundError for a ~user that does not exist."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        raise FileNotFoundError(f"no LoRA adapter at {str(path)!r}: cannot expand its ~") from None
+
+
 def read_adapter_config(path: str | Path) -> dict:
     """adapter_config.json of the adapter at `path`; FileNotFoundError when there is none."""
-    p = Path(path).expanduser() / CONFIG_FILE
+    p = _dir(path) / CONFIG_FILE
     if not p.is_file():
         raise FileNotFoundError(f"no LoRA adapter at {str(path)!r}: {CONFIG_FILE} not found "
                                 f"(a directory made by peft's save_pretrained is expected)")
@@ -106,7 +114,7 @@ def load_peft_adapter(path: str | Path, a: ModelArgs, max_rank: int, dtype: torc
     FileNotFoundError: no adapter there; ValueError: an adapter we cannot run on this model
     (a refused setting, a module we do not adapt, a shape that is not this model's, a rank
     above --max-lora-rank)."""
-    path = Path(path).expanduser()
+    path = _dir(path)
     cfg = read_adapter_config(path)
     r, scaling = lora_scaling(cfg)
     if r > max_rank:
