@@ -9,8 +9,9 @@ matmul over all rows and, per segment, a shrink (x_seg A^T: [n, r]) and an expan
 (t B^T, added to the segment's rows of the output).  Rows on the base model cost nothing.
 
 Weights sit in `max_loras` slots allocated once (`LoRASlots`): per linear, every slot's A
-stacked as [max_loras, n_sub * R, in] and B as [max_loras, out, R], R = --max-lora-rank (a
-smaller rank is zero-padded).  Our q/k/v and gate/up projections are fused, so an
+stacked as [max_loras, n_sub * R, in] and B transposed as [max_loras, R, out], R =
+--max-lora-rank (a smaller rank is zero-padded; each of B^T's rank rows is contiguous along
+the output, the way an expand streams it).  Our q/k/v and gate/up projections are fused, so an
 adapter's q_proj, k_proj and v_proj are *sub-adapters* of the one qkv linear: their A's
 are stacked (one shrink for all three) and each B writes its own slice of the output:
 
@@ -117,10 +118,10 @@ class LoRASlots:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.shapes = linear_shapes(a)
         self.num_layers = a.num_layers
-        # per layer, per linear: A [max_loras, n_sub * R, in], B [max_loras, out, R]
+        # per layer, per linear: A [max_loras, n_sub * R, in], B^T [max_loras, R, out]
         self.weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
             {name: (torch.zeros(max_loras, len(s.subs) * max_rank, s.in_features, dtype=dtype, device=device),
-                    torch.zeros(max_loras, s.out_features, max_rank, dtype=dtype, device=device))
+                    torch.zeros(max_loras, max_rank, s.out_features, dtype=dtype, device=device))
              for name, s in self.shapes.items()}
             for _ in range(a.num_layers)]
         self.resident: OrderedDict[int, tuple[LoRAAdapter, int]] = OrderedDict()  # id -> (adapter, slot), LRU first
@@ -171,25 +172,25 @@ class LoRASlots:
                 a_all, b_all = layer[linear]
                 lo, hi = self.shapes[linear].subs[sub]
                 a_all[slot, sub * big: sub * big + r].copy_(a)
-                b_all[slot, lo:hi, :r].copy_(b)
+                b_all[slot, :r, lo:hi].copy_(b.t())
         self.num_loads += 1
 
 
-ApplyFn = Callable[..., None]  # (y, x, a, b, subs, rank, rows) -> None: y += the rows' deltas
+ApplyFn = Callable[..., None]  # (y, x, a, bt, subs, rank, rows) -> None: y += the rows' deltas
 
 
-def apply_torch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+def apply_torch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
                 subs: tuple[tuple[int, int], ...], rank: int, rows: LoRARows) -> None:
     """Each segment's delta added to `y` with PyTorch matmuls: one shrink over all
     sub-adapters, one expand per sub-adapter (into its columns)."""
     for s, e, slot in rows.segments:
         t = torch.mm(x[s:e], a[slot].t())  # [n, n_sub * R]
         if len(subs) == 1:
-            y[s:e].addmm_(t, b[slot].t())
+            y[s:e].addmm_(t, bt[slot])
             continue
-        bs = b[slot]
+        bs = bt[slot]
         for i, (lo, hi) in enumerate(subs):
-            y[s:e, lo:hi].addmm_(t[:, i * rank:(i + 1) * rank], bs[lo:hi].t())
+            y[s:e, lo:hi].addmm_(t[:, i * rank:(i + 1) * rank], bs[:, lo:hi])
 
 
 def apply_for(name: str | None, device: torch.device, dtype: torch.dtype) -> ApplyFn:
@@ -210,16 +211,16 @@ class LoRALinear:
     step's segments, their adapters' deltas.  With no segment it is the base linear and
     one attribute test."""
 
-    __slots__ = ("base", "a", "b", "subs", "rank", "rows", "apply")
+    __slots__ = ("base", "a", "bt", "subs", "rank", "rows", "apply")
 
-    def __init__(self, base: Callable[[torch.Tensor], torch.Tensor], a: torch.Tensor, b: torch.Tensor,
+    def __init__(self, base: Callable[[torch.Tensor], torch.Tensor], a: torch.Tensor, bt: torch.Tensor,
                  subs: tuple[tuple[int, int], ...], rank: int, rows: LoRARows, apply: ApplyFn):
-        self.base, self.a, self.b, self.subs, self.rank, self.rows, self.apply = base, a, b, subs, rank, rows, apply
+        self.base, self.a, self.bt, self.subs, self.rank, self.rows, self.apply = base, a, bt, subs, rank, rows, apply
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if self.rows.segments:
-            self.apply(y, x, self.a, self.b, self.subs, self.rank, self.rows)
+            self.apply(y, x, self.a, self.bt, self.subs, self.rank, self.rows)
         return y
 
 
