@@ -14,8 +14,10 @@ every round, so the prefix cache never helps) on the base model, and spread roun
 over the adapters.  The figure is the median, over rounds, of the median model time of the
 round's decode steps that ran the whole batch (StepEvent.forward_time: forward pass +
 logits, no scheduling or sampling), and the ratio adapters / base of those, measured in the
-same process minutes apart.  A run of the base workload on an engine without --enable-lora
-is the reference for "enabled but unused".
+same process minutes apart; tokens/s of the whole generate call (scheduling, sampling and the
+runner's per-step adapter bookkeeping included) beside it.  A run of the base workload on an
+engine without --enable-lora is the reference for "enabled but unused".  First, one linear's
+deltas alone, C++ against PyTorch, per linear shape of a layer (`time_deltas`).
 """
 
 from __future__ import annotations
@@ -87,6 +89,41 @@ def timed_round(llm: LLM, prompts: list[list[int]], loras, tokens: int) -> dict:
             "tokens_per_s": len(prompts) * tokens / wall}
 
 
+def time_deltas(cfg: dict, dtype: torch.dtype, batch: int, adapters: int, rank: int, calls: int = 200) -> dict:
+    """Microseconds per call (median and minimum) of one linear's LoRA deltas alone (no base
+    matmul), our C++ op against PyTorch's matmuls, for each of a layer's four linears: `batch` rows in `adapters`
+    equal segments, the slot layout model/lora.py allocates."""
+    from tokenloom.kernels import cpu as cpu_kernels
+    from tokenloom.model.hf_config import model_args_fields
+    from tokenloom.model.llama import ModelArgs
+    from tokenloom.model.lora import LoRARows, apply_torch, linear_shapes
+    from tokenloom.model.registry import resolve_architecture
+
+    a = ModelArgs(**model_args_fields(cfg, resolve_architecture(cfg)))
+    fns = {"torch": apply_torch}
+    if cpu_kernels.lora_op(torch.device("cpu"), dtype) is not None:
+        fns["cpu"] = cpu_kernels.apply_lora
+    rows = LoRARows()
+    per = batch // adapters
+    rows.set([(k * per, (k + 1) * per if k < adapters - 1 else batch, k) for k in range(adapters)])
+    out: dict[str, dict[str, float]] = {}
+    for name, shape in linear_shapes(a).items():
+        A = torch.randn(adapters, len(shape.subs) * rank, shape.in_features).to(dtype) / shape.in_features ** 0.5
+        bt = (0.01 * torch.randn(adapters, rank, shape.out_features)).to(dtype)
+        x = torch.randn(batch, shape.in_features).to(dtype)
+        y = torch.zeros(batch, shape.out_features, dtype=dtype)
+        for fn_name, fn in fns.items():
+            times = []
+            for i in range(calls + 20):
+                t0 = time.perf_counter()
+                fn(y, x, A, bt, shape.subs, rank, rows)
+                if i >= 20:
+                    times.append(time.perf_counter() - t0)
+            # the minimum as well: on a shared machine most calls of a few microseconds are preempted
+            out.setdefault(name, {})[fn_name] = {"median_us": 1e6 * statistics.median(times), "min_us": 1e6 * min(times)}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF model directory (default: a random-weight --preset)")
@@ -95,8 +132,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=48, help="tokens generated per request")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=24, help="tokens generated per request")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--backends", nargs="+", default=["auto"], choices=["auto", "cpu", "torch"],
                     help="LoRA backends to time (cpu: our C++ op; torch: PyTorch's matmuls; auto: the plan's choice)")
@@ -123,6 +160,11 @@ def main() -> int:
         print(llm.llm_engine.summary(), file=sys.stderr)
     os.environ.pop("TOKENLOOM_CPU_LORA", None)
 
+    micro = time_deltas(cfg, getattr(torch, args.dtype), args.batch, args.adapters, args.rank)
+    for name, t in micro.items():
+        print(f"one {name} linear's deltas, {args.batch} rows on {args.adapters} adapters: "
+              + ", ".join(f"{k} {v['median_us']:.1f} us (min {v['min_us']:.1f})" for k, v in t.items()), file=sys.stderr)
+
     vocab = cfg["vocab_size"]
     spread = [adapters[i % len(adapters)] for i in range(args.batch)]
     runs: dict[str, list[dict]] = {}
@@ -135,9 +177,9 @@ def main() -> int:
             cases.reverse()
         for name, llm, kind in cases:
             res = timed_round(llm, prompts, spread if kind == "adapters" else None, args.tokens)
+            print(f"round {r} {name}/{kind}: decode step {1e3 * res['decode_step_s']:.1f} ms", file=sys.stderr)
             if r:
                 runs.setdefault(f"{name}/{kind}", []).append(res)
-        print(f"round {r} done", file=sys.stderr)
 
     summary = {k: {"decode_step_ms": 1e3 * statistics.median(x["decode_step_s"] for x in v),
                    "tokens_per_s": statistics.median(x["tokens_per_s"] for x in v)} for k, v in runs.items()}
@@ -149,7 +191,7 @@ def main() -> int:
     report = {"model": args.model or f"{args.preset} (random weights)", "dtype": args.dtype, "batch": args.batch,
               "adapters": args.adapters, "rank": args.rank, "prompt_len": args.prompt_len, "tokens": args.tokens,
               "rounds": args.rounds, "threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
-              "summary": summary, "runs": runs}
+              "summary": summary, "deltas_us_per_linear": micro, "runs": runs}
     print(f"{'engine / batch':28s} {'decode step ms':>15s} {'tok/s':>8s} {'vs base, same engine':>21s} "
           f"{'vs no --enable-lora':>20s}")
     for k, v in summary.items():

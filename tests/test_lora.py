@@ -116,6 +116,7 @@ def test_mixed_batch_matches_peft(made, mixed, monkeypatch, backend, max_loras):
     events = []
     outs = _generate(llm, prompts, loras, events)
     assert [o.outputs[0].token_ids for o in outs] == refs
+    assert [o.lora_request for o in outs] == loras
     # what each step ran: request id -> adapter (LLM numbers this call's requests 0..n-1)
     kinds = [{which[int(e.request_id)] for e in ev.entries} for ev in events]
     adapters_per_step = [len(k - {None}) for k in kinds]

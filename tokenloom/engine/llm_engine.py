@@ -261,17 +261,15 @@ class LLMEngine:
                              f"{held.lora_path!r}; one id must always name one adapter (give {asked.lora_path!r} "
                              f"another id)")
 
-    def _adapter_for(self, lora_request: LoRARequest | None, load: bool) -> LoRAAdapter | None:
-        """The loaded weights a request on `lora_request` runs with (read now if `load` and
-        not loaded yet); ValueError without --enable-lora or, with `load` False, if not loaded."""
+    def _adapter_for(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
+        """The weights a request on `lora_request` runs with, read now if not loaded yet;
+        ValueError without --enable-lora."""
         if lora_request is None:
             return None
         if self.lora_config is None:
             raise ValueError("lora_request needs an engine started with enable_lora=True (--enable-lora)")
         held = self.loras.get(lora_request.lora_int_id)
         if held is None:
-            if not load:
-                raise ValueError(f"LoRA adapter {lora_request.lora_name!r} is not loaded")
             self.add_lora(lora_request)
             held = self.loras[lora_request.lora_int_id]
         self._check_same(held[0], lora_request)
@@ -331,14 +329,15 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
-        load_lora: bool = True,
+        lora_adapter: LoRAAdapter | None = None,
     ) -> None:
-        """Queue a request; with `lora_request` it runs with that adapter (loaded now, unless
-        `load_lora` is False: then it must have been added already)."""
+        """Queue a request; with `lora_request` it runs with that adapter: `lora_adapter`, its
+        weights as the caller holds them (a server takes them when it admits the request, so an
+        unload meanwhile does not fail it), else the loaded ones (read now if not loaded yet)."""
         params = params or SamplingParams()
         if self.processor.owns(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        adapter = self._adapter_for(lora_request, load_lora)
+        adapter = self._adapter_for(lora_request) if lora_adapter is None else lora_adapter
         text, ids = self.process_prompt(prompt)
         params.check_vocab(self.vocab_size)
         max_tokens = self.resolve_max_tokens(params, len(ids))

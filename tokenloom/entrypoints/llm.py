@@ -115,11 +115,13 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Chat through the tokenizer's chat template (one conversation or a list of them)."""
+        """Chat through the tokenizer's chat template (one conversation or a list of them),
+        on a LoRA adapter as `generate` takes it."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": render_chat(self.get_tokenizer(), c, chat_template, add_generation_prompt)} for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
 
 def render_chat(tokenizer, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True) -> list[int]:

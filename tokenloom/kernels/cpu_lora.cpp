@@ -151,13 +151,16 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tens
   const T* ap = a.data_ptr<T>();
   const T* bp = bt.data_ptr<T>();
   T* yp = y.data_ptr<T>();
-  // Split only work that pays for waking a thread (a few microseconds): grains in MACs.
-  const int64_t shrink_grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, rows * in));
+  // Split only work that pays for a second thread: at least ~1M multiply-adds (tens of
+  // microseconds) each.  A decode step's deltas mostly stay on one thread; a parallel region
+  // waits for its slowest thread, and on a busy machine that one may be descheduled.
+  constexpr int64_t kGrainMacs = int64_t{1} << 20;
+  const int64_t shrink_grain = std::max<int64_t>(1, kGrainMacs / std::max<int64_t>(1, rows * in));
   at::parallel_for(0, sr, shrink_grain, [&](int64_t j0, int64_t j1) {
     shrink(xp, x.stride(0), ap, sr, in, segs, t.data(), j0, j1);
   });
   const int64_t nsub = static_cast<int64_t>(subs.size()) / 2;
-  const int64_t col_grain = std::max<int64_t>(16, 32768 / std::max<int64_t>(1, rows * rank) / 16 * 16);
+  const int64_t col_grain = std::max<int64_t>(16, kGrainMacs / std::max<int64_t>(1, rows * rank) / 16 * 16);
   at::parallel_for(0, out, col_grain, [&](int64_t c0, int64_t c1) {
     for (int64_t i = 0; i < nsub; ++i) {
       const int64_t lo = std::max(subs[2 * i], c0), hi = std::min(subs[2 * i + 1], c1);

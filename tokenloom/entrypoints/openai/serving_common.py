@@ -341,6 +341,8 @@ def add_requests(ctx: ServingContext, base_id: str, prompts: Sequence[tuple[str 
                 for i, (text, ids) in enumerate(prompts)]
     except EngineDeadError as e:
         raise OpenAIError(503, str(e), code="engine_unavailable") from None
+    except ValueError as e:  # its adapter was unloaded since the request named it
+        raise OpenAIError(404, str(e), param="model", code="model_not_found") from None
 
 
 def abort_all(ctx: ServingContext, streams: Sequence[RequestStream]) -> None:

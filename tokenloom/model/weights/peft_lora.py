@@ -65,7 +65,11 @@ def _dir(path: str | Path) -> Path:
 def read_adapter_config(path: str | Path) -> dict:
     """adapter_config.json of the adapter at `path`; FileNotFoundError when there is none."""
     p = _dir(path) / CONFIG_FILE
-    if not p.is_file():
+    try:
+        found = p.is_file()
+    except (OSError, ValueError):  # a name too long for the filesystem, say: nothing is there either
+        found = False
+    if not found:
         raise FileNotFoundError(f"no LoRA adapter at {str(path)!r}: {CONFIG_FILE} not found "
                                 f"(a directory made by peft's save_pretrained is expected)")
     try:
