@@ -11,10 +11,10 @@ every projection of every layer adapted, rank --rank): costs depend on shapes, n
 One engine per LoRA backend is loaded once, with --enable-lora and --max-loras = --adapters;
 each round runs, in alternating order, the same --batch prompts (fresh random token ids
 every round, so the prefix cache never helps) on the base model, and spread round-robin
-over the adapters.  The figure is the median, over rounds, of the median model time of the
+over the adapters.  The figures are the median, over rounds, of the median model time of the
 round's decode steps that ran the whole batch (StepEvent.forward_time: forward pass +
-logits, no scheduling or sampling), and the ratio adapters / base of those, measured in the
-same process minutes apart; tokens/s of the whole generate call (scheduling, sampling and the
+logits, no scheduling or sampling), the ratio adapters / base of those, and the median of the
+round-by-round ratios (the two cases of a round run back to back); tokens/s of the whole generate call (scheduling, sampling and the
 runner's per-step adapter bookkeeping included) beside it.  A run of the base workload on an
 engine without --enable-lora is the reference for "enabled but unused".  First, one linear's
 deltas alone, C++ against PyTorch, per linear shape of a layer (`time_deltas`).
@@ -183,6 +183,14 @@ def main() -> int:
 
     summary = {k: {"decode_step_ms": 1e3 * statistics.median(x["decode_step_s"] for x in v),
                    "tokens_per_s": statistics.median(x["tokens_per_s"] for x in v)} for k, v in runs.items()}
+    # adapters / base of each round (the two run back to back, in either order): the ratio least
+    # moved by a machine whose load drifts over minutes
+    for name in engines:
+        if name != "no-lora":
+            pairs = [a["decode_step_s"] / b["decode_step_s"]
+                     for a, b in zip(runs[f"{name}/adapters"], runs[f"{name}/base"])]
+            summary[f"{name}/adapters"]["paired_ratio_median"] = statistics.median(pairs)
+            summary[f"{name}/adapters"]["paired_ratios"] = pairs
     ref = summary["no-lora/base"]["decode_step_ms"]
     for k, v in summary.items():
         base = summary.get(k.split("/")[0] + "/base", summary["no-lora/base"])["decode_step_ms"]
@@ -197,6 +205,10 @@ def main() -> int:
     for k, v in summary.items():
         print(f"{k:28s} {v['decode_step_ms']:15.2f} {v['tokens_per_s']:8.1f} {v['vs_same_engine_base']:21.3f} "
               f"{v['vs_no_lora']:20.3f}")
+    for k, v in summary.items():
+        if "paired_ratios" in v:
+            print(f"{k}: adapters / base, round by round: median {v['paired_ratio_median']:.3f} "
+                  f"({', '.join(f'{r:.3f}' for r in v['paired_ratios'])})")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
