@@ -14,7 +14,7 @@ import torch
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.config import BackendPlan
-from tokenloom.model.attention import AttentionBackend, CpuAttention
+from tokenloom.model.attention import AttentionBackend, CpuAttention, LayerAttention
 from tokenloom.model.backends import resolve_backends
 from tokenloom.runner.tp_worker import worker_spec
 
@@ -73,7 +73,12 @@ def test_each_attention_backend_builds_its_own_metadata():
                 prefill_q_lens=torch.tensor([3]), prefill_ctx_lens=torch.tensor([0]))
     ref = AttentionBackend().metadata(slots, torch.device("cpu"), 4, **step)
     assert ref.num_decode == 1 and ref.prefill_max_q == 3
-    assert ref.decode_mask.shape == (1, 1, 1, 8) and ref.decode_mask.sum() == 6
-    assert ref.prefill_mask is not None and ref.prefill_scatter.tolist() == [0, 1, 2]
+    assert ref.decode_masks[None].shape == (1, 1, 1, 8) and ref.decode_masks[None].sum() == 6
+    assert set(ref.prefill_masks) == {None} and ref.prefill_scatter.tolist() == [0, 1, 2]
     cpu = CpuAttention(lambda *a: None, None).metadata(slots, torch.device("cpu"), 4, **step)
-    assert cpu.decode_mask is None and cpu.prefill_mask is not None  # prefills go through SDPA
+    assert not cpu.decode_masks and set(cpu.prefill_masks) == {None}  # prefills go through SDPA
+    # a model with a windowed kind and a soft-capped one: the kernel decodes neither, so
+    # the metadata carries the masks of both windows for decodes too
+    kinds = (LayerAttention(window=3), LayerAttention(softcap=5.0))
+    both = CpuAttention(lambda *a: None, kinds).metadata(slots, torch.device("cpu"), 4, **step)
+    assert set(both.decode_masks) == {3, None} and both.decode_masks[3].sum() == 3

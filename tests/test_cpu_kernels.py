@@ -367,7 +367,7 @@ def test_the_cpu_fast_path_uses_the_fused_ops(model_factory, monkeypatch):
         assert all(m.ops is ops for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding)))
         # the SwiGLU of each GatedMLP runs in its layer's bound step, through the same ops
         assert sum(isinstance(m, GatedMLP) for m in model.modules()) == len(model.steps) > 0
-        assert all(step.silu_and_mul == ops.silu_and_mul for step in model.steps)
+        assert all(step.mlp.act_and_mul == ops.silu_and_mul for step in model.steps)
         assert f"ops backend {ops.name}" in llm.llm_engine.summary()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)

@@ -11,7 +11,10 @@ runtime rules the document itself carries (`openapi_limits.RUNTIME_RULES`): vali
 are generated to respect them, each rule checked here by its own oracle (the tokenizer, the
 grammar compiler, the chat template, the LoRA adapter reader), never by asking the route under
 test.  The server runs with a short context and small `n`, so a fuzzed generation request stays
-cheap, and with LoRA on (one adapter served), so the adapter routes are fuzzed too.
+cheap, and with LoRA on (one adapter served), so the adapter routes are fuzzed too.  A second
+server runs `--runner pooling` on a sentence-transformers model (matryoshka, so `dimensions`
+has values to take): its document lists /v1/embeddings instead of the generation routes, and
+is held to what it accepts the same way.
 
 Then a disconnect storm: 50 streams cut at random points (before the headers, mid-stream,
 after the first chunk) must leave nothing running, the KV cache empty, and the next greedy
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 from pathlib import Path
 
 import httpx
@@ -34,6 +38,7 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 
 from server_fixtures import ThreadedServer, make_tiny_adapter, make_tiny_model, metric, wait_until  # noqa: E402
+from st_models import make_st_model  # noqa: E402
 from tokenloom.bench.launcher import free_port  # noqa: E402
 
 EXAMPLES_PER_OPERATION = int(os.environ.get("TOKENLOOM_FUZZ_EXAMPLES", 25))
@@ -48,6 +53,19 @@ def server(tmp_path_factory):
                           "--num-kv-blocks", "96", "--max-num-seqs", "16", "--max-n", "2", "--seed", "0",
                           "--served-model-name", "tiny", "--log-level", "critical", "--disable-access-log",
                           "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"tiny-lora={adapter}"]).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def pooling_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fuzz-emb")
+    tiny = make_tiny_model(root / "tiny")
+    model = make_st_model(tiny, root / "st", "mean", config_extra={"matryoshka_dimensions": [16, 32]})
+    shutil.copy(tiny / "tokenizer_config.json", model)  # the chat template back, for /tokenize's messages
+    srv = ThreadedServer([str(model), "--runner", "pooling", "--port", str(free_port()), "--max-model-len",
+                          str(MAX_MODEL_LEN), "--num-kv-blocks", "96", "--max-num-seqs", "16", "--seed", "0",
+                          "--served-model-name", "tiny", "--log-level", "critical", "--disable-access-log"]).start()
     yield srv
     srv.stop()
 
@@ -128,11 +146,66 @@ def _adapter_runs(srv: ThreadedServer, body: object) -> bool:
     return True
 
 
+def _responses_messages(body: dict) -> list[dict] | None:
+    """The chat messages a Responses body stands for, as docs/responses.md maps them (the
+    oracle for the prompt-length rule): None where the input holds no message."""
+    msgs = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") is not None else []
+    items = body["input"]
+    if isinstance(items, str):
+        return msgs + [{"role": "user", "content": items}]
+    text = lambda c: c if isinstance(c, str) else "".join(part["text"] for part in c)  # noqa: E731
+    assistant = None  # the assistant message a function_call joins
+    for item in items:
+        kind = item.get("type") or "message"
+        if kind == "message":
+            msgs.append({"role": "system" if item["role"] == "developer" else item["role"],
+                         "content": text(item["content"])})
+            assistant = msgs[-1] if item["role"] == "assistant" else None
+        elif kind == "function_call" and assistant is None:
+            assistant = {"role": "assistant", "content": ""}
+            msgs.append(assistant)
+        elif kind == "function_call_output":
+            msgs.append({"role": "tool", "content": text(item["output"])})
+            assistant = None
+    return msgs or None
+
+
+def _responses_rules_hold(srv: ThreadedServer, body: dict) -> bool:
+    """`openapi_limits.RESPONSES_RUNTIME_RULES`, each by its own oracle."""
+    if body.get("previous_response_id") is not None:  # a stored response: none is, under the fuzzer
+        return False
+    tools = body.get("tools") or []
+    names = [t["name"] for t in tools]
+    choice = body.get("tool_choice")
+    if len(set(names)) < len(names) or (not tools and choice not in (None, "none")):
+        return False
+    if choice == "required" or isinstance(choice, dict):  # forced calls: may not finish in max_output_tokens
+        return False
+    fmt = ((body.get("text") or {}).get("format")) or {}
+    if fmt.get("type") == "json_schema" and not _compiles(srv, {"guided_json": fmt["schema"]}):
+        return False
+    msgs = _responses_messages(body)
+    if msgs is None:
+        return False
+    tok = srv.engine.tokenizer
+    length = len(tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+                            add_special_tokens=False))
+    return length + max(body.get("max_output_tokens") or 1, 1) <= MAX_MODEL_LEN
+
+
 def _runtime_rules_hold(srv: ThreadedServer, label: str, body: object) -> bool:
     """Whether a schema-valid body also keeps `openapi_limits.RUNTIME_RULES` (which the
     document states but JSON Schema cannot): only such bodies must be accepted."""
     if label == "POST /v1/load_lora_adapter":
         return _adapter_runs(srv, body)
+    if label == "POST /v1/embeddings" and isinstance(body, dict):  # EMBEDDING_RULES: every input fits
+        inputs = body["input"]
+        inputs = [inputs] if isinstance(inputs, str) or (inputs and isinstance(inputs[0], (int, float))) else inputs
+        tok, special = srv.engine.tokenizer, body.get("add_special_tokens", True)
+        return all(0 < (len(tok.encode(x, add_special_tokens=special)) if isinstance(x, str) else len(x))
+                   <= MAX_MODEL_LEN for x in inputs)
+    if label == "POST /v1/responses" and isinstance(body, dict):
+        return _responses_rules_hold(srv, body)
     if label not in ("POST /v1/completions", "POST /v1/chat/completions") or not isinstance(body, dict):
         return True
     chat = label.endswith("chat/completions")
@@ -152,12 +225,23 @@ def _runtime_rules_hold(srv: ThreadedServer, label: str, body: object) -> bool:
 
 
 def test_openapi_document_is_what_the_server_accepts(server):
+    _fuzz(server, {"POST /v1/completions", "POST /v1/chat/completions", "GET /health", "GET /v1/models/{model_id}",
+                   "GET /tokenizer_info", "POST /v1/responses", "GET /v1/responses/{response_id}",
+                   "DELETE /v1/responses/{response_id}", "POST /v1/load_lora_adapter",
+                   "POST /v1/unload_lora_adapter"}, absent={"POST /v1/embeddings"})
+
+
+def test_pooling_server_document_is_what_it_accepts(pooling_server):
+    _fuzz(pooling_server, {"POST /v1/embeddings", "GET /health", "GET /v1/models/{model_id}", "POST /tokenize"},
+          absent={"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses"})
+
+
+def _fuzz(server: ThreadedServer, expected: set[str], absent: set[str] = frozenset()) -> None:
     url = server.base_url
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.label for op in operations} >= {"POST /v1/completions", "POST /v1/chat/completions", "GET /health",
-                                               "GET /v1/models/{model_id}", "GET /tokenizer_info",
-                                               "POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter"}
+    labels = {op.label for op in operations}
+    assert labels >= expected and not labels & absent
     for op in operations:
         label = op.label
         valid = op.as_strategy(GenerationMode.POSITIVE).filter(
@@ -178,7 +262,7 @@ def test_openapi_document_is_what_the_server_accepts(server):
 
 def _edge_cases(vocab: int) -> list[tuple[str, str, dict]]:
     """(route, request schema, body): each limit the server enforces, just inside and just outside."""
-    c, chat = "/v1/completions", "/v1/chat/completions"
+    c, chat, resp = "/v1/completions", "/v1/chat/completions", "/v1/responses"
     msgs = [{"role": "user", "content": "hi"}]
     g = {"prompt": "hi", "max_tokens": 2}
     return [
@@ -202,6 +286,14 @@ def _edge_cases(vocab: int) -> list[tuple[str, str, dict]]:
         (c, "CompletionRequest", {**g, "structured_outputs": {"choice": ["a"], "json_object": False}}),
         (c, "CompletionRequest", {**g, "response_format": {"type": "json_schema"}}),
         (c, "CompletionRequest", {**g, "response_format": {"type": "json_object"}}),
+        (c, "CompletionRequest", {**g, "use_beam_search": True, "n": 2}),
+        (c, "CompletionRequest", {**g, "use_beam_search": True, "n": 2, "length_penalty": -2.5}),
+        (c, "CompletionRequest", {**g, "use_beam_search": True, "logprobs": 1}),
+        (c, "CompletionRequest", {**g, "use_beam_search": True, "echo": True}),
+        (c, "CompletionRequest", {**g, "use_beam_search": True, "stop": ["a"]}),
+        (c, "CompletionRequest", {**g, "use_beam_search": True, "presence_penalty": 0.5}),
+        (c, "CompletionRequest", {**g, "use_beam_search": True, "response_format": {"type": "text"}}),
+        (c, "CompletionRequest", {**g, "length_penalty": 10.5}), (c, "CompletionRequest", {**g, "length_penalty": 3}),
         (chat, "ChatCompletionRequest", {"messages": msgs, "max_tokens": 2, "chat_template": "{{ 1 }}"}),
         (chat, "ChatCompletionRequest", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}],
                                          "max_tokens": 2}),
@@ -211,7 +303,32 @@ def _edge_cases(vocab: int) -> list[tuple[str, str, dict]]:
         ("/tokenize", "TokenizeRequest", {"messages": []}), ("/tokenize", "TokenizeRequest", {"messages": msgs}),
         ("/detokenize", "DetokenizeRequest", {"tokens": [vocab]}), ("/detokenize", "DetokenizeRequest", {"tokens": [-1]}),
         ("/detokenize", "DetokenizeRequest", {"tokens": [vocab - 1, 5]}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": MAX_MODEL_LEN}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 0}),
+        (resp, "ResponsesRequest", {"input": [], "max_output_tokens": 2}),
+        (resp, "ResponsesRequest", {"input": [{"role": "tool", "content": "x"}], "max_output_tokens": 2}),
+        (resp, "ResponsesRequest", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}]}],
+                                    "max_output_tokens": 2}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2, "background": True}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2, "background": False}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2, "tools": [{"type": "web_search"}]}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2,
+                                    "text": {"format": {"type": "json_object"}}}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2, "metadata": {"k" * 65: "v"}}),
+        (resp, "ResponsesRequest", {"input": "hi", "max_output_tokens": 2, "metadata": {"k": "v"}}),
     ]
+
+
+def _embedding_edge_cases(vocab: int) -> list[tuple[str, str, dict]]:
+    e, name = "/v1/embeddings", "EmbeddingRequest"
+    return [(e, name, body) for body in (
+        {"input": "hi"}, {"input": ""}, {"input": []}, {"input": [[]]}, {"input": [vocab]}, {"input": [vocab - 1]},
+        {"input": list(range(1, MAX_MODEL_LEN + 1))}, {"input": list(range(1, MAX_MODEL_LEN + 2))},
+        {"input": [[5, 6], [7]]}, {"input": ["a", "b"]}, {"input": ["a", ""]}, {"input": [5.0, 6]},
+        {"input": [True]}, {"input": "hi", "dimensions": 16}, {"input": "hi", "dimensions": 20},
+        {"input": "hi", "dimensions": 0}, {"input": "hi", "encoding_format": "base64"},
+        {"input": "hi", "encoding_format": "hex"})]
 
 
 def test_document_and_server_agree_at_each_limit(server):
@@ -219,12 +336,19 @@ def test_document_and_server_agree_at_each_limit(server):
     enforces, a body just outside is refused by the server (400) *and* by the document's
     schema, one just inside is served (200) and valid -- the mismatches schemathesis found
     (guided_choice [], out-of-vocabulary ids) among them."""
+    _agree_at_limits(server, _edge_cases(server.engine.engine.vocab_size))
+
+
+def test_pooling_document_and_server_agree_at_each_limit(pooling_server):
+    _agree_at_limits(pooling_server, _embedding_edge_cases(pooling_server.engine.engine.vocab_size))
+
+
+def _agree_at_limits(server: ThreadedServer, cases: list[tuple[str, str, dict]]) -> None:
     import jsonschema
 
     url = server.base_url
     doc = httpx.get(url + "/openapi.json").json()
-    vocab = server.engine.engine.vocab_size
-    for route, name, body in _edge_cases(vocab):
+    for route, name, body in cases:
         validator = jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", **doc})
         valid = validator.is_valid(body)
         status = httpx.post(url + route, json=body, timeout=60).status_code
@@ -287,6 +411,7 @@ def test_disconnect_storm_leaves_nothing_running(server):
     ("/v1/completions", {"model": "tiny", "prompt": "Once", "max_tokens": 4, "stream": True}),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
                               "stream": True}),
+    ("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 4, "stream": True}),
 ])
 def test_streamed_events_match_the_documented_event_schema(server, route, body):
     """Every server-sent event of a real stream validates against the event schema the
@@ -299,6 +424,9 @@ def test_streamed_events_match_the_documented_event_schema(server, route, body):
     with httpx.stream("POST", url + route, json=body, timeout=60) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [{"data": line[len("data: "):]} for line in r.iter_lines() if line.startswith("data: ")]
-    assert events and events[-1] == {"data": "[DONE]"}
+    if route == "/v1/responses":  # typed events, the last one the response's end; no [DONE]
+        assert events and any(f'"response.{end}"' in events[-1]["data"] for end in ("completed", "incomplete"))
+    else:
+        assert events and events[-1] == {"data": "[DONE]"}
     for ev in events:
         jsonschema.validate(ev, event_schema)

@@ -47,11 +47,11 @@ def _what_transformers_builds(cfg: dict) -> dict:
     inner = model.model
     attn, mlp = inner.layers[0].self_attn, inner.layers[0].mlp
     if cfg["model_type"] == "mistral":
-        windows = {hf_cfg.sliding_window}  # MistralAttention reads the config's window on every layer
+        windows = [hf_cfg.sliding_window] * len(inner.layers)  # MistralAttention reads the config's window
     elif cfg["model_type"] == "llama":
-        windows = {None}
+        windows = [None] * len(inner.layers)
     else:
-        windows = {layer.self_attn.sliding_window for layer in inner.layers}
+        windows = [layer.self_attn.sliding_window for layer in inner.layers]
     rotary = type(inner.rotary_emb)(config=hf_cfg)
     return dict(
         vocab_size=inner.embed_tokens.num_embeddings,
@@ -68,7 +68,7 @@ def _what_transformers_builds(cfg: dict) -> dict:
         o_bias=attn.o_proj.bias is not None,
         mlp_bias=mlp.gate_proj.bias is not None,
         qk_norm=hasattr(attn, "q_norm"),
-        sliding_window=windows.pop() if len(windows) == 1 else windows,
+        layer_windows=tuple(windows),
         inv_freq=rotary.inv_freq,
         attention_scaling=rotary.attention_scaling,
     )
@@ -116,6 +116,8 @@ CONFIG_CASES = {
                                         max_window_layers=0),
     "qwen2-window-on-no-layer": _cfg("qwen2", **TINY, use_sliding_window=True, sliding_window=16,
                                      max_window_layers=2),
+    "qwen2-window-on-upper-layers": _cfg("qwen2", **TINY, use_sliding_window=True, sliding_window=16,
+                                         max_window_layers=1),
     "qwen2-layer-types-given": _cfg("qwen2", **TINY, use_sliding_window=True, sliding_window=16, max_window_layers=2,
                                     layer_types=["sliding_attention", "sliding_attention"]),
     "qwen2-defaults": _cfg("qwen2", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
@@ -137,6 +139,8 @@ def test_config_fields_match_what_transformers_builds(case):
                                     ours["max_position_embeddings"])
     assert torch.equal(inv_freq, ref.pop("inv_freq")), "rotary frequencies differ"
     assert scale == pytest.approx(ref.pop("attention_scaling"), rel=1e-12)
+    ours["layer_windows"] = tuple(ours["sliding_window"] if t == "sliding_attention" else None
+                                  for t in ours["layer_types"])
     assert {k: ours[k] for k in ref} == ref
 
 
@@ -160,8 +164,7 @@ def test_config_that_transformers_saves_reads_the_same_as_the_dict_it_came_from(
                                             "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}), "longrope"),
     (_cfg("llama", **TINY, partial_rotary_factor=0.5), "partial_rotary_factor"),
     (_cfg("llama", **TINY, rope_scaling={"rope_type": "llama3", "factor": 8.0}), "low_freq_factor"),
-    (_cfg("qwen2", **TINY, use_sliding_window=True, sliding_window=16, max_window_layers=1), "sliding"),
-    (_cfg("llama", **TINY, hidden_act="gelu"), "hidden_act"),
+    (_cfg("llama", **TINY, hidden_act="gelu_new"), "hidden_act"),
 ])
 def test_settings_the_model_cannot_honour_are_refused(tmp_path, cfg, message):
     """Refused by name at load, before any weight is read (the directory holds only config.json)."""
@@ -221,6 +224,10 @@ CHECKPOINTS |= {  # the context-extension rope types
                                                                                    "factor": 2.0}),
     "qwen2-yarn-rope": lambda: Qwen2Config(**TINY, rope_theta=1e6, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+}
+CHECKPOINTS |= {  # a window on the upper layer only: each layer attends its own way
+    "qwen2-window-on-upper-layer": lambda: Qwen2Config(**TINY, rope_theta=1e4, use_sliding_window=True,
+                                                       sliding_window=8, max_window_layers=1),
 }
 
 NEW_TOKENS = 16

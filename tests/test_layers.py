@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 # (rank order, lowest first) -> units -> module-name prefixes.
 LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"kernels": ("tokenloom.kernels",)},
-    {"base": ("tokenloom.version", "tokenloom.config", "tokenloom.sampling_params", "tokenloom.request",
+    {"base": ("tokenloom.version", "tokenloom.config", "tokenloom.sampling_params", "tokenloom.pooling_params",
+              "tokenloom.request",
               "tokenloom.outputs", "tokenloom.bundled")},
     {"core": ("tokenloom.core",), "structured": ("tokenloom.structured",),
      "spec_decode": ("tokenloom.spec_decode",)},  # drafting; its verification sits with the runner

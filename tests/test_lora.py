@@ -23,7 +23,9 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from test_hf_checkpoints import TINY, _save_checkpoint
 from test_parity import _hf, _hf_greedy
-from transformers import Qwen2Config
+from test_families import GEMMA2
+from test_families import _save_checkpoint as _save_family_checkpoint
+from transformers import Gemma2Config, Phi3Config, Qwen2Config
 
 from server_fixtures import ThreadedServer
 from tokenloom import LLM, LoRARequest, SamplingParams
@@ -71,11 +73,16 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(5, 1000, (n,), generator=g).tolist() for n in (5, 19, 11, 33, 9, 26)]
 
 
-def _peft_greedy(made: dict[str, Path], adapter: str | None, prompts: list[list[int]]) -> list[list[int]]:
-    model = _hf(made["base"])
+def _greedy(base: Path, adapter: Path | None, prompts: list[list[int]]) -> list[list[int]]:
+    """peft's model (transformers' without an adapter) generating greedily, prompt by prompt."""
+    model = _hf(base)
     if adapter is not None:
-        model = PeftModel.from_pretrained(model, str(made[adapter])).eval()
+        model = PeftModel.from_pretrained(model, str(adapter)).eval()
     return _hf_greedy(model, prompts, N)
+
+
+def _peft_greedy(made: dict[str, Path], adapter: str | None, prompts: list[list[int]]) -> list[list[int]]:
+    return _greedy(made["base"], made[adapter] if adapter else None, prompts)
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +134,30 @@ def test_mixed_batch_matches_peft(made, mixed, monkeypatch, backend, max_loras):
     assert llm.llm_engine.kv.pool.num_free == ENGINE["num_kv_blocks"]
 
 
+# Phi-3 keeps q/k/v and gate/up fused in its checkpoint, so peft adapts them fused; Gemma 2
+# runs GeGLU, soft-capped attention and sandwich norms around the same projections.
+FAMILIES = {
+    "phi3": (lambda: Phi3Config(**TINY, rope_theta=1e4, pad_token_id=0, eos_token_id=2), "phi3",
+             ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    "gemma2": (lambda: Gemma2Config(**GEMMA2), "gemma", ALL),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_other_families_match_peft(tmp_path, family):
+    config, chat, targets = FAMILIES[family]
+    base = _save_family_checkpoint(config(), tmp_path / "base", chat)
+    adapter = _adapter(base, tmp_path / "adapter", 5, r=4, lora_alpha=8, target_modules=targets)
+    prompts = _prompts()[:3]
+    refs = _greedy(base, adapter, prompts[0::2])
+    refs.insert(1, _greedy(base, None, prompts[1:2])[0])
+    lr = LoRARequest("a", 1, str(adapter))
+    llm = LLM(str(base), enable_lora=True, max_lora_rank=4, **ENGINE)
+    outs = _generate(llm, prompts, [lr, None, lr])
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert refs[0] != _greedy(base, None, prompts[:1])[0]
+
+
 def test_kernel_and_torch_deltas_agree():
     """The C++ shrink/expand against PyTorch's matmuls on the same slots, float32 and
     bfloat16, fused (three subs, ragged) and plain linears, rows not in a segment untouched."""
@@ -148,6 +179,22 @@ def test_kernel_and_torch_deltas_agree():
             assert torch.equal(got[6:8], y[6:8].to(dtype))
 
 
+def test_beam_search_on_an_adapter_matches_peft(made, lora_llm):
+    """Every beam a search forks runs on the search's adapter (transformers' beam search over
+    peft's model is the reference)."""
+    from test_beam_search import hf_beams
+
+    from tokenloom.sampling_params import BeamSearchParams
+
+    p = _prompts()[1]
+    ref, _ = hf_beams(PeftModel.from_pretrained(_hf(made["base"]), str(made["a1"])).eval(), p, 3, 6, 1.0, False, None)
+    out = lora_llm.beam_search([{"prompt_token_ids": p}], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True),
+                               lora_request=LoRARequest("a1", 1, str(made["a1"])))
+    assert [s.output_token_ids for s in out[0].sequences] == ref
+    base, _ = hf_beams(_hf(made["base"]), p, 3, 6, 1.0, False, None)
+    assert base != ref
+
+
 # ---- the prefix cache: blocks are shared within an adapter, never across ---------------------
 
 def test_prefix_cache_is_keyed_by_adapter(made, mixed):
@@ -164,8 +211,10 @@ def test_prefix_cache_is_keyed_by_adapter(made, mixed):
     base_ref, a2_ref = _peft_greedy(made, None, [p])[0], _peft_greedy(made, "a2", [p])[0]
     assert [o.outputs[0].token_ids for o in other] == [a2_ref, base_ref]
     # the keys: the base model's are an engine's without LoRA, every adapter has its own chain
-    assert root_key(None, 0) == root_key(None)
-    assert len({root_key(None, 0), root_key(None, 1), root_key(None, 2), root_key("1", 0)}) == 4
+    assert root_key(None, lora_int_id=0) == root_key(None)
+    keys = {root_key(None), root_key(None, lora_int_id=1), root_key(None, lora_int_id=2), root_key("1"),
+            root_key(None, regime=1), root_key(None, regime=1, lora_int_id=1)}
+    assert len(keys) == 6
 
 
 # ---- the scheduler: at most --max-loras adapters among the running requests -----------------

@@ -17,11 +17,15 @@ from tokenloom.version import __version__
 _EXPORTS = {
     "LLM": "tokenloom.entrypoints.llm",
     "SamplingParams": "tokenloom.sampling_params",
+    "BeamSearchParams": "tokenloom.sampling_params",
+    "PoolingParams": "tokenloom.pooling_params",
     "EngineArgs": "tokenloom.config",
     "RequestOutput": "tokenloom.outputs",
     "CompletionOutput": "tokenloom.outputs",
     "RequestMetrics": "tokenloom.outputs",
     "Logprob": "tokenloom.outputs",
+    "EmbeddingRequestOutput": "tokenloom.outputs",
+    "BeamSearchOutput": "tokenloom.outputs",
     "StepEvent": "tokenloom.core.events",
     "StepEntry": "tokenloom.core.events",
     "LLMEngine": "tokenloom.engine.llm_engine",
@@ -42,6 +46,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from tokenloom.core.events import StepEntry, StepEvent
     from tokenloom.engine.llm_engine import LLMEngine
     from tokenloom.entrypoints.llm import LLM
-    from tokenloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from tokenloom.outputs import (BeamSearchOutput, CompletionOutput, EmbeddingRequestOutput, Logprob,
+                                   RequestMetrics, RequestOutput)
+    from tokenloom.pooling_params import PoolingParams
     from tokenloom.request import LoRARequest
-    from tokenloom.sampling_params import SamplingParams
+    from tokenloom.sampling_params import BeamSearchParams, SamplingParams

@@ -72,6 +72,11 @@ class EngineArgs:
     chat_template: str | None = None
     revision: str | None = None
     trust_remote_code: bool = False
+    # what the engine runs: generate (sample tokens) or pooling (embeddings); auto = pooling
+    # for a base-model checkpoint (no LM head), else generate.  `task` is vLLM's older
+    # spelling (generate | embed).  See resolve_runner and docs/embeddings.md.
+    runner: str = "auto"
+    task: str | None = None
 
     # ---- CLI plumbing -------------------------------------------------
     @staticmethod
@@ -124,6 +129,11 @@ class EngineArgs:
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
         g.add_argument("--chat-template", default=None, help="Jinja chat template file or string")
         g.add_argument("--revision", default=None)
+        g.add_argument("--runner", default="auto", choices=list(RUNNERS),
+                       help="generate: sample tokens; pooling: embeddings (/v1/embeddings, LLM.embed); auto: "
+                            "pooling for a checkpoint without an LM head, else generate (docs/embeddings.md)")
+        g.add_argument("--task", default=None, choices=list(TASKS),
+                       help="vLLM's older spelling of --runner: embed = pooling")
         return parser
 
     @classmethod
@@ -137,6 +147,29 @@ class EngineArgs:
         return {f.name for f in dataclasses.fields(cls)}
 
 
+RUNNERS = ("auto", "generate", "pooling")
+TASKS = {"auto": "auto", "generate": "generate", "embed": "pooling"}  # vLLM's --task -> --runner
+
+
+def resolve_runner(runner: str, task: str | None, headless: bool) -> str:
+    """"generate" or "pooling": what `--runner` / `--task` ask of a model that has an LM head
+    (or not: `headless`); ValueError naming the setting that cannot hold."""
+    if runner not in RUNNERS:
+        raise ValueError(f"--runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    if task is not None:
+        if task not in TASKS:
+            raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
+        if runner != "auto" and TASKS[task] not in ("auto", runner):
+            raise ValueError(f"--task {task} contradicts --runner {runner}")
+        runner = TASKS[task] if runner == "auto" else runner
+    if runner == "auto":
+        return "pooling" if headless else "generate"
+    if runner == "generate" and headless:
+        raise ValueError("--runner generate: this checkpoint is a base model without an LM head (what "
+                         "sentence-transformers saves); it can only embed: use --runner pooling")
+    return runner
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """What the (pure-Python) scheduler needs; shared by the engine and the simulator."""
@@ -147,10 +180,14 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     max_loras: int = 0  # distinct LoRA adapters the running requests may use at once (0: no LoRA, no limit)
+    # A request that grows past this many tokens is recomputed from scratch once, at that
+    # step: the model rotates whole sequences differently beyond it (Phi-3's LongRoPE), so
+    # the K/V cached before no longer hold.  None: never.
+    recompute_past: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_loras < 0:
-            raise ValueError("--max-loras must be >= 1")
+            raise ValueError("--max-loras must not be negative")
         if self.max_num_seqs < 1:
             raise ValueError("--max-num-seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
@@ -211,10 +248,15 @@ class ModelShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # LongRoPE: the sequence length past which the long-context rotation applies, else None
+    rope_long_from: int | None = None
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, Any]) -> "ModelShape":
-        return cls(**{f.name: int(fields[f.name]) for f in dataclasses.fields(cls)})
+        rope = fields.get("rope_scaling") or {}
+        long_from = rope.get("original_max_position_embeddings") if rope.get("rope_type") == "longrope" else None
+        return cls(**{f.name: int(fields[f.name]) for f in dataclasses.fields(cls) if f.name != "rope_long_from"},
+                   rope_long_from=long_from)
 
     def kv_bytes_per_block(self, block_size: int, dtype: str) -> int:
         """K and V of `block_size` tokens, every layer."""
@@ -268,12 +310,20 @@ class BackendPlan:
     cuda_graphs: bool  # decode-only steps replay CUDA graphs (runner/cuda_graphs.py)
     cuda_graphs_off: str | None = None  # why not, when not
     lora: str | None = None  # cpu | torch: how LoRA adapters' deltas run (model/lora.py); None: no LoRA
+    # layers whose attention the backend cannot run and the torch reference runs instead, and why
+    attention_fallback: str | None = None
+    # the checkpoint's own quantization (GPTQ, AWQ, compressed-tensors: model/weights/formats/), in words
+    prequantized: str | None = None
 
     def describe(self) -> str:
         """The plan in words, for the start-up summary."""
         quant = f" ({self.quantization})" if self.quantization else ""
+        if self.prequantized:
+            quant = f" (pre-quantized: {self.prequantized})"
         graphs = "CUDA graphs" if self.cuda_graphs else f"no CUDA graphs ({self.cuda_graphs_off})"
-        return (f"linear backend {self.linear}{quant}, attention backend {self.attention}, ops backend {self.ops}"
+        fallback = f" ({self.attention_fallback})" if self.attention_fallback else ""
+        return (f"linear backend {self.linear}{quant}, attention backend {self.attention}{fallback}, "
+                f"ops backend {self.ops}"
                 f"{', fused rotary + KV write' if self.fused_kv_write else ''}"
                 f"{', flat calls' if self.flat_calls else ''}{', torch.compile' if self.compile else ''}, "
                 f"{graphs}{f', LoRA by {self.lora} ops' if self.lora else ''}")
@@ -369,6 +419,9 @@ class EngineConfig:
             enable_chunked_prefill=args.enable_chunked_prefill,
             scheduling_policy=args.scheduling_policy,
             max_loras=lora.max_loras if lora is not None else 0,
+            # LongRoPE's second rotation only where a request can grow past its first one
+            recompute_past=(shape.rope_long_from if shape.rope_long_from is not None
+                            and shape.rope_long_from < max_model_len else None),
         )
         return cls(
             model=str(model), model_name=str(model_name), tokenizer=str(args.tokenizer or model),

@@ -75,3 +75,50 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine refused the request (LLM.generate keeps going)
     lora_request: LoRARequest | None = None  # the LoRA adapter it ran with (None: the base model)
+
+
+# ---- embeddings (vLLM's EmbeddingRequestOutput shape) -------------------------------------
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # the pooled vector (normalised where the model or request says so)
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What an embedding request gives back: one vector for the whole prompt."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None  # set when the engine refused or failed the request
+
+
+# ---- beam search (vLLM's BeamSearchOutput shape) ------------------------------------------
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam.  As in vLLM, `tokens` are the prompt's followed by the generated
+    ones and `text` decodes them all; `output_token_ids` / `output_text` are the generated
+    part alone."""
+
+    tokens: list[int]
+    cum_logprob: float
+    text: str
+    output_token_ids: list[int]
+    output_text: str
+    score: float  # what ranked it: cum_logprob / len(output_token_ids) ** length_penalty
+    finish_reason: str | None = None  # "stop" (an EOS token) | "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first

@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -69,7 +70,18 @@ class Request:
     cache_salt: str | None = None
     grammar: Any = None  # structured output: its tokenloom.structured.GrammarState (None: unconstrained)
     lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
-    lora_adapter: Any = None  # that adapter's loaded weights (model/lora.py `LoRAAdapter`), set by the engine
+    # that adapter's loaded weights (model/lora.py `LoRAAdapter`), set by the engine
+    lora_adapter: Any = field(default=None, repr=False)
+    # An embedding request: prefill only; the runner pools its hidden states and it ends
+    # when its prompt is computed (no token is sampled).
+    pooling: PoolingParams | None = None
+    # A beam of a beam search: after its last position the runner returns this many top
+    # log-probabilities instead of sampling, and the engine appends the token its beam
+    # search chose (engine/beam_search.py).  0: an ordinary request.
+    beam_topk: int = 0
+    # Batch seats it accounts for: a beam search's first beam holds one for every beam it
+    # will fork into, so the forks never push the batch past max_num_seqs.
+    seats: int = 1
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -97,6 +109,12 @@ class Request:
     def lora_int_id(self) -> int:
         """Its adapter's id; 0 for the base model."""
         return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def samples_tokens(self) -> bool:
+        """Whether the scheduler appends the token sampled after its last position (not for
+        an embedding, which produces none, nor a beam, whose token the beam search picks)."""
+        return self.pooling is None and not self.beam_topk
 
     @property
     def all_token_ids(self) -> list[int]:

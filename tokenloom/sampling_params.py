@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 
 class SamplingParamError(ValueError):
@@ -73,6 +73,38 @@ class StructuredOutputsParams:
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 
+@dataclass(frozen=True)
+class ReasoningTags:
+    """A reasoning model's think tags, as token ids (the server's `--reasoning-parser`).
+
+    With them, structured output constrains only the *answer*: the grammar waits while the
+    model reasons and starts after `end_token_id` (`tokenloom.structured.reasoning_gate`).
+    Where the output begins (`starts_inside`): a tag among the prompt's last `PROMPT_TAIL`
+    tokens decides, as a template puts it there for the model -- an open `start_token_id`
+    (the thinking opened for it) means inside, `end_token_id` (thinking switched off,
+    `<think></think>` ending the prompt) means the answer; tags further back belong to the
+    conversation, not to this turn.  With none, `implicit_start` models (DeepSeek-R1, which
+    may begin reasoning without writing `<think>`) start inside, and the others are
+    undecided: they reason only if their first token is `start_token_id`."""
+
+    PROMPT_TAIL = 4  # "<think>" + "\n", "</think>" + "\n\n": a tag and the newlines after it
+
+    start_token_id: int
+    end_token_id: int
+    implicit_start: bool = False
+
+    def starts_inside(self, prompt_token_ids: Sequence[int]) -> bool | None:
+        """True: the output starts inside the reasoning; False: in the answer; None: the
+        first output token decides (it is `start_token_id` or the answer begins)."""
+        start, end = self.start_token_id, self.end_token_id
+        for t in reversed(prompt_token_ids[-self.PROMPT_TAIL:]):
+            if t == start:
+                return True
+            if t == end:
+                return False
+        return True if self.implicit_start else None
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -98,6 +130,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # vLLM: sample only among these
     structured_outputs: StructuredOutputsParams | None = None  # grammar-constrained output (tokenloom.structured)
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's older spelling of structured_outputs
+    reasoning_tags: ReasoningTags | None = None  # structured output then constrains only the answer
 
     @property
     def constrains_logits(self) -> bool:
@@ -183,12 +216,65 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be a StructuredOutputsParams")
             self.structured_outputs.spec()  # exactly one constraint, of the right type
+        tags = self.reasoning_tags
+        if tags is not None:
+            if not isinstance(tags, ReasoningTags):
+                bad("reasoning_tags", "must be a ReasoningTags")
+            ids = (tags.start_token_id, tags.end_token_id)
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids) or ids[0] == ids[1]:
+                bad("reasoning_tags", f"start and end must be two different token ids, got {ids}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named by these params must exist in the model's vocabulary (a stop id
         beyond it could never be sampled: accepting it would hide the client's mistake)."""
         for param, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
-                           ("stop_token_ids", self.stop_token_ids or ())):
+                           ("stop_token_ids", self.stop_token_ids or ()),
+                           ("reasoning_tags", (self.reasoning_tags.start_token_id, self.reasoning_tags.end_token_id)
+                            if self.reasoning_tags is not None else ())):
             bad_ids = [t for t in ids if t >= vocab_size]
             if bad_ids:
                 raise SamplingParamError(param, f"token id {bad_ids[0]} is out of range for a vocabulary of {vocab_size}")
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search (vLLM's `LLM.beam_search` parameters, plus transformers' `early_stopping`).
+
+    Keeps the `beam_width` most probable continuations at every step and returns the
+    `beam_width` best finished ones.  Scoring is transformers' (`generate(num_beams=...)`):
+    a finished sequence scores its summed log-probability divided by
+    (generated tokens) ** `length_penalty`; `early_stopping` is transformers' too -- True
+    stops once `beam_width` sequences finished, False (the default) once no running beam can
+    plausibly beat the worst finished one, "never" only when none can (docs/beam-search.md).
+    `temperature` is accepted for vLLM's signature and must be 0: the search is deterministic
+    and scores the model's own log-probabilities."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        def bad(param: str, msg: str) -> None:
+            raise SamplingParamError(param, msg)
+
+        if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool) or self.beam_width < 1:
+            bad("beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature != 0:
+            bad("temperature", f"beam search is deterministic here: only 0 is accepted, got {self.temperature!r}")
+        lp = self.length_penalty
+        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not -10 <= lp <= 10:
+            bad("length_penalty", f"must be a number in [-10, 10], got {lp!r}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            bad("early_stopping", f"must be true, false or 'never', got {self.early_stopping!r}")
+
+    @property
+    def n(self) -> int:
+        """Sequences the request returns (and holds at once): one per beam."""
+        return self.beam_width

@@ -18,6 +18,16 @@ stay findable until the pool needs them; the least recently freed block is evict
 first.  Blocks are reference counted, so many requests can read one block; nobody
 writes into a full block, so sharing is safe.
 
+Beam search forks: a beam that continues another's sequence takes that beam's whole
+block table (`fork`: every block one more reference), partly filled last block included.
+The first time either writes into a block that is still shared, that block is copied
+(copy-on-write): `allocate` gives the writer a fresh block and records (source, copy) in
+`pending_copies`; the scheduler hands the list to the runner, which copies the K/V of
+those blocks before the step's forward pass writes anything.
+
+    beam 0: [b0][b2*]        beam 1 forks beam 0: [b0][b2*]   (b0, b2 ref_cnt 2)
+    beam 1 writes token 21 -> b2 is shared: beam 1 gets b5, copy b2 -> b5, b2 ref_cnt 1
+
 Pure Python: no torch here.  The model runner owns the tensors; this module only
 decides which block ids hold which tokens (the simulator runs it unchanged).
 
@@ -49,20 +59,23 @@ class KVBlock:
     block_hash: BlockKey | None = None  # set once the block is full and computed
 
 
-def root_key(cache_salt: str | None, lora_int_id: int = 0) -> BlockKey:
-    """The parent key of a request's first block: a digest of its extra keys, its
-    `cache_salt` and its LoRA adapter (the same tokens under another adapter have other
-    K/V: every layer's projections differ).
+def root_key(cache_salt: str | None, regime: int = 0, lora_int_id: int = 0) -> BlockKey:
+    """The parent key of a request's first block: a digest of its extra keys.
 
-    Requests with different salts or adapters get unrelated chains, so they never share
-    a block; no salt and the empty salt are kept apart by a one-byte tag, and each extra
-    key has its own tag.  The base model (adapter 0) adds nothing, so its keys are those
-    of an engine without LoRA."""
+    Requests with different salts get unrelated chains, so they never share a block;
+    no salt and the empty salt are kept apart by a one-byte tag.  `regime` (non-zero: a
+    request long enough for the model's long-context rotation, whose K/V differ for the
+    same tokens) comes first under its own tag, so no salt can imitate it.  So does the
+    request's LoRA adapter (`lora_int_id`, 0: the base model): the same tokens under
+    another adapter have other K/V, every layer's projections differ.  The base model's
+    keys are those of an engine without LoRA."""
     h = hashlib.sha256(_KEY_DOMAIN)
+    if regime:
+        h.update(b"\x02" + regime.to_bytes(4, "little"))
+    if lora_int_id:
+        h.update(b"\x03" + lora_int_id.to_bytes(8, "little", signed=True))
     if cache_salt is not None:
         h.update(b"\x01" + cache_salt.encode("utf-8", "surrogatepass"))
-    if lora_int_id:
-        h.update(b"\x02" + lora_int_id.to_bytes(8, "little", signed=True))
     return h.digest()
 
 
@@ -163,10 +176,14 @@ class PrefixHit:
 class KVCacheManager:
     """Per-request block tables on top of a BlockPool."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 regime_split: int | None = None):
+        """`regime_split`: requests longer than this many tokens key their blocks apart from
+        shorter ones (the model rotates them differently: `SchedulerConfig.recompute_past`)."""
         if block_size < 1:
             raise ValueError("--block-size must be >= 1")
         self.block_size = block_size
+        self.regime_split = regime_split
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.tables: dict[str, list[KVBlock]] = {}
@@ -175,6 +192,11 @@ class KVCacheManager:
         # prefix-cache statistics, in tokens (what /metrics exports)
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # copy-on-write: (source block id, copy block id) recorded since the scheduler last
+        # took them (`take_copies`); the runner copies them before the step's forward pass
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_forks = 0  # beam forks so far: until the first, no block is shared by writers
+        self.num_copies = 0  # blocks copied on write so far
 
     @property
     def num_blocks(self) -> int:
@@ -194,16 +216,21 @@ class KVCacheManager:
         full = num_tokens // bs
         while len(req.block_hashes) < full:
             i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if req.block_hashes else root_key(req.cache_salt, req.lora_int_id)
+            parent = req.block_hashes[-1] if req.block_hashes else root_key(req.cache_salt, self._regime(req),
+                                                                            req.lora_int_id)
             req.block_hashes.append(hash_block(parent, req.token_slice(i * bs, (i + 1) * bs)))
+
+    def _regime(self, req: Request) -> int:
+        return int(self.regime_split is not None and req.num_tokens > self.regime_split)
 
     def find_cached_prefix(self, req: Request) -> PrefixHit:
         """Longest run of cached full blocks from the start of req's tokens.
 
         At most num_tokens - 1 tokens may hit: the last token is always computed so
         the step produces logits to sample from."""
-        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
-            return PrefixHit()  # prompt logprobs need every prompt position computed
+        if (not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None
+                or req.pooling is not None):
+            return PrefixHit()  # prompt logprobs and pooling need every prompt position computed
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs
         self._extend_hashes(req, max_blocks * bs)
@@ -238,15 +265,23 @@ class KVCacheManager:
 
         With a prefix hit (first admission), the hit blocks are adopted first.
         Returns False, changing nothing, if the pool is too small right now."""
-        if hit is None:  # the decode fast path: most steps need no new block
+        shared = self._shared_writes(req, num_new_tokens)
+        if hit is None and not shared:  # the decode fast path: most steps need no new block
             ids = self.table_ids.get(req.request_id)
             if ids is not None and req.num_computed_tokens + num_new_tokens <= len(ids) * self.block_size:
                 return True
         need = self._blocks_needed(req, num_new_tokens, hit)
-        if need > self._free_after_touch(hit):
+        if need + len(shared) > self._free_after_touch(hit):
             return False
         table = self.tables.setdefault(req.request_id, [])
         ids = self.table_ids.setdefault(req.request_id, [])
+        for i in shared:  # copy-on-write: the writer gets its own copy of a shared block
+            (copy,) = self.pool.allocate(1)
+            self.pending_copies.append((table[i].block_id, copy.block_id))
+            self.num_copies += 1
+            self.pool.release(table[i])
+            table[i] = copy
+            ids[i] = copy.block_id
         new: list[KVBlock] = []
         if hit:
             for b in hit.blocks:
@@ -259,6 +294,41 @@ class KVCacheManager:
         table.extend(new)
         ids.extend(b.block_id for b in new)
         return True
+
+    def _shared_writes(self, req: Request, num_new_tokens: int) -> list[int]:
+        """Indices in req's table of the blocks its next `num_new_tokens` tokens write into
+        that another request also holds (a forked beam's partly filled last block)."""
+        table = self.tables.get(req.request_id) if self.num_forks else None
+        if not table:
+            return []
+        bs = self.block_size
+        first = req.num_computed_tokens // bs
+        last = min((req.num_computed_tokens + num_new_tokens - 1) // bs, len(table) - 1)
+        return [i for i in range(first, last + 1) if table[i].ref_cnt > 1]
+
+    def fork(self, pairs: list[tuple[Request, Request]]) -> None:
+        """Beam search: each (child, parent) -- the child's block table becomes the parent's
+        (every block one more reference; shared blocks are copied when written, see
+        `allocate`), and the child's old blocks are released.  All parents' tables are read
+        before any is replaced, so a beam may be both a parent and a child."""
+        new = [(child, list(self.tables.get(parent.request_id, ())),
+                self._num_published.get(parent.request_id, 0)) for child, parent in pairs]
+        self.num_forks += len(pairs)
+        for _, table, _ in new:
+            for blk in table:
+                self.pool.touch(blk)
+        for child, table, published in new:
+            old = self.tables.get(child.request_id, [])
+            for blk in reversed(old):
+                self.pool.release(blk)
+            self.tables[child.request_id] = table
+            self.table_ids[child.request_id] = [b.block_id for b in table]
+            self._num_published[child.request_id] = published
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies recorded since the last call, in order (then forgotten)."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def cache_full_blocks(self, req: Request) -> None:
         """After a step: publish every block that is now full of computed tokens."""

@@ -39,6 +39,22 @@ the accepted drafts and the sampled token one by one, applying stop rules to eac
 rolls the rest back: `num_computed_tokens` counts only accepted positions (the rejected
 slots are overwritten later), and blocks past the request's tokens go back to the pool.
 
+Requests that produce no sampled token: an embedding request (`Request.pooling`) is
+prefill only -- once its prompt is computed it finishes, its blocks are freed, and the
+runner has pooled its hidden states on the way (chunk by chunk).  A beam of a beam search
+(`Request.beam_topk`) gets no token appended either: the engine's beam search picks the
+next token of every beam from all their candidates and calls `fork_beams`, which moves
+each beam onto the sequence (tokens and KV blocks, shared copy-on-write) it continues.  A
+beam waiting for that computes nothing (all its tokens are computed) but keeps its seat.
+A beam search's first beam holds a seat for every beam it will fork into (`Request.seats`).
+
+Long-context rotation (`SchedulerConfig.recompute_past`, Phi-3's LongRoPE): the model
+rotates a whole sequence one way up to that many tokens and another beyond, so the step a
+request grows past it, its cached K/V no longer hold.  It is recomputed then, as
+transformers recomputes it: its blocks are freed and it goes back to the front of the
+queue to prefill all its tokens again (drafts never carry it across).  The KV manager keys
+the blocks of such long requests apart from short ones' (`KVCacheManager.regime_split`).
+
 Pausing: a request whose client stops reading its stream can be taken out of the schedule
 without being ended (`pause_request`).  It leaves `running` -- so its seat goes to someone
 else -- but keeps its KV blocks, and `resume_request` puts it back: one that still holds
@@ -107,6 +123,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
     num_batched_tokens: int
+    # copy-on-write of shared KV blocks (beam search): (source, copy) block ids, in order;
+    # the runner copies them before the forward pass
+    kv_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -126,6 +145,7 @@ class Scheduler:
         self.resumed: deque[Request] = deque()
         self.step_counter = 0
         self.num_preemptions = 0
+        self.num_recomputes = 0  # requests recomputed for growing past `config.recompute_past`
         if kv.num_blocks * kv.block_size < config.max_model_len:
             raise ValueError(
                 f"the KV cache holds {kv.num_blocks} blocks x {kv.block_size} tokens = "
@@ -134,7 +154,8 @@ class Scheduler:
             )
 
     # ---- queue management -------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, front: bool = False) -> None:
+        """Queue a request (at the front of the queue with `front`: a restarted one)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.num_tokens > self.config.max_model_len:
@@ -142,9 +163,15 @@ class Scheduler:
                 f"request {req.request_id!r} has {req.num_tokens} tokens, more than max_model_len "
                 f"({self.config.max_model_len})"
             )
+        if req.seats > self.num_seats:
+            raise ValueError(f"request {req.request_id!r} needs {req.seats} batch seats at once, more than a step "
+                             f"holds ({self.num_seats}: --max-num-seqs and --max-num-batched-tokens)")
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        if front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.paused or self.resumed)
@@ -249,13 +276,15 @@ class Scheduler:
         their LoRA adapter fits beside the running ones')."""
         if not self.resumed:
             return
+        taken = self._seats_taken()
         active = self._active_loras()
         skipped: deque[Request] = deque()
-        while self.resumed and len(self.running) < self.num_seats:
+        while self.resumed and taken + self.resumed[0].seats <= self.num_seats:
             req = self.resumed.popleft()
             if not self._lora_fits(req, active):
                 skipped.append(req)
                 continue
+            taken += req.seats
             self.running.append(req)
         self.resumed.extendleft(reversed(skipped))
 
@@ -278,6 +307,10 @@ class Scheduler:
         active.add(lid)
         return True
 
+    def _seats_taken(self) -> int:
+        """Seats the running requests hold (a beam search's unforked first beam holds several)."""
+        return len(self.running) + sum(r.seats - 1 for r in self.running if r.seats > 1)
+
     # ---- one step ---------------------------------------------------
     def _preempt_victim(self, scheduled: set[int]) -> Request:
         """The least entitled running request not yet scheduled in this step.
@@ -298,6 +331,20 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _recompute(self, req: Request) -> None:
+        """`req` grew past `config.recompute_past`: free its K/V and queue it to prefill all
+        its tokens again (a paused request stays paused, to recompute when resumed)."""
+        self.kv.free(req)
+        req.block_hashes = []  # its blocks are keyed in the long regime from now on
+        req.spec_token_ids = []
+        req.num_computed_tokens = 0
+        req.chunked = False
+        req.status = RequestStatus.PREEMPTED
+        self.num_recomputes += 1
+        if not req.paused:
+            self.running.remove(req)
+            self.waiting.appendleft(req)
 
     @staticmethod
     def _phase(req: Request, computed: int, num_new: int) -> Phase:
@@ -355,6 +402,9 @@ class Scheduler:
                 # drafts take what budget the later decodes of this step do not need
                 room = budget - 1 - (num_decodes - i - 1)
                 drafts = req.spec_token_ids[:max(0, room)]
+                split = cfg.recompute_past
+                if split is not None and req.num_tokens <= split:
+                    drafts = drafts[:split - req.num_tokens]  # a step never carries it across
                 if drafts and not self.kv.can_allocate(req, 1 + len(drafts)):
                     drafts = []  # memory is short: no request is preempted for a guess
                 num_new += len(drafts)
@@ -375,9 +425,10 @@ class Scheduler:
         #    A request whose LoRA adapter would be one too many for --max-loras keeps its
         #    place in the queue and is passed over until a running adapter is done.
         if not preempted:
+            seats = self._seats_taken()
             active = self._active_loras()
             skipped: deque[Request] = deque()
-            while self.waiting and budget > 0 and len(self.running) < self.num_seats:
+            while self.waiting and budget > 0 and seats + self.waiting[0].seats <= self.num_seats:
                 req = self.waiting[0]
                 if not self._lora_fits(req, active):
                     skipped.append(self.waiting.popleft())
@@ -400,6 +451,7 @@ class Scheduler:
                 self.kv.record_prefix_query(req.num_tokens, cached_tokens)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+                seats += req.seats
                 scheduled.append(self._make(req, cached_tokens, num_new))
                 budget -= num_new
             self.waiting.extendleft(reversed(skipped))
@@ -410,6 +462,7 @@ class Scheduler:
             scheduled=scheduled,
             preempted=preempted + evicted,
             num_batched_tokens=cfg.max_num_batched_tokens - budget,
+            kv_copies=self.kv.take_copies(),
         )
 
     def _make(self, req: Request, computed: int, num_new: int, drafts: list[int] | None = None) -> ScheduledRequest:
@@ -442,15 +495,22 @@ class Scheduler:
             req = s.request
             if req.is_finished:  # aborted while the step ran
                 continue
-            if not s.sample:
+            if not s.sample or not req.samples_tokens:
                 req.num_computed_tokens = s.num_computed_before + s.num_new_tokens
                 self.kv.cache_full_blocks(req)
+                if s.sample:
+                    req.chunked = False
+                    if req.pooling is not None:  # an embedding: its prompt is all it computes
+                        req.status = RequestStatus.FINISHED_STOPPED
+                        self._end(req, now)
+                        finished.append(req)
                 continue
             req.chunked = False
             acc = accepted.get(req.request_id, []) if (accepted and s.spec_token_ids) else []
             s.num_accepted = len(acc)
             s.emitted = []
             done = False
+            before = req.num_tokens
             for tok in (*acc, sampled[req.request_id]):
                 req.output_token_ids.append(tok)
                 s.emitted.append(tok)
@@ -460,20 +520,61 @@ class Scheduler:
             # Rejected drafts' positions are not computed: their KV slots get overwritten.
             rejected = len(s.spec_token_ids) - len(acc)
             req.num_computed_tokens = min(s.num_computed_before + s.num_new_tokens - rejected, req.num_tokens)
-            self.kv.cache_full_blocks(req)
+            split = self.config.recompute_past
+            crossed = split is not None and before <= split < req.num_tokens
+            if not crossed:  # a crossing request's blocks are not published: its keys change regime
+                self.kv.cache_full_blocks(req)
             if now is not None:
                 if req.first_token_time is None:
                     req.first_token_time = now
                 req.last_token_time = now
             if done:
-                self.running.remove(req)
-                self.requests.pop(req.request_id, None)
-                self.kv.free(req)
-                req.finished_time = now
+                self._end(req, now)
                 finished.append(req)
+            elif crossed:
+                self._recompute(req)
             elif rejected:
                 self.kv.trim(req, req.num_tokens)
         return finished
+
+    def _end(self, req: Request, now: float | None) -> None:
+        """A running request that finished by its own rules leaves: blocks freed."""
+        self.running.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.kv.free(req)
+        req.finished_time = now
+
+    # ---- beam search ----------------------------------------------------
+    def fork_beams(self, moves: list[tuple[Request, Request, int]], now: float | None = None) -> None:
+        """Beam search's step: each (beam, parent, token) -- `beam` now continues `parent`'s
+        sequence with `token`: it takes the parent's generated tokens and (shared, copied on
+        write) KV blocks, then `token` is appended.  A beam not yet known here (a new fork)
+        joins the running batch on the seat its first beam held for it.  Every parent must
+        have all its tokens computed (it produced the candidates `token` came from)."""
+        for _, parent, _ in moves:
+            if parent.num_computed_tokens != parent.num_tokens or parent.request_id not in self.requests:
+                raise RuntimeError(f"beam {parent.request_id} forked before its candidates were computed")
+        outputs = {id(p): list(p.output_token_ids) for _, p, _ in moves}
+        hashes = {id(p): list(p.block_hashes) for _, p, _ in moves}
+        self.kv.fork([(beam, parent) for beam, parent, _ in moves])
+        for beam, parent, token in moves:
+            beam.output_token_ids = outputs[id(parent)] + [token]
+            beam.block_hashes = hashes[id(parent)]
+            beam.num_computed_tokens = parent.num_computed_tokens
+            beam.spec_token_ids = []
+            if beam.request_id not in self.requests:  # a new fork: seated by the first beam's reservation
+                beam.status = RequestStatus.RUNNING
+                beam.num_cached_tokens = parent.num_cached_tokens
+                beam.first_scheduled_time = parent.first_scheduled_time
+                self.requests[beam.request_id] = beam
+                self.running.append(beam)
+            if now is not None:
+                if beam.first_token_time is None:
+                    beam.first_token_time = now
+                beam.last_token_time = now
+        for beam, parent, _ in moves:
+            parent.seats = 1  # its reservation is used up by the forks
+            beam.seats = 1
 
     # ---- observability ----------------------------------------------
     def make_event(

@@ -52,9 +52,10 @@ from typing import Any, AsyncIterator, Callable, NamedTuple
 from tokenloom.config import EngineArgs
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.engine.metrics_observer import EngineMetrics
-from tokenloom.outputs import RequestOutput
+from tokenloom.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.request import LoRARequest
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("tokenloom.async")
 
@@ -88,8 +89,10 @@ class StallPolicy:
 STALLED_CODE = "stream_stalled"
 
 
-def _progress(out: RequestOutput) -> int:
-    """How far the furthest sequence of a (cumulative) output got, in tokens."""
+def _progress(out: RequestOutput | EmbeddingRequestOutput) -> int:
+    """How far the furthest sequence of a (cumulative) output got, in tokens (an embedding: 0)."""
+    if not isinstance(out.outputs, list):
+        return 0
     return max((len(c.token_ids) for c in out.outputs), default=0)
 
 
@@ -168,7 +171,7 @@ class RequestStream:
 class _Add:
     request_id: str
     prompt: dict[str, Any]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams | PoolingParams
     arrival_time: float
     priority: int
     cache_salt: str | None
@@ -279,16 +282,15 @@ class AsyncLLMEngine:
             self.engine.shutdown()
 
     # ---- requests (event-loop thread) -----------------------------------
-    def validate(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
+    def validate(self, prompt: str | list[int],
+                 params: SamplingParams | BeamSearchParams | PoolingParams) -> tuple[str | None, list[int]]:
         """Tokenize and check a prompt exactly as the engine will, without touching the engine's
         state: raises ValueError (PromptTooLongError for max_model_len) so the caller can answer
         400 before anything is queued.  Only reads the engine's constants and the tokenizer."""
-        text, ids = self.engine.process_prompt(prompt)
-        params.check_vocab(self.engine.vocab_size)
-        self.engine.resolve_max_tokens(params, len(ids))
-        return text, ids
+        return self.engine.validate(prompt, params)
 
-    def add_request(self, request_id: str, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_text: str | None, prompt_ids: list[int],
+                    params: SamplingParams | BeamSearchParams | PoolingParams,
                     *, arrival_time: float | None = None, priority: int = 0,
                     cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue an already validated request (on `lora_request`'s adapter, which must be

@@ -11,7 +11,10 @@ Output processing never calls the scheduler: it returns `Decisions` (which sampl
 why, trailing tokens to drop, siblings to admit, runner state to release) and `_apply`
 carries them out, so state flows one way: scheduler -> processor -> engine -> scheduler.
 
-Requests join (`add_request`) and leave (finish, `abort_request`) between steps.
+Requests join (`add_request`) and leave (finish, `abort_request`) between steps.  Besides
+sampling (`SamplingParams`), a request may embed its prompt (`PoolingParams`, an engine
+run with `--runner pooling`: prefill only, the runner pools the hidden states) or search
+beams (`BeamSearchParams`: engine/beam_search.py over beams that share KV blocks).
 The engine knows nothing about HTTP; the async server wraps it.
 
 Failures are contained (docs/reliability.md lists the guarantees):
@@ -39,29 +42,35 @@ from typing import Callable, Iterable
 
 import torch
 
-from tokenloom.config import EngineArgs, EngineConfig, LoRAConfig, ModelShape, resolve_max_model_len
+from tokenloom.config import (EngineArgs, EngineConfig, LoRAConfig, ModelShape, resolve_max_model_len,
+                              resolve_runner)
 from tokenloom.core.events import StepEvent
 from tokenloom.core.kv_cache import KVCacheManager
 from tokenloom.core.scheduler import Scheduler, SchedulerOutput
+from tokenloom.engine.beam_search import Fork
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.engine.faults import FaultInjector
 from tokenloom.engine.output_processor import Decisions, Group, OutputProcessor, Sample, failure_message
+from tokenloom.engine.request_kinds import beam_search_group, check_beam_search, embedding_group
 from tokenloom.model.hf_config import model_args_fields
 from tokenloom.model.backends import plan_for_args
+from tokenloom.model.weights.formats import describe_prequantized
 from tokenloom.model.weights.loader import (load_config, load_eos_token_ids, load_model, resolve_device,
                                             resolve_dtype, resolve_model_path)
-from tokenloom.model.registry import resolve_architecture
-from tokenloom.outputs import RequestOutput
 from tokenloom.model.lora import LoRAAdapter, LoRASlots
+from tokenloom.model.pooling_config import PoolingConfig, read_pooling_config
+from tokenloom.model.registry import is_headless, resolve_architecture
 from tokenloom.model.weights.peft_lora import load_peft_adapter
-from tokenloom.request import LoRARequest, Request
+from tokenloom.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenloom.pooling_params import PoolingParams
+from tokenloom.request import LoRARequest, Request, RequestStatus
 from tokenloom.runner.model_runner import ModelRunner, RunnerOutput
 from tokenloom.runner.tp_worker import TPLauncher, launched_by_torchrun, run_worker, worker_spec
 from tokenloom.model.weights.parallel import check_split
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.sampling_params import BeamSearchParams, SamplingParamError, SamplingParams
 from tokenloom.spec_decode.config import SpeculativeConfig
 from tokenloom.spec_decode.proposer import SpecProposer
-from tokenloom.structured import GrammarCompiler
+from tokenloom.structured import GrammarCompiler, gate_grammar
 
 logger = logging.getLogger("tokenloom")
 
@@ -105,11 +114,14 @@ class LLMEngine:
 
         cfg = load_config(path)
         self.hf_config = cfg
+        # what this engine runs: "generate" (sampled tokens) or "pooling" (embeddings)
+        self.runner_type = resolve_runner(args.runner, args.task, is_headless(cfg))
         shape = ModelShape.from_fields(model_args_fields(cfg, resolve_architecture(cfg)))
         max_positions = resolve_max_model_len(args.max_model_len, shape.max_position_embeddings)
         # which code runs here, decided once before anything loads (model/backends.py)
         self.backends = plan_for_args(args, self.device, resolve_dtype(args.dtype, cfg, self.device),
-                                      model_args_fields(cfg, resolve_architecture(cfg)))
+                                      model_args_fields(cfg, resolve_architecture(cfg)),
+                                      prequantized=describe_prequantized(cfg))
         self.tp_launcher = None
         if args.tensor_parallel_size > 1:  # ranks 1..N-1 load their shards meanwhile (runner/tp_worker.py)
             f = model_args_fields(cfg, resolve_architecture(cfg))
@@ -164,12 +176,18 @@ class LLMEngine:
         self.vocab_size = self.loaded.args.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)  # structured output
 
-        self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
+        self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching,
+                                 regime_split=c.scheduler.recompute_past)
         self.scheduler = Scheduler(c.scheduler, self.kv)
+        # how embedding requests pool (the model's sentence-transformers files): rank 0 pools alone
+        self.pooling_config: PoolingConfig | None = None
+        if self.runner_type == "pooling":
+            self.pooling_config = read_pooling_config(path, cfg, self.loaded.args.hidden_size)
         runner_kwargs = dict(plan=self.backends, max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len)
         if self.tp_launcher:
             self.tp_launcher.send_runner_spec(c.num_kv_blocks, c.block_size, **runner_kwargs)
-        self.runner = ModelRunner(self.loaded, c.num_kv_blocks, c.block_size, tp=tp, lora_slots=lora_slots,
+        self.runner = ModelRunner(self.loaded, c.num_kv_blocks, c.block_size, tp=tp, pooling=self.pooling_config,
+                                  lora_slots=lora_slots,
                                   **runner_kwargs)
         self.processor = OutputProcessor(self.tokenizer)
         self.paused_requests: set[str] = set()  # ids of requests out of the schedule (pause_request)
@@ -208,7 +226,9 @@ class LLMEngine:
         a, kv = self.loaded, self.kv
         dtype = str(a.dtype).removeprefix("torch.")
         gib = self.runner.kv_cache_bytes / 2**30
-        return (f"serving {a.path} ({a.args.architecture}, {a.args.num_layers} layers) in {dtype} on {self.device}; "
+        task = f"embeddings by {self.pooling_config.describe()}" if self.pooling_config else "generation"
+        return (f"serving {a.path} ({a.args.architecture}, {a.args.num_layers} layers) for {task} in {dtype} on "
+                f"{self.device}; "
                 f"KV cache {kv.num_blocks} blocks x {self.runner.block_size} tokens ({gib:.2f} GiB), "
                 f"max_model_len {self.max_model_len}, max_num_seqs {self.scheduler_config.max_num_seqs}, "
                 f"max_num_batched_tokens {self.scheduler_config.max_num_batched_tokens}; {self.runner.describe()}")
@@ -276,8 +296,9 @@ class LLMEngine:
         return held[1]
 
     # ---- requests -----------------------------------------------------
-    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Turn a prompt (text, token ids, or {"prompt"|"prompt_token_ids": ...}) into ids; validate."""
+    def process_prompt(self, prompt: PromptType, room: int = 1) -> tuple[str | None, list[int]]:
+        """Turn a prompt (text, token ids, or {"prompt"|"prompt_token_ids": ...}) into ids; validate.
+        `room`: tokens that must fit after it (0 for an embedding, which generates none)."""
         text: str | None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -299,12 +320,47 @@ class LLMEngine:
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"token id {t!r} is out of range for a vocabulary of {self.vocab_size}")
-        if len(ids) >= self.max_model_len:
+        if len(ids) + room > self.max_model_len:
+            why = " (the prompt must be shorter, leaving room for at least one generated token)" if room else ""
             raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens, but this model's max_model_len is {self.max_model_len} "
-                f"(the prompt must be shorter, leaving room for at least one generated token)",
+                f"the prompt has {len(ids)} tokens, but this model's max_model_len is {self.max_model_len}{why}",
                 prompt_tokens=len(ids), max_model_len=self.max_model_len)
         return text, ids
+
+    def validate(self, prompt: PromptType,
+                 params: SamplingParams | BeamSearchParams | PoolingParams) -> tuple[str | None, list[int]]:
+        """Tokenize and check a prompt with its parameters as `add_request` will, changing no
+        state: ValueError (PromptTooLongError, SamplingParamError naming the field) if refused."""
+        if isinstance(params, PoolingParams):
+            self._check_runner("pooling")
+            if self.pooling_config is not None:
+                try:
+                    self.pooling_config.check_dimensions(params.dimensions)
+                except ValueError as e:
+                    raise SamplingParamError("dimensions", str(e).removeprefix("dimensions: ")) from None
+            return self.process_prompt(prompt, room=0)
+        self._check_runner("generate")
+        text, ids = self.process_prompt(prompt)
+        if isinstance(params, BeamSearchParams):
+            self._check_beams(params, len(ids))
+        else:
+            params.check_vocab(self.vocab_size)
+            self.resolve_max_tokens(params, len(ids))
+        return text, ids
+
+    def _check_runner(self, wanted: str) -> None:
+        if self.runner_type != wanted:
+            what = "embed (PoolingParams)" if wanted == "pooling" else "generate"
+            raise ValueError(f"this engine runs --runner {self.runner_type}: it cannot {what}; start it with "
+                             f"--runner {wanted}")
+
+    def _check_beams(self, params: BeamSearchParams, prompt_len: int) -> int:
+        """Whether a beam search fits this engine; its max_tokens made concrete."""
+        max_tokens = self.resolve_max_tokens(SamplingParams(max_tokens=params.max_tokens), prompt_len)
+        check_beam_search(params, prompt_len, max_tokens, eos_token_ids=self.eos_token_ids,
+                          vocab_size=self.vocab_size, num_seats=self.scheduler.num_seats,
+                          num_blocks=self.kv.num_blocks, block_size=self.kv.block_size)
+        return max_tokens
 
     def resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> int:
         """max_tokens made concrete; raises PromptTooLongError if prompt + max_tokens > max_model_len."""
@@ -323,7 +379,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | PoolingParams | None = None,
         *,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -337,11 +393,15 @@ class LLMEngine:
         params = params or SamplingParams()
         if self.processor.owns(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.validate(prompt, params)
         adapter = self._adapter_for(lora_request) if lora_adapter is None else lora_adapter
-        text, ids = self.process_prompt(prompt)
-        params.check_vocab(self.vocab_size)
-        max_tokens = self.resolve_max_tokens(params, len(ids))
+        lora = dict(lora_request=lora_request, lora_adapter=adapter) if lora_request is not None else {}
         arrival = time.perf_counter() if arrival_time is None else arrival_time
+        if isinstance(params, PoolingParams):
+            return self._add_embedding(request_id, text, ids, params, arrival, priority, cache_salt, lora)
+        if isinstance(params, BeamSearchParams):
+            return self._add_beam_search(request_id, text, ids, params, arrival, priority, cache_salt, lora)
+        max_tokens = self.resolve_max_tokens(params, len(ids))
         samples: list[Sample] = []
         for i in range(params.n):
             child_params = params
@@ -360,9 +420,10 @@ class LLMEngine:
                 max_tokens=max_tokens,
                 priority=priority,
                 cache_salt=cache_salt,
-                grammar=self.grammars.new_state(params.structured_outputs) if params.structured_outputs else None,
-                lora_request=lora_request,
-                lora_adapter=adapter,
+                # with reasoning tags, the grammar holds only the answer after the thinking
+                grammar=gate_grammar(self.grammars.new_state(params.structured_outputs), params.reasoning_tags, ids)
+                if params.structured_outputs else None,
+                **lora,
             )
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                            params.stop, params.include_stop_str_in_output)
@@ -382,6 +443,26 @@ class LLMEngine:
         self.processor.add(group)
         for s in first:
             self.scheduler.add_request(s.req)
+
+    def _add_embedding(self, request_id: str, text: str | None, ids: list[int], params: PoolingParams,
+                       arrival: float, priority: int, cache_salt: str | None, lora: dict) -> None:
+        """An embedding request: its prompt is computed (chunked like any prefill) and pooled
+        (`lora`: its LoRA adapter's Request fields, if any)."""
+        group = embedding_group(request_id, text, ids, params, arrival, priority, cache_salt, **lora)
+        self.processor.add(group)
+        self.scheduler.add_request(group.samples[0].req)
+
+    def _add_beam_search(self, request_id: str, text: str | None, ids: list[int], params: BeamSearchParams,
+                         arrival: float, priority: int, cache_salt: str | None, lora: dict) -> None:
+        """A beam search: one beam computes the prompt, then forks into `beam_width` beams."""
+        max_tokens = self._check_beams(params, len(ids))
+        for i in range(params.beam_width):
+            if self.processor.owns(f"{request_id}-beam{i}"):
+                raise ValueError(f"request id {request_id!r} collides with the beams of another request")
+        group = beam_search_group(request_id, text, ids, params, max_tokens, self.eos_token_ids, arrival, priority,
+                                  cache_salt, **lora)
+        self.processor.add(group)
+        self.scheduler.add_request(group.samples[0].req)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """End requests now (no output); their KV blocks go back to the pool."""
@@ -450,7 +531,7 @@ class LLMEngine:
         return self.kv.usage()
 
     # ---- the step -----------------------------------------------------
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput | EmbeddingRequestOutput]:
         """One engine iteration.  Returns cumulative outputs of the requests that progressed
         (only the finished ones with finished_only=True: offline callers skip building
         per-step snapshots nobody reads).  A request that failed in this step comes back
@@ -490,6 +571,13 @@ class LLMEngine:
                 f.request.status = f.status
         for rid in d.release:
             self.runner.remove_request(rid)
+        for move in d.beams:
+            if isinstance(move, Fork):
+                self.scheduler.fork_beams(move.moves, now)
+            else:  # a restart: the old beams leave, the search begins again at the queue's front
+                for req in move.old:
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED, now=now)
+                self.scheduler.add_request(move.head, front=True)
 
     def _fail(self, g: Group, message: str, now: float) -> RequestOutput:
         """Fail one request outside output processing; its blocks are freed at once."""

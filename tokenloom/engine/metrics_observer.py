@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenloom.core.events import StepEvent
-from tokenloom.outputs import RequestOutput
+from tokenloom.outputs import EmbeddingRequestOutput, RequestOutput
 
 if TYPE_CHECKING:
     from tokenloom.engine.llm_engine import LLMEngine
@@ -167,10 +167,17 @@ class EngineMetrics:
                 self._l(self.kv_cache_usage_perc).set(event.kv_blocks_used / event.kv_blocks_total)
 
     # ---- per output ----------------------------------------------------
-    def observe_output(self, out: RequestOutput) -> None:
+    def observe_output(self, out: RequestOutput | EmbeddingRequestOutput) -> None:
         """Feed one (cumulative) RequestOutput, as returned by `LLMEngine.step()`."""
         m = out.metrics
         rid = out.request_id
+        if not isinstance(out.outputs, list):  # an embedding: no tokens, one vector when it finishes
+            if out.finished:
+                self._l(self.prompt_tokens).inc(len(out.prompt_token_ids))
+                self._l(self.request_success, finished_reason="stop").inc()
+                if m is not None and m.e2e_latency is not None:
+                    self._l(self.e2e_request_latency).observe(max(0.0, m.e2e_latency))
+            return
         if m is not None and m.first_token_time is not None and rid not in self._ttft_seen:
             self._ttft_seen.add(rid)
             self._l(self.time_to_first_token).observe(max(0.0, m.first_token_time - m.arrival_time))

@@ -22,6 +22,14 @@ Three rules shape it:
   -- its KV blocks are freed and its output carries `finish_reason="error"` and an
   `error` message -- and the other requests of the step carry on untouched.
 
+Two kinds of request produce no sampled tokens.  An embedding request (`Group.pooling`)
+ends when its prompt is computed; its output is the pooled vector the runner returned
+(`EmbeddingRequestOutput`).  A beam search (`Group.beam`, engine/beam_search.py) collects
+its beams' candidates each step and decides the next beams -- a `Fork` or, when the beams
+fell out of step, a `Restart` -- which the engine applies like any other decision; its
+output, the best finished sequences, comes once the search ends.  Neither streams
+partial outputs.
+
 Timestamps have one owner each: a sample's (`Request.first_scheduled_time`,
 `first_token_time`, `last_token_time`, `finished_time`) are the scheduler's; a group keeps
 only its arrival and the time it left the books, and its `RequestMetrics` are derived from
@@ -35,9 +43,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
 from tokenloom.core.scheduler import SchedulerOutput
+from tokenloom.engine.beam_search import BeamGroup, Fork, Restart
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.engine.faults import FaultInjector
-from tokenloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenloom.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestMetrics,
+                               RequestOutput)
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.request import Request, RequestStatus
 from tokenloom.sampling_params import SamplingParams
 
@@ -65,14 +76,16 @@ class Finish:
 class Decisions:
     """What output processing decided, for the engine to apply, in this order: `admit`
     (held-back siblings enter the scheduler), `finish` (each ended sample leaves it, its
-    trailing tokens dropped first), `release` (the runner forgets these request ids)."""
+    trailing tokens dropped first), `release` (the runner forgets these request ids),
+    `beams` (beam searches move their beams on, or restart)."""
 
     admit: tuple[Request, ...] = ()
     finish: tuple[Finish, ...] = ()
     release: tuple[str, ...] = ()
+    beams: tuple[Fork | Restart, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.admit or self.finish or self.release)
+        return bool(self.admit or self.finish or self.release or self.beams)
 
 
 @dataclass
@@ -82,13 +95,15 @@ class _Decider:
     admit: list[Request] = field(default_factory=list)
     finish: dict[str, Finish] = field(default_factory=dict)  # by scheduler request id
     release: list[str] = field(default_factory=list)
+    beams: list[Fork | Restart] = field(default_factory=list)
 
     def ended(self, req: Request) -> bool:
         """Finished by the scheduler's token rules, or decided to end in this call."""
         return req.is_finished or req.request_id in self.finish
 
     def freeze(self) -> Decisions:
-        return Decisions(tuple(self.admit), tuple(self.finish.values()), tuple(dict.fromkeys(self.release)))
+        return Decisions(tuple(self.admit), tuple(self.finish.values()), tuple(dict.fromkeys(self.release)),
+                         tuple(self.beams))
 
 
 @dataclass
@@ -96,7 +111,7 @@ class Sample:
     """One of the n samples of a request: a scheduler Request plus its text state."""
 
     req: Request
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None: no text of its own (an embedding, a beam)
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float = 0.0
     failed: bool = False  # ended by a failure, not by a stop rule: finish_reason "error"
@@ -117,6 +132,14 @@ class Group:
     finished: bool = False
     finished_time: float | None = None  # when it left the books (None: still in, or aborted)
     error: str | None = None  # why the request failed (it is finished then)
+    pooling: PoolingParams | None = None  # an embedding request
+    embedding: list[float] | None = None  # its vector, once computed
+    beam: BeamGroup | None = None  # a beam search (its beams are `samples`)
+
+    @property
+    def streams(self) -> bool:
+        """Whether it has partial outputs to show while it runs (not an embedding or a beam search)."""
+        return self.pooling is None and self.beam is None
 
     def metrics(self) -> RequestMetrics:
         """The request's figures, derived from its samples' timestamps (the scheduler's):
@@ -226,6 +249,9 @@ class OutputProcessor:
             if g.finished:  # failed earlier in this very step
                 continue
             touched[g.request_id] = g
+            if g.beam is not None:  # decided once all its beams are in, below
+                g.beam.collect(s.request, res.beam_candidates.get(s.request_id))
+                continue
             try:
                 self._apply(g, sample, s.request, res, now, d, s.emitted)
             except Exception as e:
@@ -233,7 +259,39 @@ class OutputProcessor:
                 del touched[g.request_id]
                 self._fail(g, failure_message("processing its output", e), now, [sample], d)
                 failed.append(g)
+        for g in list(touched.values()):
+            if g.beam is None:
+                continue
+            try:
+                self._advance_beams(g, d)
+            except Exception as e:
+                logger.exception("beam search %s failed; failing it alone", g.request_id)
+                del touched[g.request_id]
+                self._fail(g, failure_message("choosing its next beams", e), now, [], d)
+                failed.append(g)
         return ProcessedStep(d.freeze(), tuple(failed), tuple(touched.values()))
+
+    def _advance_beams(self, g: Group, d: _Decider) -> None:
+        """A beam search after a step: its next beams (a fork), a restart, or its end."""
+        move = g.beam.advance()
+        if isinstance(move, Fork):
+            for beam, _, _ in move.moves:
+                if beam.request_id not in self.children:  # a new beam
+                    sample = Sample(beam, None, None)
+                    g.samples.append(sample)
+                    self.children[beam.request_id] = (g, sample)
+            d.beams.append(move)
+        elif isinstance(move, Restart):
+            for old in move.old:
+                self.children.pop(old.request_id, None)
+                d.release.append(old.request_id)
+            g.samples = [Sample(move.head, None, None)]
+            self.children[move.head.request_id] = (g, g.samples[0])
+            d.beams.append(move)
+        elif g.beam.search.done:  # every beam ends with the search
+            for x in g.samples:
+                d.finish[x.req.request_id] = Finish(x.req, RequestStatus.FINISHED_STOPPED)
+                d.release.append(x.req.request_id)
 
     def outputs(self, step: ProcessedStep, now: float, finished_only: bool) -> tuple[list[RequestOutput], Decisions]:
         """The cumulative outputs of the requests `step` touched (only finished ones if
@@ -245,7 +303,7 @@ class OutputProcessor:
             try:
                 if all(x.req.is_finished for x in g.samples):
                     self._retire(g, now)
-                if g.finished or not finished_only:
+                if g.finished or (not finished_only and g.streams):
                     outputs.append(self._make_output(g))
             except Exception as e:
                 logger.exception("request %s failed while its output was built; failing it alone", g.request_id)
@@ -259,6 +317,12 @@ class OutputProcessor:
         decoding: accepted drafts, then the sampled token); each goes through the stop rules
         in order, and a stop string part-way drops the ones after it."""
         rid = req.request_id
+        if g.pooling is not None:  # an embedding: its vector arrives with its prompt's last chunk
+            vec = res.embeddings.get(rid)
+            if vec is not None:
+                g.embedding = vec.tolist()
+                d.release.append(rid)
+            return
         if g.prompt_logprobs is not None and req is g.samples[0].req and rid in res.prompt_logprobs:
             for pos, lp, rank, top in res.prompt_logprobs[rid]:
                 if pos != len(g.prompt_logprobs):  # already have it (recompute after preemption)
@@ -317,7 +381,14 @@ class OutputProcessor:
             d = {tok: Logprob(lp, rank, self.tokenizer.decode([tok])), **d}
         return d
 
-    def _make_output(self, g: Group) -> RequestOutput:
+    def _make_output(self, g: Group) -> RequestOutput | EmbeddingRequestOutput:
+        if g.pooling is not None:
+            out = EmbeddingRequestOutput(request_id=g.request_id, outputs=EmbeddingOutput(g.embedding or []),
+                                         prompt_token_ids=g.prompt_token_ids, finished=g.finished, prompt=g.prompt,
+                                         metrics=g.metrics(), error=g.error)
+            return out
+        if g.beam is not None:
+            return self._beam_output(g)
         comps = []
         for i, s in enumerate(g.samples):
             r = s.req
@@ -347,6 +418,27 @@ class OutputProcessor:
             num_cached_tokens=max(g.samples[0].req.num_cached_tokens, 0),
             lora_request=g.samples[0].req.lora_request,
         )
+        out.error = g.error
+        return out
+
+
+    def _beam_output(self, g: Group) -> RequestOutput:
+        """A beam search's output: its finished sequences, best first (while it runs, or if
+        it failed part-way, those finished so far)."""
+        comps = []
+        for i, h in enumerate(g.beam.search.results()):
+            detok = IncrementalDetokenizer(self.tokenizer, g.prompt_token_ids, g.params.skip_special_tokens, [], False)
+            for tok in h.tokens:
+                detok.add(tok)
+            detok.flush()
+            comps.append(CompletionOutput(index=i, text=detok.visible_text(True), token_ids=list(h.tokens),
+                                          cumulative_logprob=h.cum_logprob, finish_reason=h.finish_reason,
+                                          stop_reason=None))
+        if g.error is not None and not comps:
+            comps.append(CompletionOutput(index=0, text="", token_ids=[], finish_reason=ERROR_FINISH_REASON))
+        out = RequestOutput(request_id=g.request_id, prompt=g.prompt, prompt_token_ids=g.prompt_token_ids,
+                            prompt_logprobs=None, outputs=comps, finished=g.finished, metrics=g.metrics(),
+                            num_cached_tokens=max(g.samples[0].req.num_cached_tokens, 0))
         out.error = g.error
         return out
 

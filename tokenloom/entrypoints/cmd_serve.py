@@ -103,6 +103,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="LoRA adapters (peft directories) to serve from the start, each as name=path or "
                         "'{\"name\": ..., \"path\": ...}'; requests pick one by name as their model "
                         "(needs --enable-lora; docs/lora.md)")
+    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split a thinking model's <think>...</think> from its answer: chat messages and deltas "
+                        "carry it as reasoning_content, /v1/responses as a reasoning item; structured output "
+                        "and tool calls then apply to the answer only (docs/reasoning.md)")
+    g.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="responses /v1/responses keeps in memory for previous_response_id and GET, least "
+                        "recently used dropped first (default 1024; 0: store none; docs/responses.md)")
     g.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
                    help="serve the live step picture at /dashboard (guarded by --api-key: open "
                         "/dashboard?key=KEY); --no-dashboard answers 404 there")

@@ -2,6 +2,8 @@
 
 All prompts are submitted at once and the engine steps until every one is done —
 continuous batching does the rest (the seed: "step1: A B C D / step2: A B C ...").
+`LLM.beam_search` runs beam searches through the same loop, and `LLM(model,
+runner="pooling").embed(prompts)` embeddings (docs/beam-search.md, docs/embeddings.md).
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from tqdm.auto import tqdm
 from tokenloom.config import EngineArgs
 from tokenloom.core.events import StepEvent
 from tokenloom.engine.llm_engine import LLMEngine, PromptType
-from tokenloom.outputs import CompletionOutput, RequestOutput
+from tokenloom.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, EmbeddingOutput,
+                               EmbeddingRequestOutput, RequestOutput)
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.request import LoRARequest
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -67,27 +71,94 @@ class LLM:
         Each call leaves the engine clean: if it is interrupted (an exception, Ctrl-C),
         its unfinished requests are aborted before the exception propagates, so nothing
         of this call runs or holds KV blocks in the next one."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        self._require("generate", "generate")
+        prompts = _as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        self.llm_engine.grammars.precompile(sp.structured_outputs for sp in params)  # off the step loop, in parallel
+        return self._run(prompts, params, use_tqdm, priority, cache_salt, _error_output, lora_request)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (`out.outputs.embedding`), pooled as the model's
+        sentence-transformers config says (docs/embeddings.md); needs `runner="pooling"`
+        (the default for a checkpoint without an LM head).  A prompt the engine refuses
+        comes back with `error` set and an empty embedding, as in `generate`.  `lora_request`
+        as `generate` takes it."""
+        self._require("pooling", "embed")
+        prompts = _as_list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        params = (list(pooling_params) if isinstance(pooling_params, Sequence)
+                  else [pooling_params] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} pooling params for {len(prompts)} prompts")
+        return self._run(prompts, params, use_tqdm, priority, None, _error_embedding, lora_request)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search of each prompt (transformers' scoring: docs/beam-search.md); the
+        `beam_width` best sequences of each, best first.  As in vLLM, a sequence's `tokens`
+        and `text` include the prompt (`output_token_ids` / `output_text`: the generated
+        part).  A prompt or setting the engine refuses raises ValueError (nothing of the call
+        keeps running); a search that fails while it runs raises RuntimeError once the
+        others are done.  `lora_request` as `generate` takes it."""
+        self._require("generate", "beam_search")
+        prompts = _as_list(prompts)
+        outs = self._run(prompts, [params] * len(prompts), use_tqdm, None, None, _raise_refusal, lora_request)
+        tok = self.get_tokenizer()
+        results = []
+        for out in outs:
+            if out.error is not None:
+                raise RuntimeError(f"beam search of request {out.request_id} failed: {out.error}")
+            seqs = []
+            for c in out.outputs:
+                tokens = list(out.prompt_token_ids) + list(c.token_ids)
+                score = c.cumulative_logprob / max(len(c.token_ids), 1) ** params.length_penalty
+                seqs.append(BeamSearchSequence(tokens=tokens, cum_logprob=c.cumulative_logprob,
+                                               text=tok.decode(tokens), output_token_ids=list(c.token_ids),
+                                               output_text=c.text, score=score, finish_reason=c.finish_reason))
+            results.append(BeamSearchOutput(sequences=seqs))
+        return results
+
+    def _require(self, runner: str, method: str) -> None:
+        have = self.llm_engine.runner_type
+        if have != runner:
+            raise ValueError(f"LLM.{method} needs runner={runner!r}; this LLM was built with runner={have!r}")
+
+    def _run(self, prompts: list[PromptType], params: list, use_tqdm: bool, priority: Sequence[int] | None,
+             cache_salt: str | Sequence[str | None] | None, on_refused: Callable,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list:
+        """Submit every prompt, step the engine until all are done; outputs in input order.
+        `on_refused(request_id, prompt, message)`: the output of a prompt the engine refuses.
+        `lora_request`: one adapter for all, or one (or None) per prompt; each is loaded first,
+        so a missing or unsupported adapter raises before any prompt runs."""
         salts = list(cache_salt) if isinstance(cache_salt, (list, tuple)) else [cache_salt] * len(prompts)
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
         engine = self.llm_engine
-        for lr in dict.fromkeys(lr for lr in loras if lr is not None):  # a bad adapter raises before any prompt runs
+        for lr in dict.fromkeys(lr for lr in loras if lr is not None):
             if not isinstance(lr, LoRARequest):
                 raise TypeError(f"lora_request must be a LoRARequest (or a list of them), got {type(lr).__name__}")
             engine.add_lora(lr)
         ids: list[str] = []
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, Any] = {}
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
-        engine.grammars.precompile(sp.structured_outputs for sp in params)  # off the step loop, in parallel
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 rid = str(next(self._counter))
@@ -96,7 +167,7 @@ class LLM:
                     engine.add_request(rid, p, sp, priority=priority[i] if priority else 0, cache_salt=salts[i],
                                        lora_request=loras[i])
                 except ValueError as e:
-                    results[rid] = _error_output(rid, p, str(e))
+                    results[rid] = on_refused(rid, p, e)
             bar.update(len(results))
             while len(results) < len(ids) and engine.has_unfinished_requests():
                 for out in engine.step(finished_only=True):
@@ -134,9 +205,28 @@ def render_chat(tokenizer, messages: list[dict], chat_template: str | None = Non
     return list(ids)
 
 
-def _error_output(rid: str, prompt: PromptType, message: str) -> RequestOutput:
-    text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
-    out = RequestOutput(request_id=rid, prompt=text, prompt_token_ids=[], prompt_logprobs=None,
+def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a text, a token-id list, a dict) or a sequence of them -> a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _prompt_text(prompt: PromptType) -> str | None:
+    return prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
+
+
+def _error_output(rid: str, prompt: PromptType, error: Exception) -> RequestOutput:
+    out = RequestOutput(request_id=rid, prompt=_prompt_text(prompt), prompt_token_ids=[], prompt_logprobs=None,
                         outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")], finished=True)
-    out.error = message
+    out.error = str(error)
     return out
+
+
+def _error_embedding(rid: str, prompt: PromptType, error: Exception) -> EmbeddingRequestOutput:
+    return EmbeddingRequestOutput(request_id=rid, outputs=EmbeddingOutput([]), prompt_token_ids=[], finished=True,
+                                  prompt=_prompt_text(prompt), error=str(error))
+
+
+def _raise_refusal(rid: str, prompt: PromptType, error: Exception):
+    raise error

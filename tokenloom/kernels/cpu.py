@@ -223,9 +223,9 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor, quads: bool = False) -> tupl
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int4 values q [N, Kp] (int8 in -8..7) and bf16 scales [N, Kp/G] -> ([P, Kp, 16] uint8, byte c
-    of panel p at k = (q[32p + c, k] + 8) | (q[32p + 16 + c, k] + 8) << 4; bf16 scales [P, Kp/G, 32]),
-    P = ceil(N/32).  Padded columns are 0 with scale 0."""
+    """int4 values q [N, Kp] (int8 in -8..7) and scales [N, Kp/G] -> ([P, Kp, 16] uint8, byte c
+    of panel p at k = (q[32p + c, k] + 8) | (q[32p + 16 + c, k] + 8) << 4; scales [P, Kp/G, 32] in
+    their own dtype: bf16 ours), P = ceil(N/32).  Padded columns are 0 with scale 0."""
     n, kp = q.shape
     p = -(-n // WIDE)
     u = torch.full((p * WIDE, kp), 8, dtype=torch.uint8)
@@ -233,7 +233,7 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch
     u = u.view(p, 2, WIDE // 2, kp)
     nib = (u[:, 0] | (u[:, 1] << 4)).transpose(1, 2)  # [P, Kp, 16]
     packed = hugepages.empty((p, kp, WIDE // 2), torch.uint8).copy_(nib)
-    s = torch.zeros((p * WIDE, scale.shape[1]), dtype=torch.bfloat16)
+    s = torch.zeros((p * WIDE, scale.shape[1]), dtype=scale.dtype)
     s[:n] = scale
     return packed, s.view(p, WIDE, -1).transpose(1, 2).contiguous()
 

@@ -26,6 +26,14 @@ How steps 1-3 run is the *attention backend*, chosen once when the runner starts
   sdpa    PyTorch's SDPA over a gathered copy of the blocks with a mask: the reference
           every other backend is tested against.
 
+Layers may differ in how they attend (`LayerAttention`): a sliding window (Mistral on every
+layer, Gemma on alternate ones, Qwen2 on the upper ones) and a soft-cap on the scores
+(Gemma 2: cap * tanh(s / cap)).  A backend is built for the model's few distinct kinds and
+gives each its own path, chosen once when it is built: a kind its kernels cannot run
+(soft-capping anywhere but the reference; a window in the CPU decode kernel) goes through the
+reference, SDPA over gathered blocks with masks, or its explicit-math twin where scores are
+capped (`_capped_attention`, transformers' eager order).
+
 Two attention calls per layer at most, never a Python loop over requests.  Lengths and
 block tables are gathered once per step by the model runner; each backend turns them into
 its own `AttentionMetadata` (`AttentionBackend.metadata`: SDPA's masks and gather indices,
@@ -35,11 +43,26 @@ decided once, in model/backends.py; `build_backend` only builds it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention adds to plain causal attention: a sliding window (the
+    tokens it looks back over, itself included) and a soft-cap on its scores."""
+
+    window: int | None = None
+    softcap: float | None = None
+
+
+def attention_kinds(per_layer: Sequence[LayerAttention]) -> tuple[tuple[LayerAttention, ...], tuple[int, ...]]:
+    """The distinct kinds among a model's layers (in order of first use) and each layer's index into them."""
+    kinds = tuple(dict.fromkeys(per_layer))
+    return kinds, tuple(kinds.index(k) for k in per_layer)
+
 
 @dataclass
 class AttentionMetadata:
@@ -49,7 +72,9 @@ class AttentionMetadata:
     # decodes: one row per decode token
     decode_block_tables: torch.Tensor | None  # [D, max_blocks]
     decode_context_lens: torch.Tensor | None  # [D]: tokens each decode attends to (itself included); 0 = padding
-    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks*block_size] bool (True = attend); sdpa only
+    # [D, 1, 1, max_blocks*block_size] bool (True = attend), per window (None: full attention), for the
+    # kinds that decode through the reference
+    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     decode_num_splits: int = 1  # triton: context slices per decode (split-KV)
     # prefills: one row per request with a prefill chunk
     prefill_block_tables: torch.Tensor | None = None  # [P, max_blocks]
@@ -57,10 +82,10 @@ class AttentionMetadata:
     prefill_q_lens: torch.Tensor | None = None  # [P] rows of each chunk
     prefill_ctx_lens: torch.Tensor | None = None  # [P] tokens cached before each chunk
     prefill_max_q: int = 0
-    prefill_mask: torch.Tensor | None = None  # [P, 1, max_q, max_blocks*block_size] bool; sdpa/cpu only
+    # [P, 1, max_q, max_blocks*block_size] bool, per window, for the kinds that prefill through the reference
+    prefill_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     prefill_gather: torch.Tensor | None = None  # [P, max_q] long: flat token index of each padded query row
     prefill_scatter: torch.Tensor | None = None  # [Tp] long: padded row (p*max_q+i) of each prefill token
-    sliding_window: int | None = None
 
     @property
     def has_prefill(self) -> bool:
@@ -74,7 +99,16 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return kv.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
-def _sdpa_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _capped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
+    """softmax(cap * tanh(q k^T * scale / cap), masked) v in transformers' eager order and
+    roundings (scores in q's dtype, the softmax in float32): SDPA has no soft-cap."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / cap) * cap
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _sdpa_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kind: LayerAttention) -> torch.Tensor:
     """Grouped-query attention with one query per request: the G query heads that share a
     KV head become G query *rows* of that head ([D, Hk, G, Dh]), so each KV head is read
     once for its whole group and nothing is expanded to Hq heads.  Query head h uses KV
@@ -84,16 +118,27 @@ def _sdpa_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> 
     qd = q.view(nd, hk, q.shape[1] // hk, q.shape[2])
     kd = _gather_kv(k_cache, meta.decode_block_tables)
     vd = _gather_kv(v_cache, meta.decode_block_tables)
-    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+    mask = meta.decode_masks[kind.window]
+    if kind.softcap is None:
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
+    else:
+        od = _capped_attention(qd, kd, vd, mask, scale, kind.softcap)
     return od.reshape(nd, q.shape[1], q.shape[2])
 
 
-def _sdpa_prefill(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _sdpa_prefill(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kind: LayerAttention) -> torch.Tensor:
     """The prefill rows' output [Tp, Hq, D], through SDPA over gathered blocks."""
     qp = q[meta.prefill_gather].transpose(1, 2)  # [P, Hq, max_q, Dh]
     kp = _gather_kv(k_cache, meta.prefill_block_tables)
     vp = _gather_kv(v_cache, meta.prefill_block_tables)
-    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
+    mask = meta.prefill_masks[kind.window]
+    if kind.softcap is None:
+        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
+    else:  # the G query heads of each KV head as one group: [P, Hk, G, max_q, Dh] against [P, Hk, 1, L, Dh]
+        p, hq, mq, d = qp.shape
+        hk = kp.shape[1]
+        op = _capped_attention(qp.reshape(p, hk, hq // hk, mq, d), kp.unsqueeze(2), vp.unsqueeze(2),
+                               mask.unsqueeze(1), scale, kind.softcap).reshape(p, hq, mq, d)
     return op.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])[meta.prefill_scatter]
 
 
@@ -101,16 +146,30 @@ def _to(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     return None if x is None else x.to(device, non_blocking=True)
 
 
+# Which backends cap attention scores themselves; the others run soft-capped layers through
+# the reference (model/backends.py reports it in the plan and keeps CUDA graphs off then).
+SOFTCAP_NATIVE = {"sdpa": True, "cpu": False, "triton": False}
+
+
 class AttentionBackend:
-    """How a layer writes its K/V and attends.  The reference: SDPA over gathered blocks."""
+    """How a layer writes its K/V and attends.  The reference: SDPA over gathered blocks
+    (explicit math where scores are soft-capped), masked per window."""
 
     name = "sdpa"
-    decode_masks = True  # `metadata` builds `decode_mask`
-    prefill_masks = True  # `metadata` builds `prefill_mask`, `prefill_gather`, `prefill_scatter`
     graphable = False  # decode steps can be captured in a CUDA graph
 
-    def __init__(self, sliding_window: int | None = None):
-        self.sliding_window = sliding_window
+    def __init__(self, kinds: Sequence[LayerAttention] | None = None):
+        self.kinds = tuple(kinds or (LayerAttention(),))
+        # the windows whose masks `metadata` builds: those of the kinds that run the reference
+        self.decode_mask_windows = {k.window for k in self.kinds if self.decodes_by_reference(k)}
+        self.prefill_mask_windows = {k.window for k in self.kinds if self.prefills_by_reference(k)}
+
+    def decodes_by_reference(self, kind: LayerAttention) -> bool:
+        """Whether `kind`'s decodes run the reference (SDPA / capped math over gathered blocks)."""
+        return True
+
+    def prefills_by_reference(self, kind: LayerAttention) -> bool:
+        return True
 
     def metadata(self, slot_mapping: torch.Tensor, device: torch.device, block_size: int, *,
                  decode_block_tables: torch.Tensor | None = None, decode_context_lens: torch.Tensor | None = None,
@@ -123,32 +182,30 @@ class AttentionBackend:
         num_decode = 0 if decode_block_tables is None else decode_block_tables.shape[0]
         meta = AttentionMetadata(slot_mapping=_to(slot_mapping, device), num_decode=num_decode, backend=self,
                                  decode_block_tables=_to(decode_block_tables, device),
-                                 decode_context_lens=_to(decode_context_lens, device),
-                                 sliding_window=self.sliding_window)
-        window = self.sliding_window
-        if num_decode and self.decode_masks:
+                                 decode_context_lens=_to(decode_context_lens, device))
+        if num_decode and self.decode_mask_windows:
             ctx, length = decode_context_lens, decode_block_tables.shape[1] * block_size
             j = torch.arange(length).unsqueeze(0)
-            mask = j < ctx.unsqueeze(1)
-            if window is not None:
-                mask &= j >= (ctx - window).unsqueeze(1)
-            meta.decode_mask = _to(mask.view(num_decode, 1, 1, length), device)
+            causal = j < ctx.unsqueeze(1)
+            for window in self.decode_mask_windows:
+                mask = causal if window is None else causal & (j >= (ctx - window).unsqueeze(1))
+                meta.decode_masks[window] = _to(mask.view(num_decode, 1, 1, length), device)
         if prefill_block_tables is not None:
             cs, ns, offs = prefill_ctx_lens, prefill_q_lens, prefill_q_starts
             max_q = int(ns.max())
             meta.prefill_block_tables, meta.prefill_max_q = _to(prefill_block_tables, device), max_q
             meta.prefill_q_starts, meta.prefill_q_lens = _to(offs, device), _to(ns, device)
             meta.prefill_ctx_lens = _to(cs, device)
-            if self.prefill_masks:
+            if self.prefill_mask_windows:
                 length = prefill_block_tables.shape[1] * block_size
                 ar = torch.arange(max_q).unsqueeze(0)
                 row = torch.minimum(ar, (ns - 1).unsqueeze(1))  # padded rows repeat the last real query
                 qpos = (cs.unsqueeze(1) + row).unsqueeze(2)
                 j = torch.arange(length).view(1, 1, length)
-                mask = j <= qpos
-                if window is not None:
-                    mask &= j > qpos - window
-                meta.prefill_mask = _to(mask.unsqueeze(1), device)
+                causal = j <= qpos
+                for window in self.prefill_mask_windows:
+                    mask = causal if window is None else causal & (j > qpos - window)
+                    meta.prefill_masks[window] = _to(mask.unsqueeze(1), device)
                 meta.prefill_gather = _to(offs.unsqueeze(1) + row, device)
                 valid = ar < ns.unsqueeze(1)
                 p = prefill_block_tables.shape[0]
@@ -160,14 +217,17 @@ class AttentionBackend:
         """A decode-only step's metadata over tensors already on the device (the persistent
         buffers CUDA graphs replay: runner/cuda_graphs.py); no host work, no masks."""
         return AttentionMetadata(slot_mapping=slot_mapping, num_decode=block_tables.shape[0], backend=self,
-                                 decode_block_tables=block_tables, decode_context_lens=context_lens,
-                                 sliding_window=self.sliding_window)
+                                 decode_block_tables=block_tables, decode_context_lens=context_lens)
 
-    def attend(self, meta: AttentionMetadata) -> Callable:
-        """This step's attention, as every layer calls it: (q, k_cache, v_cache, scale) -> [T, Hq, D],
-        the step's K/V already written.  Made once per step, so a layer runs no checks."""
+    def attend(self, meta: AttentionMetadata) -> tuple[Callable, ...]:
+        """This step's attention for each kind (`self.kinds`), as every layer of that kind
+        calls it: (q, k_cache, v_cache, scale) -> [T, Hq, D], the step's K/V already written.
+        Made once per step, so a layer runs no checks."""
+        return tuple(self._attend(meta, kind) for kind in self.kinds)
+
+    def _attend(self, meta: AttentionMetadata, kind: LayerAttention) -> Callable:
         def attend(q, k_cache, v_cache, scale):
-            return paged_attention(q, None, None, k_cache, v_cache, meta, scale)
+            return paged_attention(q, None, None, k_cache, v_cache, meta, scale, kind)
 
         return attend
 
@@ -175,27 +235,31 @@ class AttentionBackend:
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return _sdpa_decode(q, k_cache, v_cache, meta, scale)
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kind: LayerAttention) -> torch.Tensor:
+        return _sdpa_decode(q, k_cache, v_cache, meta, scale, kind)
 
-    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-        out[meta.num_decode:] = _sdpa_prefill(q, k_cache, v_cache, meta, scale)
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                kind: LayerAttention) -> None:
+        out[meta.num_decode:] = _sdpa_prefill(q, k_cache, v_cache, meta, scale, kind)
 
 
 class CpuAttention(AttentionBackend):
-    """Decodes through our C++ kernel, which reads each block in place once; prefills (and,
-    with a sliding window, decodes) through SDPA's masks."""
+    """Decodes through our C++ kernel, which reads each block in place once; prefills (and
+    the decodes of windowed or soft-capped layers, which the kernel has not) through the
+    reference's masks."""
 
     name = "cpu"
 
-    def __init__(self, decode_op: Callable, sliding_window: int | None):
-        super().__init__(sliding_window)
+    def __init__(self, decode_op: Callable, kinds: Sequence[LayerAttention] | None = None):
         self.decode_op = decode_op  # (q, k_cache, v_cache, block_tables, context_lens, scale) -> out
-        self.decode_masks = sliding_window is not None  # the kernel has no window: SDPA then
+        super().__init__(kinds)
 
-    def attend(self, meta):
-        if meta.has_prefill or not meta.num_decode or meta.decode_mask is not None:
-            return super().attend(meta)
+    def decodes_by_reference(self, kind):
+        return kind.window is not None or kind.softcap is not None
+
+    def _attend(self, meta, kind):
+        if meta.has_prefill or not meta.num_decode or self.decodes_by_reference(kind):
+            return super()._attend(meta, kind)
         # decode rows only: straight to the kernel, nothing between a layer and it
         op, tables, lens = self.decode_op, meta.decode_block_tables, meta.decode_context_lens
 
@@ -204,30 +268,34 @@ class CpuAttention(AttentionBackend):
 
         return attend_decodes
 
-    def decode(self, q, k_cache, v_cache, meta, scale):
-        if meta.decode_mask is not None:
-            return _sdpa_decode(q, k_cache, v_cache, meta, scale)
+    def decode(self, q, k_cache, v_cache, meta, scale, kind):
+        if self.decodes_by_reference(kind):
+            return _sdpa_decode(q, k_cache, v_cache, meta, scale, kind)
         return self.decode_op(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
 
 
 class TritonAttention(AttentionBackend):
     """Our Triton kernels (kernels/triton/paged_attention.py): nothing gathered, no masks,
-    no host synchronisation."""
+    no host synchronisation -- for every kind but soft-capped ones, which run the reference."""
 
     name = "triton"
-    decode_masks = False
-    prefill_masks = False
-    graphable = True
 
-    def __init__(self, sliding_window: int | None, num_kv_heads: int, device: torch.device):
+    def __init__(self, kinds: Sequence[LayerAttention] | None, num_kv_heads: int, device: torch.device):
         from tokenloom.kernels.triton import decode_num_splits, fused, paged_attention
 
-        super().__init__(sliding_window)
+        super().__init__(kinds)
+        self.graphable = not self.decode_mask_windows  # the reference's masks are host work
         self._fused, self._pa = fused, paged_attention
         # split-KV decode sizes its splits to the SMs; on CPUs (Triton's interpreter, in tests)
         # a pretend 4, so the splits and their merge are exercised there too
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
         self._num_splits = lambda b: decode_num_splits(b, num_kv_heads, num_sms)
+
+    def decodes_by_reference(self, kind):
+        return kind.softcap is not None
+
+    def prefills_by_reference(self, kind):
+        return kind.softcap is not None
 
     def metadata(self, slot_mapping, device, block_size, **tensors):
         meta = super().metadata(slot_mapping, device, block_size, **tensors)
@@ -242,14 +310,18 @@ class TritonAttention(AttentionBackend):
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self._fused.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def decode(self, q, k_cache, v_cache, meta, scale):
+    def decode(self, q, k_cache, v_cache, meta, scale, kind):
+        if kind.softcap is not None:
+            return _sdpa_decode(q, k_cache, v_cache, meta, scale, kind)
         return self._pa.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
-                                     num_splits=meta.decode_num_splits, window=meta.sliding_window)
+                                     num_splits=meta.decode_num_splits, window=kind.window)
 
-    def prefill(self, q, k_cache, v_cache, meta, scale, out):
+    def prefill(self, q, k_cache, v_cache, meta, scale, out, kind):
+        if kind.softcap is not None:
+            return super().prefill(q, k_cache, v_cache, meta, scale, out, kind)
         self._pa.paged_prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_q_starts,
                                meta.prefill_q_lens, meta.prefill_ctx_lens, meta.prefill_max_q, scale, out,
-                               window=meta.sliding_window)
+                               window=kind.window)
 
 
 def paged_attention(
@@ -260,29 +332,31 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kind: LayerAttention = LayerAttention(),
 ) -> torch.Tensor:
     """Write this step's K/V into the paged cache, then attend. Returns [T, Hq, D]."""
     backend = meta.backend
     if k is not None:
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decode
-    od = backend.decode(q[:nd], k_cache, v_cache, meta, scale) if nd else None
+    od = backend.decode(q[:nd], k_cache, v_cache, meta, scale, kind) if nd else None
     if not meta.has_prefill:  # a decode-only step: the decodes' output is the whole answer, no copy
         return od if od is not None else torch.empty_like(q)
     out = torch.empty_like(q)
     if nd:
         out[:nd] = od
-    backend.prefill(q, k_cache, v_cache, meta, scale, out)
+    backend.prefill(q, k_cache, v_cache, meta, scale, out, kind)
     return out
 
 
 def build_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int, num_kv_heads: int,
-                  sliding_window: int | None) -> AttentionBackend:
-    """The attention backend `name` as the backend plan (model/backends.py) resolved it; nothing is chosen here."""
+                  kinds: Sequence[LayerAttention] | None = None) -> AttentionBackend:
+    """The attention backend `name` for layers of `kinds`, as the backend plan
+    (model/backends.py) resolved it; nothing is chosen here."""
     if name == "triton":
-        return TritonAttention(sliding_window, num_kv_heads, device)
+        return TritonAttention(kinds, num_kv_heads, device)
     if name == "cpu":
         from tokenloom.kernels import cpu as cpu_kernels
 
-        return CpuAttention(cpu_kernels.decode_attention_op(device, dtype, head_dim), sliding_window)
-    return AttentionBackend(sliding_window)
+        return CpuAttention(cpu_kernels.decode_attention_op(device, dtype, head_dim), kinds)
+    return AttentionBackend(kinds)

@@ -1,7 +1,9 @@
 """Which code runs on this machine: every backend choice, resolved once into a `BackendPlan`.
 
     linear     panels | onednn | torch    how each matmul runs, per weight format (model/weights/loader.py packs for it)
-    attention  cpu | triton | sdpa        how attention reads the paged KV cache (model/attention.py)
+    attention  cpu | triton | sdpa        how attention reads the paged KV cache (model/attention.py);
+                                          soft-capped layers (Gemma 2) through the reference where
+                                          the backend's kernels do not cap scores
     ops        torch | cpu | triton       norms, rotary, SwiGLU (model/ops.py)
     flat       on | off                   layers call linears as plain functions (model/layers.py `bound_linear`)
     graphs     on | off (why)             decode steps replay CUDA graphs (runner/cuda_graphs.py)
@@ -31,32 +33,40 @@ OPS_BACKENDS = ("auto", "torch", "cpu", "triton")
 def resolve_backends(device: torch.device, dtype: torch.dtype, fields: Mapping[str, Any], *, linear: str = "auto",
                      attention: str = "auto", ops: str = "auto", quantization: str | None = None,
                      compile: bool = False, enforce_eager: bool = False, tensor_parallel_size: int = 1,
-                     pack_weights: bool = True, lora: bool = False) -> BackendPlan:
+                     pack_weights: bool = True, prequantized: str | None = None, lora: bool = False) -> BackendPlan:
     """The plan for a model whose parsed config is `fields` (`model/hf_config.model_args_fields`:
-    head_dim, sliding_window, qk_norm are read) on `device` in `dtype`, from the user's
-    choices (each "auto" or a name).  ValueError for a choice that cannot run here."""
+    head_dim and attn_softcap are read) on `device` in `dtype`, from the user's
+    choices (each "auto" or a name).  `prequantized`: the checkpoint's own quantization, in
+    words (model/weights/formats `describe_prequantized`).  ValueError for a choice that
+    cannot run here."""
     tp = tensor_parallel_size > 1
-    linear_name = _linear(linear, quantization, device, dtype, tp, pack_weights)
+    if prequantized is not None:
+        linear_name = _prequantized_linear(linear, prequantized, quantization, device, dtype, tp, pack_weights)
+    else:
+        linear_name = _linear(linear, quantization, device, dtype, tp, pack_weights)
     attention_name = _attention(attention, device, dtype, int(fields["head_dim"]))
+    fallback = _attention_fallback(attention_name, fields.get("attn_softcap"))
     ops_name = _ops(ops, device, dtype, attention_name)
     fused_kv_write = ops_name != "torch" and not compile
     # Linears called as plain functions, without nn.Module's dispatch; torch.compile traces
     # the modules (their custom ops), so there they keep module calls.
     flat = not compile
     lora_name = _lora(device, dtype, tp, compile) if lora else None
-    graphs_off = _graphs_off(device, enforce_eager, tp, compile, attention_name, lora)
+    graphs_off = _graphs_off(device, enforce_eager, tp, compile, attention_name, fallback, lora)
     return BackendPlan(device=device.type, dtype=str(dtype).removeprefix("torch."), linear=linear_name,
                        quantization=quantization, attention=attention_name, ops=ops_name,
                        fused_kv_write=fused_kv_write, flat_calls=flat, compile=compile,
-                       cuda_graphs=graphs_off is None, cuda_graphs_off=graphs_off, lora=lora_name)
+                       cuda_graphs=graphs_off is None, cuda_graphs_off=graphs_off, prequantized=prequantized,
+                       attention_fallback=fallback, lora=lora_name)
 
 
-def plan_for_args(args, device: torch.device, dtype: torch.dtype, fields: Mapping[str, Any]) -> BackendPlan:
-    """`resolve_backends` for an `EngineArgs`."""
+def plan_for_args(args, device: torch.device, dtype: torch.dtype, fields: Mapping[str, Any],
+                  prequantized: str | None = None) -> BackendPlan:
+    """`resolve_backends` for an `EngineArgs` (and the checkpoint's own quantization, if any)."""
     return resolve_backends(device, dtype, fields, linear=args.linear_backend, attention=args.attention_backend,
                             ops=args.ops_backend, quantization=args.quantization, compile=args.compile,
                             enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-                            lora=args.enable_lora)
+                            prequantized=prequantized, lora=args.enable_lora)
 
 
 def torch_dtype(plan: BackendPlan) -> torch.dtype:
@@ -97,6 +107,34 @@ def _linear(name: str, quantization: str | None, device: torch.device, dtype: to
     if name == "onednn" and not packing_supported(device, dtype):
         raise ValueError(f"--linear-backend onednn: oneDNN cannot run packed {dtype} linears here")
     return name
+
+
+def _prequantized_linear(name: str, prequantized: str, quantization: str | None, device: torch.device,
+                         dtype: torch.dtype, tp: bool, pack_weights: bool) -> str:
+    """The linear backend for a checkpoint that arrives quantized (model/weights/formats/):
+    panels = our quantized CPU kernel for its quantized layers and our GEMM for the layers it
+    keeps dense (the LM head); torch = PyTorch ops for both (GPUs, or no kernels here)."""
+    from tokenloom.kernels import cpu as cpu_kernels
+    from tokenloom.model.weights.quantization import kernels_available
+
+    if name not in LINEAR_BACKENDS:
+        raise ValueError(f"--linear-backend must be one of {', '.join(LINEAR_BACKENDS)}, got {name!r}")
+    if quantization is not None:
+        raise ValueError(f"--quantization {quantization}: the checkpoint is already quantized ({prequantized}); "
+                         "leave --quantization unset")
+    if tp:
+        raise ValueError(f"a pre-quantized checkpoint ({prequantized}) with --tensor-parallel-size > 1 is not "
+                         "supported yet")
+    if name == "onednn":
+        raise ValueError("a pre-quantized checkpoint runs on --linear-backend panels (our CPU kernels) or torch, "
+                         "not onednn")
+    if not pack_weights:
+        return "torch"
+    panels = (kernels_available(device) and dtype in (torch.float32, torch.bfloat16) and cpu_kernels.load())
+    if name == "panels" and not panels:
+        raise ValueError("--linear-backend panels with a pre-quantized checkpoint needs --device cpu, float32 or "
+                         "bfloat16 and our CPU kernels built")
+    return "panels" if panels and name in ("auto", "panels") else "torch"
 
 
 def _attention(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
@@ -158,8 +196,19 @@ def _lora(device: torch.device, dtype: torch.dtype, tp: bool, compile: bool) -> 
     return "cpu" if cpu_kernels.lora_op(device, dtype) is not None else "torch"
 
 
+def _attention_fallback(attention: str, softcap: float | None) -> str | None:
+    """Which layers the torch reference attends for instead of `attention`, and why; None
+    where the backend runs every layer.  A model's kind of attention a backend's kernels
+    cannot run is decided here, once: the backend then routes those layers (model/attention.py)."""
+    from tokenloom.model.attention import SOFTCAP_NATIVE
+
+    if softcap is None or SOFTCAP_NATIVE[attention]:
+        return None
+    return f"soft-capped scores ({softcap:g}) through the torch reference: the {attention} kernels do not cap"
+
+
 def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bool, attention: str,
-                lora: bool = False) -> str | None:
+                fallback: str | None = None, lora: bool = False) -> str | None:
     """Why decode steps do not replay CUDA graphs, or None where they do."""
     if device.type != "cuda":
         return "not on a CUDA device"
@@ -173,4 +222,6 @@ def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bo
         return "--enable-lora (each step's adapter rows change the work)"
     if attention != "triton":
         return f"the {attention} attention backend cannot be captured (use triton)"
+    if fallback is not None:
+        return "some layers attend through the torch reference, which cannot be captured"
     return None

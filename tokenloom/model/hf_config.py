@@ -1,35 +1,32 @@
 """Read a checkpoint's config.json with the meaning Hugging Face transformers gives it.
 
-config.json is not one format but several: transformers 4 writes rotary settings as a
-top-level `rope_theta` plus an optional `rope_scaling` dict (`"type"` or `"rope_type"`);
-transformers 5 writes one `rope_parameters` dict holding `rope_type`, `rope_theta` and the
-scaling factors.  Keys a file omits take the defaults of *that family's* config class
-(Qwen3's head_dim is 128, not hidden/heads; Mistral's sliding window is 4096 unless the
-file says null), and switches such as Qwen2's `use_sliding_window` gate other keys.
-Reading a key with a generic default silently builds a different model that still runs
-and still emits plausible text, so every field the forward pass needs is resolved here,
-once, and `tests/test_hf_checkpoints.py` checks each against the installed transformers'
-own config classes and models.
+config.json is not one format but several (rotary settings: model/hf_rope.py).  Keys a
+file omits take the defaults of *that family's* config class (Qwen3's head_dim is 128, not
+hidden/heads; Mistral's sliding window is 4096 unless the file says null; Gemma 2 caps its
+logits at 30 unless the file says null), and switches such as Qwen2's `use_sliding_window`
+gate other keys.  Reading a key with a generic default silently builds a different model
+that still runs and still emits plausible text, so every field the forward pass needs is
+resolved here, once, and tests/test_hf_checkpoints.py and tests/test_families.py check each
+against the installed transformers' own config classes and models.
 
 Pure Python (no torch, no transformers import), so the simulator and the estimator can
 read a checkpoint the same way the engine does.  Anything tokenloom's model code cannot
-honour (a rope type it has no tables for, partial rotary, per-layer windows) is refused
-here with a ValueError naming the key, never approximated.
+honour (a rope type it has no tables for, partial rotary, bidirectional attention) is
+refused here with a ValueError naming the key, never approximated.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-# Rotary variants whose tables the model can build.  "dynamic" (NTK-aware) equals "default"
-# at every position below max_position_embeddings, which is as far as the engine lets a
-# sequence run; transformers only rescales past it, recomputing the rotation of positions
-# that a KV cache has already stored.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+from tokenloom.model.hf_rope import SUPPORTED_ROPE_TYPES, per_layer_type_rope, rope_settings
 
-# transformers' default for rope_theta when a config names none (`default_theta`).
-_DEFAULT_THETA = 10000.0
+__all__ = ["SUPPORTED_ROPE_TYPES", "model_args_fields", "rope_settings", "layer_types"]
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+# The MLP activations the model runs (GeGLU's two GELUs and SwiGLU's SiLU), as transformers names them.
+ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu")
 
 # The defaults of each family's transformers config class, for keys a config.json omits.
 # `None` where the class derives the value (head_dim = hidden // heads, kv heads = heads).
@@ -37,6 +34,11 @@ _COMMON = dict(
     vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
     num_key_value_heads=None, head_dim=None, rms_norm_eps=1e-6, hidden_act="silu",
     tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+)
+_GEMMA_COMMON = dict(
+    hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+    head_dim=256, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, tie_word_embeddings=True,
+    attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096, layer_types=None,
 )
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {**_COMMON, "intermediate_size": 11008, "max_position_embeddings": 2048},
@@ -54,7 +56,25 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 32, "head_dim": 128, "use_sliding_window": False, "sliding_window": 4096,
         "max_window_layers": 28, "layer_types": None,
     },
+    "Gemma2ForCausalLM": {
+        **_GEMMA_COMMON, "vocab_size": 256000, "max_position_embeddings": 8192,
+        "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "use_bidirectional_attention": None,
+    },
+    "Gemma3ForCausalLM": {
+        **_GEMMA_COMMON, "vocab_size": 262208, "max_position_embeddings": 131072,
+        "final_logit_softcapping": None, "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+        "sliding_window_pattern": 6,
+    },
+    "Phi3ForCausalLM": {
+        **_COMMON, "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "sliding_window": None,
+    },
 }
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Gemma 3's rotation per layer type when the file names none (Gemma3TextConfig.default_theta).
+_GEMMA3_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
+# Phi-3's config class renames these old rope types to "longrope".
+_PHI3_ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}
 
 
 def model_args_fields(cfg: dict, architecture: str) -> dict[str, Any]:
@@ -63,19 +83,37 @@ def model_args_fields(cfg: dict, architecture: str) -> dict[str, Any]:
     if architecture not in _FAMILY_DEFAULTS:
         raise ValueError(f"no config reader for architecture {architecture!r}")
     get = _getter(cfg, architecture)
-    act = get("hidden_act")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+    gemma, phi3 = architecture in _GEMMA, architecture == "Phi3ForCausalLM"
+    act_key = "hidden_activation" if gemma else "hidden_act"  # Gemma's classes read hidden_activation only
+    act = get(act_key)
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{act_key} {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    if gemma and get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention is not supported (tokenloom runs causal decoders)")
     hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
     num_layers = int(get("num_hidden_layers"))
     head_dim = int(get("head_dim") or hidden // heads)
     max_pos = int(get("max_position_embeddings"))
-    theta, scaling = rope_settings(cfg, max_pos)
-    qwen2 = architecture == "Qwen2ForCausalLM"
-    mistral = architecture == "MistralForCausalLM"
-    # Qwen2's attention always carries q/k/v biases and never an o bias; Mistral's none
-    # (neither class reads attention_bias); Llama and Qwen3 put it on all four projections.
-    attention_bias = False if mistral else bool(get("attention_bias"))
+    local_theta, local_scaling = None, None
+    if architecture == "Gemma3ForCausalLM":
+        ropes = per_layer_type_rope(cfg, max_pos, _GEMMA3_THETA, "rope_local_base_freq")
+        (theta, scaling), (local_theta, local_scaling) = ropes[FULL], ropes[SLIDING]
+    elif phi3:
+        theta, scaling = rope_settings(cfg, max_pos, original_max=int(get("original_max_position_embeddings")),
+                                       aliases=_PHI3_ROPE_ALIASES)
+        if (scaling or {}).get("rope_type", "longrope") != "longrope":
+            raise ValueError(f"Phi-3's rope type must be longrope (or su), got {scaling['rope_type']!r}")
+    else:
+        theta, scaling = rope_settings(cfg, max_pos)
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        if not phi3:  # transformers recomputes the cache at the switch for Phi-3 only; the others keep stale keys
+            raise ValueError("rope type 'longrope' is read for Phi-3 only (Phi3ForCausalLM)")
+        _check_longrope(scaling, head_dim)
+    qwen2, mistral = architecture == "Qwen2ForCausalLM", architecture == "MistralForCausalLM"
+    # Qwen2's attention always carries q/k/v biases and never an o bias; Mistral's and Phi-3's
+    # none (their classes do not read attention_bias); the others put it on all four projections.
+    attention_bias = False if mistral or phi3 else bool(get("attention_bias"))
+    types, window = layer_types(cfg, architecture, num_layers)
     return dict(
         architecture=architecture,
         vocab_size=int(get("vocab_size")),
@@ -94,8 +132,22 @@ def model_args_fields(cfg: dict, architecture: str) -> dict[str, Any]:
         o_bias=False if qwen2 else attention_bias,
         # Only Llama's MLP reads mlp_bias; the other families' MLPs have no bias.
         mlp_bias=bool(get("mlp_bias")) if architecture == "LlamaForCausalLM" else False,
-        qk_norm=architecture == "Qwen3ForCausalLM",
-        sliding_window=sliding_window(cfg, architecture, num_layers),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        sliding_window=window,
+        layer_types=types,
+        hidden_act="silu" if act == "swish" else act,
+        # Gemma: scores scaled by query_pre_attn_scalar^-1/2, not head_dim^-1/2; Gemma 3's
+        # attention layer never passes its attn_logit_softcapping on, so only Gemma 2 caps.
+        query_pre_attn_scalar=float(get("query_pre_attn_scalar")) if gemma else None,
+        attn_softcap=_cap(get("attn_logit_softcapping")) if architecture == "Gemma2ForCausalLM" else None,
+        final_softcap=_cap(get("final_logit_softcapping")) if gemma else None,
+        # Gemma: embeddings times sqrt(hidden); RMSNorm weights stored as offsets from 1
+        # (x * (1 + w)); a norm after attention and around the MLP as well ("sandwich").
+        embed_scale=hidden ** 0.5 if gemma else None,
+        norm_offset=1.0 if gemma else 0.0,
+        sandwich_norm=gemma,
+        local_rope_theta=local_theta,
+        local_rope_scaling=local_scaling,
     )
 
 
@@ -108,35 +160,41 @@ def _getter(cfg: dict, architecture: str):
     return get
 
 
-def sliding_window(cfg: dict, architecture: str, num_layers: int) -> int | None:
-    """The attention window every layer uses (None: full causal attention).
+def layer_types(cfg: dict, architecture: str, num_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """Each layer's attention ("sliding_attention" or "full_attention") and the window the
+    sliding ones use (None where no layer slides), as the family's config class decides.
 
-    Mistral applies `sliding_window` to every layer.  Qwen2/Qwen3 apply it only when
-    `use_sliding_window` is set, and only to the layers `layer_types` marks
-    "sliding_attention" — by default those with index >= `max_window_layers`.  Llama has
-    no window (a stray key is ignored, as transformers ignores it).  A model whose layers
-    differ is refused: `ModelArgs` holds one window for all layers.
-    """
+    Mistral and Phi-3 apply `sliding_window` to every layer.  Qwen2/Qwen3 apply it only when
+    `use_sliding_window` is set, and only to the layers `layer_types` marks sliding -- by
+    default those with index >= `max_window_layers`.  Gemma 2 alternates, sliding first;
+    Gemma 3 slides on all but every `sliding_window_pattern`-th layer (6); either takes an
+    explicit `layer_types`.  Llama has no window (a stray key is ignored, as transformers
+    ignores it)."""
     get = _getter(cfg, architecture)
-    if architecture == "MistralForCausalLM":
-        return _window(get("sliding_window"))
-    if architecture not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        return None
-    window = _window(get("sliding_window")) if get("use_sliding_window") else None
-    layer_types = get("layer_types")
-    if layer_types is None:
-        first_sliding = int(get("max_window_layers"))
-        layer_types = ["sliding_attention" if window is not None and i >= first_sliding else "full_attention"
-                       for i in range(num_layers)]
-    if len(layer_types) != num_layers:
-        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
-    windows = {window if t == "sliding_attention" else None for t in layer_types}
-    if len(windows) > 1:
-        raise ValueError(
-            f"this checkpoint mixes sliding-window ({window}) and full-attention layers "
-            f"(use_sliding_window with max_window_layers/layer_types); tokenloom runs one "
-            f"attention window for all layers")
-    return windows.pop()
+    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        window = _window(get("sliding_window"))
+        return ((SLIDING if window is not None else FULL,) * num_layers), window
+    if architecture == "LlamaForCausalLM":
+        return (FULL,) * num_layers, None
+    types = get("layer_types")
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        window = _window(get("sliding_window")) if get("use_sliding_window") else None
+        if types is None:
+            first_sliding = int(get("max_window_layers"))
+            types = [SLIDING if window is not None and i >= first_sliding else FULL for i in range(num_layers)]
+        # with use_sliding_window off a "sliding" layer type keeps full attention (no window)
+        types = [t if window is not None else FULL for t in types]
+    else:  # Gemma 2 / 3
+        window = _window(get("sliding_window"))
+        if types is None:
+            every = 2 if architecture == "Gemma2ForCausalLM" else int(get("sliding_window_pattern"))
+            types = [SLIDING if (i + 1) % every else FULL for i in range(num_layers)]
+    types = tuple(types)
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    if set(types) - {SLIDING, FULL}:
+        raise ValueError(f"layer_types may hold only {SLIDING!r} and {FULL!r}, got {sorted(set(types))}")
+    return types, window if SLIDING in types else None
 
 
 def _window(value: Any) -> int | None:
@@ -147,88 +205,16 @@ def _window(value: Any) -> int | None:
     return int(value)
 
 
-def rope_settings(cfg: dict, max_position_embeddings: int) -> tuple[float, dict | None]:
-    """(rope_theta, scaling) from either config format, as transformers normalises them.
-
-    `scaling` is None for plain rotary embeddings, else a dict holding `rope_type` and
-    every parameter its frequency table needs, resolved (defaults filled in, yarn's
-    attention factor computed), so the table builder reads no defaults of its own.
-    As in transformers, `rope_scaling` wins over `rope_parameters` when a file has both,
-    and a theta inside the dict wins over a top-level one.
-    """
-    raw = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if not isinstance(raw, dict):
-        raise ValueError(f"rope_parameters must be a dict, got {raw!r}")
-    if raw and all(isinstance(v, dict) for v in raw.values()):
-        raise ValueError(f"per-layer-type rotary settings ({', '.join(raw)}) are not supported")
-    params = dict(raw)
-    theta = params.get("rope_theta", cfg.get("rope_theta", _DEFAULT_THETA))
-    theta = float(theta if theta is not None else _DEFAULT_THETA)
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-    if partial is not None and float(partial) != 1.0:
-        raise ValueError(f"partial_rotary_factor {partial} is not supported (tokenloom rotates whole heads)")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    if rope_type == "default":
-        return theta, None
-    if rope_type in ("llama3", "yarn"):
-        # transformers: a top-level original_max_position_embeddings (Phi-3 style) wins,
-        # else the dict's own, else max_position_embeddings.
-        orig = cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-        params["original_max_position_embeddings"] = int(orig or max_position_embeddings)
-    if rope_type == "linear":
-        return theta, {"rope_type": "linear", "factor": _factor(params)}
-    if rope_type == "dynamic":
-        return theta, {"rope_type": "dynamic", "factor": _factor(params),
-                       "max_position_embeddings": int(max_position_embeddings)}
-    if rope_type == "llama3":
-        return theta, {
-            "rope_type": "llama3",
-            "factor": _factor(params),
-            "low_freq_factor": float(_required(params, "low_freq_factor", rope_type)),
-            "high_freq_factor": float(_required(params, "high_freq_factor", rope_type)),
-            "original_max_position_embeddings": params["original_max_position_embeddings"],
-        }
-    return theta, _yarn(params, max_position_embeddings)
+def _cap(value: Any) -> float | None:
+    if value is None:
+        return None
+    if float(value) <= 0:
+        raise ValueError(f"logit soft-capping must be a positive number, got {value!r}")
+    return float(value)
 
 
-def _yarn(params: dict, max_position_embeddings: int) -> dict:
-    """YaRN's parameters with transformers' defaults: factor from the context extension
-    when absent, the attention factor (cos/sin scale) from the paper's mscale, beta_fast
-    32, beta_slow 1, truncated correction range."""
-    orig = params["original_max_position_embeddings"]
-    factor = params.get("factor")
-    factor = float(factor) if factor is not None else max_position_embeddings / orig
-    attention_factor = params.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = _yarn_mscale(factor)
-    truncate = params.get("truncate")
-    return {
-        "rope_type": "yarn",
-        "factor": factor,
-        "original_max_position_embeddings": orig,
-        "attention_factor": float(attention_factor),
-        "beta_fast": float(params.get("beta_fast") or 32),
-        "beta_slow": float(params.get("beta_slow") or 1),
-        "truncate": True if truncate is None else bool(truncate),
-    }
-
-
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature (its paper's eq. 21): 0.1 * mscale * ln(s) + 1."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _factor(params: dict) -> float:
-    return float(_required(params, "factor", params.get("rope_type", params.get("type"))))
-
-
-def _required(params: dict, key: str, rope_type: str) -> Any:
-    if params.get(key) is None:
-        raise ValueError(f"rope type {rope_type!r} needs {key!r} in rope_parameters/rope_scaling")
-    return params[key]
+def _check_longrope(scaling: dict, head_dim: int) -> None:
+    for key in ("short_factor", "long_factor"):
+        if len(scaling[key]) != head_dim // 2:
+            raise ValueError(f"longrope {key} has {len(scaling[key])} entries; a head of {head_dim} needs "
+                             f"{head_dim // 2}")

@@ -1,4 +1,4 @@
-"""Building blocks shared by the decoder families: RMSNorm, rotary embeddings, SwiGLU MLP,
+"""Building blocks shared by the decoder families: RMSNorm, rotary embeddings, gated MLP,
 and how a layer calls its linears (`bound_linear`).
 
 Rotary embeddings are what make a decode step position-aware without recomputing the
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.model.ops import TORCH, Ops, rotate  # noqa: F401 (rotate: the reference, re-exported)
-from tokenloom.model.rope_scaling import rope_inv_freq
+from tokenloom.model.rope_scaling import rope_inv_freqs
 
 
 class RMSNorm(nn.Module):
@@ -36,15 +36,20 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position (HF's rotate_half layout)."""
+    """Precomputed cos/sin tables indexed by absolute position (HF's rotate_half layout).
+
+    LongRoPE beyond its pretraining length keeps a second table after the first: a request
+    longer than `long_from` tokens reads rows `long_offset` + position (the model runner
+    offsets its positions), so every kernel that gathers rows by position reads the right
+    one without knowing there are two."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        # every rope type's frequencies (and YaRN's attention factor), as transformers computes them
-        inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling, max_positions)
+        # every rope type's frequencies (and YaRN's and LongRoPE's attention factor), as transformers computes them
+        inv_freqs, attention_factor, self.long_from = rope_inv_freqs(head_dim, theta, scaling, max_positions)
+        self.long_offset = max_positions
         t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
+        emb = torch.cat([torch.cat([f, f], dim=-1) for f in (torch.outer(t, inv) for inv in inv_freqs)], dim=0)
         self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
         self.ops: Ops = TORCH  # the model's ops backend (CausalLM.bind)
@@ -67,17 +72,37 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP's weights, gate and up projections fused into one matmul at load time:
-    down(silu(gate) * up), run by the layer that holds it (model/llama.py `LayerStep`)."""
+    """A gated MLP's weights, gate and up projections fused into one matmul at load time:
+    down(act(gate) * up), SiLU (SwiGLU) or GELU (GeGLU).  `bind` makes the callable its
+    layer runs (model/llama.py `LayerStep`)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, act: str = "silu"):
         super().__init__()
         self.intermediate = intermediate
+        self.act = act
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
+    def bind(self, ops: Ops, flat: bool, wrap: "WrapLinear | None" = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """h -> down(act(gate) * up), its linears called as `bound_linear` makes them (then
+        through `wrap`, if given: `wrap("gate_up", fn)`, `wrap("down", fn)`) and the
+        activation from `ops` (chosen here, once)."""
+        gate_up, down = bound_linear(self.gate_up_proj, flat), bound_linear(self.down_proj, flat)
+        if wrap is not None:
+            gate_up, down = wrap("gate_up", gate_up), wrap("down", down)
+        act_and_mul = ops.act_and_mul(self.act)
+
+        def mlp(h):
+            return down(act_and_mul(gate_up(h)))
+
+        mlp.act_and_mul = act_and_mul  # what it was bound to, for whoever checks the plan took
+        return mlp
+
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+# What may wrap a layer's bound linears (by name: qkv, o, gate_up, down), e.g. LoRA's deltas
+# beside them (model/lora.py `lora_wrapper`, which adds the layer's index)
+WrapLinear = Callable[[str, Linear], Linear]
 
 
 def bound_linear(m: nn.Module, flat: bool) -> Linear:

@@ -1,11 +1,18 @@
-"""The decoder-only transformer of the Llama family, configured by config.json.
+"""The dense decoder-only transformer, configured by config.json: Llama, Mistral, Qwen2,
+Qwen3, Gemma 2, Gemma 3 (text) and Phi-3.
 
-One class covers Llama, Mistral, Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on each
-head's q and k): they differ only in switches.  The forward pass takes *all* tokens
-of *all* requests scheduled in a step, flattened into one sequence — prefill chunks
-and decode tokens together — and returns hidden states; logits are computed only for
-the rows that will be sampled (`compute_logits`).  The model knows nothing about
-requests: the paged-attention metadata tells each token where its history is.
+One layer loop covers them all; the families differ only in switches and in the pieces
+`DecoderLayer.bind` chooses once: biases (Qwen2), RMSNorm on each head's q and k (Qwen3,
+Gemma 3), the MLP's activation (SwiGLU; Gemma's GeGLU), Gemma's "sandwich" norms (after
+attention and around the MLP too), each layer's attention kind (a sliding window on some
+layers, soft-capped scores: model/attention.py) and rotation (Gemma 3's sliding layers
+rotate with their own base).  Loading maps each family's checkpoint onto the same weights
+(model/weights/loader.py: Phi-3 stores q/k/v and gate/up already fused; Gemma stores its
+norm weights as offsets from 1).  The forward pass takes *all* tokens of *all* requests
+scheduled in a step, flattened into one sequence -- prefill chunks and decode tokens
+together -- and returns hidden states; logits are computed only for the rows that will be
+sampled (`compute_logits`).  The model knows nothing about requests: the paged-attention
+metadata tells each token where its history is.
 """
 
 from __future__ import annotations
@@ -17,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenloom.model.attention import AttentionBackend, AttentionMetadata
-from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, bound_linear
+from tokenloom.model.attention import AttentionBackend, AttentionMetadata, LayerAttention, attention_kinds
+from tokenloom.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, WrapLinear, bound_linear
 from tokenloom.model.ops import Ops, rotate
 
 RopeKV = Callable  # (qkv, StepInputs, k_cache, v_cache) -> q: `Attention.bind_rope_kv`
@@ -30,7 +37,7 @@ def _no_tables(positions: torch.Tensor, dtype: torch.dtype) -> None:
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """The config.json fields the forward pass needs, resolved per family."""
+    """The config.json fields the forward pass needs, resolved per family (model/hf_config.py)."""
 
     architecture: str
     vocab_size: int
@@ -49,7 +56,17 @@ class ModelArgs:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    sliding_window: int | None
+    sliding_window: int | None  # the window of the layers `layer_types` marks sliding
+    layer_types: tuple[str, ...] = ()  # "sliding_attention" | "full_attention" per layer (empty: all full)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu | gelu_pytorch_tanh | gelu
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power (Gemma), else head_dim's
+    attn_softcap: float | None = None  # attention scores capped by cap * tanh(s / cap) (Gemma 2)
+    final_softcap: float | None = None  # the logits capped the same way (Gemma)
+    embed_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden))
+    norm_offset: float = 0.0  # RMSNorm weights stored as offsets from 1 (Gemma: x * (1 + w))
+    sandwich_norm: bool = False  # norms after attention and around the MLP too (Gemma)
+    local_rope_theta: float | None = None  # sliding layers rotate with this base instead (Gemma 3)
+    local_rope_scaling: dict | None = None
 
     @classmethod
     def from_hf_config(cls, cfg: dict, architecture: str) -> "ModelArgs":
@@ -58,6 +75,15 @@ class ModelArgs:
         from tokenloom.model.hf_config import model_args_fields
 
         return cls(**model_args_fields(cfg, architecture))
+
+    def sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    @property
+    def layer_attention(self) -> tuple[LayerAttention, ...]:
+        """Each layer's attention kind: its window and its scores' soft-cap."""
+        return tuple(LayerAttention(self.sliding_window if self.sliding(i) else None, self.attn_softcap)
+                     for i in range(self.num_layers))
 
 
 class Attention(nn.Module):
@@ -73,11 +99,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.o_bias)
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
-        self.scale = a.head_dim ** -0.5
+        self.scale = (a.query_pre_attn_scalar or a.head_dim) ** -0.5
 
-    def bind_rope_kv(self, ops: Ops, rope: RotaryEmbedding, backend: AttentionBackend) -> RopeKV:
-        """This block's step from the qkv projection to the query: rotate q and k, normalise
-        them first where the family does (Qwen3), and write k and v into the paged cache --
+    def bind_rope_kv(self, ops: Ops, rope: RotaryEmbedding, rope_index: int, backend: AttentionBackend) -> RopeKV:
+        """This block's step from the qkv projection to the query: rotate q and k (with
+        `rope`, whose step tables are `StepInputs.cs[rope_index]`), normalise them first
+        where the family does (Qwen3, Gemma 3), and write k and v into the paged cache --
         in one op where the ops backend has it.  Chosen here, once, not on every call."""
         hq, hk, d, q_size, kv_size = self.num_heads, self.num_kv_heads, self.head_dim, self.q_size, self.kv_size
         cos, sin, write_kv = rope.cos, rope.sin, backend.write_kv
@@ -94,7 +121,7 @@ class Attention(nn.Module):
                 # q and k sit side by side in the qkv output and share positions: one rotation
                 # for both (half the ops; on a GPU, half the launches).
                 t = qkv.shape[0]
-                qk = rotate(qkv[:, : q_size + kv_size].view(t, hq + hk, d), *s.cs)
+                qk = rotate(qkv[:, : q_size + kv_size].view(t, hq + hk, d), *s.cs[rope_index])
                 write_kv(qk[:, hq:], qkv[:, q_size + kv_size:].view(t, hk, d), k_cache, v_cache, s.slots)
                 return qk[:, :hq]
 
@@ -106,7 +133,7 @@ class Attention(nn.Module):
             t = qkv.shape[0]
             q = rms_norm(qkv[:, :q_size].view(t, hq, d), qw, eps)
             k = rms_norm(qkv[:, q_size: q_size + kv_size].view(t, hk, d), kw, eps)
-            q, k = rope_op(q, k, s.positions, cos, sin, s.cs)
+            q, k = rope_op(q, k, s.positions, cos, sin, s.cs[rope_index])
             write_kv(k, qkv[:, q_size + kv_size:].view(t, hk, d), k_cache, v_cache, s.slots)
             return q
 
@@ -115,26 +142,44 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     """One layer's weights (what loading, sharding, packing and quantizing act on); it runs
-    as the `LayerStep` that `bind` makes of it."""
+    as the `LayerStep` that `bind` makes of it.  `kind` and `rope_index` (set by `CausalLM`):
+    which of the backend's attention kinds and which of the model's rotations it uses."""
 
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        h, eps = a.hidden_size, a.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps)
         self.self_attn = Attention(a)
-        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
+        # Llama & co: the MLP's input norm.  Gemma ("sandwich"): the attention output's norm,
+        # the MLP then between pre_ and post_feedforward_layernorm.
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        if a.sandwich_norm:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps)
+            self.post_feedforward_layernorm = RMSNorm(h, eps)
+        self.mlp = GatedMLP(h, a.intermediate_size, a.mlp_bias, a.hidden_act)
+        self.kind, self.rope_index = 0, 0
 
-    def bind(self, ops: Ops, rope: RotaryEmbedding, backend: AttentionBackend, flat: bool) -> "LayerStep":
-        attn, mlp = self.self_attn, self.mlp
+    def bind(self, ops: Ops, ropes: tuple[RotaryEmbedding, ...], backend: AttentionBackend,
+             flat: bool, wrap: WrapLinear | None = None) -> "LayerStep":
+        attn = self.self_attn
         call = functools.partial(bound_linear, flat=flat)
-        return LayerStep(self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                         self.input_layernorm.eps, call(attn.qkv_proj), call(attn.o_proj), call(mlp.gate_up_proj),
-                         call(mlp.down_proj), attn.bind_rope_kv(ops, rope, backend), attn.q_size, attn.scale, ops)
+        qkv, o = call(attn.qkv_proj), call(attn.o_proj)
+        if wrap is not None:  # e.g. LoRA adapters' deltas beside the linears (model/lora.py)
+            qkv, o = wrap("qkv", qkv), wrap("o", o)
+        sandwich = hasattr(self, "pre_feedforward_layernorm")
+        attn_out_norm = self.post_attention_layernorm.weight if sandwich else None
+        ffn_norm = (self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm).weight
+        ffn_out_norm = self.post_feedforward_layernorm.weight if sandwich else None
+        rope_kv = attn.bind_rope_kv(ops, ropes[self.rope_index], self.rope_index, backend)
+        return LayerStep(self.input_layernorm.weight, attn_out_norm, ffn_norm, ffn_out_norm, self.input_layernorm.eps,
+                         qkv, o, self.mlp.bind(ops, flat, wrap), rope_kv, self.kind,
+                         attn.q_size, attn.scale, ops)
 
 
 class StepInputs:
-    """What every layer reads of one step: positions, KV slots, the rotation tables (where
-    a layer rotates with them) and the step's attention (`AttentionBackend.attend`)."""
+    """What every layer reads of one step: positions, KV slots, the rotation tables of each
+    of the model's rotations (where a layer rotates with them, not the fused op) and the
+    step's attention for each attention kind (`AttentionBackend.attend`)."""
 
     __slots__ = ("positions", "slots", "cs", "attend")
 
@@ -143,24 +188,28 @@ class StepInputs:
 
 
 class LayerStep:
-    """One decoder layer of the Llama family, bound for running: its norm weights, its four
-    linears as callables and the model's ops.  The family's layer is written here once;
-    how each piece is called (our CPU ops or PyTorch's, linears as plain functions or
-    through their modules, the fused rotary + KV write or not) was bound by
-    `DecoderLayer.bind` from the backend plan (model/backends.py), so the same code runs a
-    batch-1 CPU decode step, a chunked prefill, a tensor-parallel shard and a CUDA graph.
+    """One decoder layer, bound for running: its norm weights, its linears and MLP as
+    callables, its attention kind and the model's ops.  The layer is written here once for
+    every family; how each piece is called (our CPU ops or PyTorch's, linears as plain
+    functions or through their modules, the fused rotary + KV write or not, SwiGLU or
+    GeGLU) was bound by `DecoderLayer.bind` from the backend plan (model/backends.py), so
+    the same code runs a batch-1 CPU decode step, a chunked prefill, a tensor-parallel
+    shard and a CUDA graph.  `attn_out_norm` / `ffn_out_norm` (Gemma's extra norms) are
+    None where the family has none.
 
     x: the previous layer's output, not yet added to `residual`, the stream of sums before
     it (None at the first layer); each add happens inside the norm that follows it."""
 
-    __slots__ = ("input_norm", "post_norm", "eps", "qkv", "o", "gate_up", "down", "rope_kv", "q_size", "scale",
-                 "rms_norm", "add_rms_norm", "silu_and_mul")
+    __slots__ = ("input_norm", "attn_out_norm", "ffn_norm", "ffn_out_norm", "eps", "qkv", "o", "mlp", "rope_kv",
+                 "kind", "q_size", "scale", "rms_norm", "add_rms_norm")
 
-    def __init__(self, input_norm, post_norm, eps, qkv, o, gate_up, down, rope_kv, q_size, scale, ops: Ops):
-        self.input_norm, self.post_norm, self.eps = input_norm, post_norm, eps
-        self.qkv, self.o, self.gate_up, self.down, self.rope_kv = qkv, o, gate_up, down, rope_kv
+    def __init__(self, input_norm, attn_out_norm, ffn_norm, ffn_out_norm, eps, qkv, o, mlp, rope_kv, kind,
+                 q_size, scale, ops: Ops):
+        self.input_norm, self.attn_out_norm = input_norm, attn_out_norm
+        self.ffn_norm, self.ffn_out_norm = ffn_norm, ffn_out_norm
+        self.eps, self.qkv, self.o, self.mlp, self.rope_kv, self.kind = eps, qkv, o, mlp, rope_kv, kind
         self.q_size, self.scale = q_size, scale
-        self.rms_norm, self.add_rms_norm, self.silu_and_mul = ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul
+        self.rms_norm, self.add_rms_norm = ops.rms_norm, ops.add_rms_norm
 
     def __call__(self, x, residual, s: StepInputs, k_cache, v_cache):
         """Returns this layer's (output, residual)."""
@@ -169,9 +218,14 @@ class LayerStep:
         else:
             h, residual = self.add_rms_norm(x, residual, self.input_norm, self.eps)
         q = self.rope_kv(self.qkv(h), s, k_cache, v_cache)
-        x = self.o(s.attend(q, k_cache, v_cache, self.scale).reshape(x.shape[0], self.q_size))
-        h, residual = self.add_rms_norm(x, residual, self.post_norm, self.eps)
-        return self.down(self.silu_and_mul(self.gate_up(h))), residual
+        x = self.o(s.attend[self.kind](q, k_cache, v_cache, self.scale).reshape(x.shape[0], self.q_size))
+        if self.attn_out_norm is not None:
+            x = self.rms_norm(x, self.attn_out_norm, self.eps)
+        h, residual = self.add_rms_norm(x, residual, self.ffn_norm, self.eps)
+        x = self.mlp(h)
+        if self.ffn_out_norm is not None:
+            x = self.rms_norm(x, self.ffn_out_norm, self.eps)
+        return x, residual
 
 
 class CausalLM(nn.Module):
@@ -186,24 +240,63 @@ class CausalLM(nn.Module):
         self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         with torch.device("cpu"):  # real tables even when the rest is built on the meta device
             self.rope = RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling)
+            self.local_rope = (RotaryEmbedding(a.head_dim, max_positions, a.local_rope_theta, a.local_rope_scaling)
+                               if a.local_rope_theta is not None else None)
+        if self.local_rope is not None and self.rope.long_from is not None:
+            raise ValueError("longrope with a second rotation for sliding layers is not supported")
+        # the backend serves these attention kinds (model/attention.py); each layer names its own.
+        # A window no shorter than the longest sequence is full attention (Phi-3-128k's 262144):
+        # left out, so those layers keep the kernels that have no window.
+        per_layer = [LayerAttention(k.window if k.window is not None and k.window < max_positions else None,
+                                    k.softcap) for k in a.layer_attention]
+        self.attention_kinds, kinds = attention_kinds(per_layer)
+        for i, layer in enumerate(self.layers):
+            layer.kind = kinds[i]
+            layer.rope_index = 1 if self.local_rope is not None and a.sliding(i) else 0
         self.steps: list[LayerStep] = []  # `bind` makes them, after loading and packing
 
-    def bind(self, ops: Ops, backend: AttentionBackend, flat: bool = True) -> None:
+    @property
+    def ropes(self) -> tuple[RotaryEmbedding, ...]:
+        return (self.rope,) if self.local_rope is None else (self.rope, self.local_rope)
+
+    def bind(self, ops: Ops, backend: AttentionBackend, flat: bool = True,
+             wrap: Callable[[int, str, Linear], Linear] | None = None) -> None:
         """Bind every layer for running, as the backend plan chose (model/backends.py): its
-        small ops through `ops` (model/ops.py), its KV writes through `backend`, its linears
-        as plain functions where `flat` (no nn.Module dispatch per call: a batch-1 CPU decode
-        step is weights streamed with little else, and the module machinery around a dozen
-        calls a layer shows), else through their modules (torch.compile traces those).
-        Called once the weights are in their final form (loaded, sharded, packed)."""
+        small ops through `ops` (model/ops.py), its KV writes and attention through `backend`
+        (built for `self.attention_kinds`), its linears as plain functions where `flat` (no
+        nn.Module dispatch per call: a batch-1 CPU decode step is weights streamed with little
+        else, and the module machinery around a dozen calls a layer shows), else through their
+        modules (torch.compile traces those), each then through `wrap(layer index, name, fn)`
+        where given (LoRA: model/lora.py).  Called once the weights are in their final form
+        (loaded, sharded, packed)."""
+        if backend.kinds != self.attention_kinds:
+            raise ValueError(f"the attention backend serves kinds {backend.kinds}, the model's layers "
+                             f"{self.attention_kinds}")
         self.ops = ops
         for m in self.modules():
             if hasattr(m, "ops"):
                 m.ops = ops
-        self.steps = [layer.bind(ops, self.rope, backend, flat) for layer in self.layers]
-        self._embed = self.embed_tokens.forward if flat else self.embed_tokens
+        ropes = self.ropes
+        self.steps = [layer.bind(ops, ropes, backend, flat, functools.partial(wrap, i) if wrap else None)
+                      for i, layer in enumerate(self.layers)]
+        embed = self.embed_tokens.forward if flat else self.embed_tokens
+        if self.args.embed_scale is not None:
+            # Gemma: times sqrt(hidden) rounded to the model's dtype, as the reference rounds it
+            scale = torch.tensor(self.args.embed_scale).to(self.norm.weight)
+
+            def scaled_embed(ids):
+                return embed(ids) * scale
+
+            self._embed = scaled_embed
+        else:
+            self._embed = embed
         # the rotation tables of a step, where some layer rotates with them (not the fused op)
         fused = ops.rope_write_kv is not None and not self.args.qk_norm
-        self._tables = _no_tables if fused else self.rope.at
+
+        def tables(positions, dtype):
+            return tuple(r.at(positions, dtype) for r in ropes)
+
+        self._tables = _no_tables if fused else tables
 
     def forward(
         self,
@@ -220,11 +313,21 @@ class CausalLM(nn.Module):
             x, residual = layer(x, residual, s, k_cache, v_cache)
         return x + residual
 
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Rows of `forward`'s hidden states after the final norm: what an embedding pools
+        (the base model's `last_hidden_state` in transformers)."""
+        return self.norm(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = self.norm(hidden)
         if self.lm_head is not None:
-            return self.lm_head(h).float()
-        return torch.nn.functional.linear(h, self.embed_tokens.weight).float()  # tied embeddings
+            logits = self.lm_head(h).float()
+        else:
+            logits = torch.nn.functional.linear(h, self.embed_tokens.weight).float()  # tied embeddings
+        cap = self.args.final_softcap
+        if cap is not None:  # Gemma: cap * tanh(logits / cap), in the reference's order
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def prepack(self) -> int:
         """CPU fast path: oneDNN-packed weights for every matmul (see packed_linear.py).

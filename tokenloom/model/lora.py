@@ -19,7 +19,8 @@ are stacked (one shrink for all three) and each B writes its own slice of the ou
     shrink t = x A^T:    [ t_q: R | t_k: R | t_v: R ]
     expand:              y[:, q] += t_q B_q^T;  y[:, k] += t_k B_k^T;  y[:, v] += t_v B_v^T
 
-A module the adapter does not target keeps zeros in its slot: its delta is zero.  The
+A module the adapter does not target keeps zeros in its slot: its delta is zero.  (Phi-3
+stores q/k/v and gate/up fused already, and peft adapts them as such: one sub-adapter each.)  The
 shrink/expand run as PyTorch matmuls, or on CPUs where our kernels build as one C++ call
 per linear (kernels/cpu_lora.cpp: every segment, shrink and expand in one pass).
 """
@@ -32,14 +33,26 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenloom.model.llama import CausalLM, ModelArgs
+from tokenloom.model.layers import Linear
+from tokenloom.model.llama import ModelArgs
 
 # peft's module name -> (the linear of ours it adapts, its sub-adapter index there)
 TARGETS: dict[str, tuple[str, int]] = {
     "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
     "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0),
 }
-LINEARS = ("qkv", "o", "gate_up", "down")  # `LayerStep`'s linears, in the order it holds them
+# Phi-3's checkpoints (and so peft's adapters of it) hold q/k/v and gate/up already fused:
+# one sub-adapter each, over the whole output
+FUSED_TARGETS: dict[str, tuple[str, int]] = {
+    "qkv_proj": ("qkv", 0), "o_proj": ("o", 0), "gate_up_proj": ("gate_up", 0), "down_proj": ("down", 0),
+}
+FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
+LINEARS = ("qkv", "o", "gate_up", "down")  # each layer's linears a wrapper sees (model/llama.py `bind`)
+
+
+def targets_for(a: ModelArgs) -> dict[str, tuple[str, int]]:
+    """The peft modules an adapter of model `a` may adapt, and where each lands."""
+    return FUSED_TARGETS if a.architecture in FUSED_ARCHITECTURES else TARGETS
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,9 @@ class LinearShape:
 def linear_shapes(a: ModelArgs) -> dict[str, LinearShape]:
     """Each wrapped linear's shape for model `a` (the fused layouts of model/llama.py)."""
     q, kv, i, h = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size, a.hidden_size
+    if a.architecture in FUSED_ARCHITECTURES:
+        return {"qkv": LinearShape(h, ((0, q + 2 * kv),)), "o": LinearShape(q, ((0, h),)),
+                "gate_up": LinearShape(h, ((0, 2 * i),)), "down": LinearShape(i, ((0, h),))}
     return {
         "qkv": LinearShape(h, ((0, q), (q, q + kv), (q + kv, q + 2 * kv))),
         "o": LinearShape(q, ((0, h),)),
@@ -67,7 +83,7 @@ def linear_shapes(a: ModelArgs) -> dict[str, LinearShape]:
 
 def module_shape(a: ModelArgs, module: str) -> tuple[int, int]:
     """(in, out) of peft's target `module` (q_proj, ..., down_proj) in model `a`."""
-    linear, sub = TARGETS[module]
+    linear, sub = targets_for(a)[module]
     shape = linear_shapes(a)[linear]
     lo, hi = shape.subs[sub]
     return shape.in_features, hi - lo
@@ -90,7 +106,7 @@ class LoRAAdapter:
     @property
     def modules(self) -> list[str]:
         """The peft modules it adapts (in any layer)."""
-        return sorted({m for layer in self.layers for m in layer}, key=list(TARGETS).index)
+        return sorted({m for layer in self.layers for m in layer})
 
 
 class LoRARows:
@@ -116,7 +132,7 @@ class LoRASlots:
 
     def __init__(self, a: ModelArgs, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.shapes = linear_shapes(a)
+        self.shapes, self.targets = linear_shapes(a), targets_for(a)
         self.num_layers = a.num_layers
         # per layer, per linear: A [max_loras, n_sub * R, in], B^T [max_loras, R, out]
         self.weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
@@ -168,7 +184,7 @@ class LoRASlots:
                 a_all[slot].zero_()
                 b_all[slot].zero_()
             for module, (a, b) in mods.items():
-                linear, sub = TARGETS[module]
+                linear, sub = self.targets[module]
                 a_all, b_all = layer[linear]
                 lo, hi = self.shapes[linear].subs[sub]
                 a_all[slot, sub * big: sub * big + r].copy_(a)
@@ -224,13 +240,12 @@ class LoRALinear:
         return y
 
 
-def attach(model: CausalLM, slots: LoRASlots, rows: LoRARows, apply: ApplyFn = apply_torch) -> None:
-    """Wrap every layer's four linears (as `CausalLM.bind` made them) with the slots'
-    adapters; call again after each `bind`."""
-    for step, layer in zip(model.steps, slots.weights):
-        for name in LINEARS:
-            a, b = layer[name]
-            base = getattr(step, name)
-            if isinstance(base, LoRALinear):
-                base = base.base
-            setattr(step, name, LoRALinear(base, a, b, slots.shapes[name].subs, slots.max_rank, rows, apply))
+def lora_wrapper(slots: LoRASlots, rows: LoRARows, apply: ApplyFn = apply_torch) -> Callable[[int, str, Linear], Linear]:
+    """What `CausalLM.bind(..., wrap=)` takes: layer i's linear `name`, bound as the plan
+    chose, becomes a `LoRALinear` over the slots' weights for it."""
+
+    def wrap(layer: int, name: str, base: Linear) -> Linear:
+        a, bt = slots.weights[layer][name]
+        return LoRALinear(base, a, bt, slots.shapes[name].subs, slots.max_rank, rows, apply)
+
+    return wrap

@@ -1,4 +1,4 @@
-"""The model's small ops (norms, rotary, SwiGLU's activation), one implementation set
+"""The model's small ops (norms, rotary, the gated MLPs' activations), one implementation set
 chosen once (model/backends.py): the *ops backend*.
 
     torch   PyTorch's ops in the reference's order and roundings: the reference, and what
@@ -44,6 +44,18 @@ def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gu: torch.Tensor) -> torch.Tensor:
+    """GeGLU with GELU's tanh approximation (transformers' "gelu_pytorch_tanh": Gemma)."""
+    gate, up = gu.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_and_mul(gu: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the exact (erf) GELU (transformers' "gelu")."""
+    gate, up = gu.chunk(2, dim=-1)
+    return F.gelu(gate) * up
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] rotated by `RotaryEmbedding.at`'s tables: the reference's x * cos +
     rotate_half(x) * sin, with rotate_half = cat(-x2, x1) and the sign moved into the table
@@ -66,6 +78,13 @@ class Ops:
     silu_and_mul: Callable = silu_and_mul
     rope: Callable = rope
     rope_write_kv: Callable | None = None
+    gelu_tanh_and_mul: Callable = gelu_tanh_and_mul  # no backend has its own yet: PyTorch's everywhere
+    gelu_and_mul: Callable = gelu_and_mul
+
+    def act_and_mul(self, act: str) -> Callable:
+        """The gated MLP's activation-and-product for transformers' activation name `act`."""
+        return {"silu": self.silu_and_mul, "gelu_pytorch_tanh": self.gelu_tanh_and_mul,
+                "gelu": self.gelu_and_mul}[act]
 
 
 TORCH = Ops("torch")

@@ -4,7 +4,12 @@ A rotary embedding turns position p into rotations by angles p * inv_freq[i], on
 head dimensions.  Context-extension schemes change only `inv_freq` (and, for YaRN, scale the
 cos/sin tables by a constant "attention factor"), so one function maps (head_dim, theta,
 scaling) to both, and the table builder stays the same for every type.  `scaling` is the
-resolved dict `hf_config.rope_settings` returns: every parameter is already there.
+resolved dict `hf_rope.rope_settings` returns: every parameter is already there.
+
+LongRoPE (Phi-3) rotates a whole sequence with one of two sets of frequencies, chosen by
+the sequence's length: `short_factor` up to original_max_position_embeddings tokens,
+`long_factor` beyond.  `rope_inv_freqs` returns both where the tables reach past that
+length; which one a request reads is the model runner's choice (by its length).
 
 The arithmetic follows transformers' order of operations, so the tables come out bit for bit
 the same in float32 (tests/test_hf_checkpoints.py compares them).
@@ -40,7 +45,28 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None,
         return _llama3(inv_freq, scaling), 1.0
     if rope_type == "yarn":
         return _yarn(head_dim, theta, scaling), scaling["attention_factor"]
+    if rope_type == "longrope":
+        return _longrope(head_dim, theta, scaling["short_factor"]), scaling["attention_factor"]
     raise ValueError(f"rope type {rope_type!r} has no frequency table in tokenloom")
+
+
+def rope_inv_freqs(head_dim: int, theta: float, scaling: dict | None,
+                   max_positions: int) -> tuple[list[torch.Tensor], float, int | None]:
+    """Every frequency set a rotation needs for tables of `max_positions` rows: ([inv_freq,
+    ...], attention factor, the sequence length past which the second set applies).  One set
+    (and None) for every type but longrope with tables longer than its pretraining length."""
+    inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling, max_positions)
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        orig = scaling["original_max_position_embeddings"]
+        if max_positions > orig:
+            return [inv_freq, _longrope(head_dim, theta, scaling["long_factor"])], attention_factor, orig
+    return [inv_freq], attention_factor, None
+
+
+def _longrope(head_dim: int, theta: float, factors: list[float]) -> torch.Tensor:
+    """LongRoPE: each default frequency divided by its own factor."""
+    ext = torch.tensor(factors, dtype=torch.float32)
+    return 1.0 / (ext * theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
 
 
 def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

@@ -9,6 +9,13 @@ A decode carrying speculative drafts feeds them as extra decode rows (one per po
 each attending to the rows before it) and gets logits at each; spec_decode/verify.py
 keeps the drafts the model agrees with.
 
+Two kinds of request take something other than a sampled token from their last row:
+a beam of a beam search gets its top log-probabilities (the engine's beam search picks
+among all beams' candidates), and an embedding request gets no logits at all -- its
+hidden states are pooled instead (runner/pooler.py), chunk by chunk.  Beam search also
+shares KV blocks between beams; the copies the scheduler's copy-on-write asked for
+(`SchedulerOutput.kv_copies`) are made before the forward pass writes anything.
+
 It also owns the paged KV cache tensors: per layer, K and V of shape
 `[num_blocks, block_size, num_kv_heads, head_dim]`, allocated once at start-up.
 """
@@ -25,14 +32,16 @@ from tokenloom.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenloom.kernels import hugepages
 from tokenloom.config import BackendPlan
 from tokenloom.model.attention import AttentionMetadata, build_backend
+from tokenloom.model.pooling_config import PoolingConfig
 from tokenloom.model.ops import build_ops
 from tokenloom.model.weights.parallel import TPGroup
 from tokenloom.model.weights.loader import LoadedModel
 from tokenloom.kernels import glibc_heap
-from tokenloom.model.lora import LoRARows, LoRASlots, apply_for, attach
+from tokenloom.model.lora import LoRARows, LoRASlots, apply_for, lora_wrapper
 from tokenloom.runner.logprobs import logprob_rows
 from tokenloom.runner.lora_step import LoRAStep, by_adapter
 from tokenloom.runner.cuda_graphs import DecodeGraphs, capture_sizes
+from tokenloom.runner.pooler import Pooler
 from tokenloom.runner.tp_comm import recv_step, send_step
 from tokenloom.runner.sampler import SamplingRow, sample
 from tokenloom.spec_decode.verify import verify
@@ -49,6 +58,11 @@ class RunnerOutput:
     # speculative decoding: request id -> its drafts the model accepted (a prefix of them),
     # which come before its token in `sampled`
     accepted: dict[str, list[int]] = field(default_factory=dict)
+    # beam search: request id -> (token ids, log-probabilities) of its most likely next
+    # tokens (`Request.beam_topk` of them), most likely first
+    beam_candidates: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    # embedding requests whose prompt ended this step: request id -> the pooled vector (CPU, float32)
+    embeddings: dict[str, torch.Tensor] = field(default_factory=dict)
     forward_time: float = 0.0  # the whole execute(): input prep + model + sampling
     model_time: float = 0.0  # the model alone: forward pass + logits
 
@@ -72,6 +86,32 @@ class _PromptSpan:
     start: int
     last: int
     rows: torch.Tensor  # their rows in the step's hidden states
+
+
+def _split_beams(ends: list) -> tuple[list, list]:
+    """(request, row) pairs of rows after a request's last token -> (sampled, beams)."""
+    if not any(s.request.beam_topk for s, _ in ends):
+        return ends, []
+    return [e for e in ends if not e[0].request.beam_topk], [e for e in ends if e[0].request.beam_topk]
+
+
+def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], copies: list[tuple[int, int]]) -> None:
+    """Copy whole KV blocks (source -> copy) in every layer, in the order given.  One
+    gather-scatter per tensor when no block is both written and read, else one by one."""
+    src = [a for a, _ in copies]
+    dst = [b for _, b in copies]
+    if len(set(dst)) == len(dst) and not set(dst) & set(src):
+        device = kv_caches[0][0].device
+        si = torch.tensor(src, dtype=torch.long, device=device)
+        di = torch.tensor(dst, dtype=torch.long, device=device)
+        for k, v in kv_caches:
+            k[di] = k[si]
+            v[di] = v[si]
+        return
+    for a, b in copies:
+        for k, v in kv_caches:
+            k[b].copy_(k[a])
+            v[b].copy_(v[a])
 
 
 class RequestError(RuntimeError):
@@ -99,9 +139,10 @@ def _sample_or_blame(logits: torch.Tensor, rows: list[SamplingRow], masks: StepM
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, plan: BackendPlan | None = None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, tp: TPGroup | None = None,
-                 lora_slots: LoRASlots | None = None):
+                 pooling: PoolingConfig | None = None, lora_slots: LoRASlots | None = None):
         """`plan`: what runs (model/backends.py), as resolved before `loaded` was loaded for it
         (`loaded.plan` when not given); the runner builds what it names and decides nothing.
+        `pooling`: how embedding requests pool (an engine run with `--runner pooling`).
         `lora_slots`: with --enable-lora, the adapters' weight slots (allocated by the engine
         before the KV cache was sized); each step's rows then run their requests' adapters."""
         self.loaded = loaded
@@ -121,18 +162,25 @@ class ModelRunner:
             for _ in range(a.num_layers)
         ]
         self.generators: dict[str, torch.Generator] = {}
+        self.pooler = Pooler(pooling) if pooling is not None else None
         if self.device.type == "cpu":
             glibc_heap.keep_step_buffers()  # every step's temporaries reused, not faulted in anew
         self.attn = build_backend(plan.attention, self.device, loaded.dtype, a.head_dim, a.num_kv_heads,
-                                  a.sliding_window)
+                                  self.model.attention_kinds)
         self.ops = build_ops(plan.ops, loaded.dtype, plan.fused_kv_write)
-        self.model.bind(self.ops, self.attn, flat=plan.flat_calls)  # model/llama.py: the layers as they run
         self.lora: LoRAStep | None = None
+        wrap = None
         if lora_slots is not None:  # every layer's linears wrapped with the slots' adapters (model/lora.py)
             rows = LoRARows()
-            attach(self.model, lora_slots, rows, apply_for(plan.lora, self.device, loaded.dtype))
+            wrap = lora_wrapper(lora_slots, rows, apply_for(plan.lora, self.device, loaded.dtype))
             self.lora = LoRAStep(lora_slots, rows)
+        # model/llama.py: the layers as they run
+        self.model.bind(self.ops, self.attn, flat=plan.flat_calls, wrap=wrap)
         self.max_blocks = -(-(max_model_len or a.max_position_embeddings) // block_size)
+        # LongRoPE: a request longer than `long_from` tokens rotates with the second table,
+        # `long_offset` rows on (model/layers.py RotaryEmbedding); the scheduler recomputes a
+        # request the step it grows past that length, as transformers does.
+        self._long_from, self._long_offset = self.model.rope.long_from, self.model.rope.long_offset
         self._forward = self.model.forward
         if plan.compile:
             # One graph per step kind (decode-only, prefill-only, mixed: which metadata
@@ -171,6 +219,8 @@ class ModelRunner:
 
     def remove_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        if self.pooler is not None:
+            self.pooler.forget(request_id)
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
         seed = s.request.sampling_params.seed
@@ -184,8 +234,7 @@ class ModelRunner:
         return g
 
     # ---- input preparation ------------------------------------------
-    @staticmethod
-    def _decode_inputs(decodes: list[ScheduledRequest], bs: int) -> tuple[list[int], list[int], list[int]]:
+    def _decode_inputs(self, decodes: list[ScheduledRequest], bs: int) -> tuple[list[int], list[int], list[int]]:
         """ids, positions and KV slots of one-token decodes: plain Python ints (the hot path)."""
         ids: list[int] = []
         pos: list[int] = []
@@ -195,7 +244,14 @@ class ModelRunner:
             ids.append(s.request.token_at(c))
             pos.append(c)
             slots.append(s.block_ids[c // bs] * bs + c % bs)
+        if self._long_from is not None:
+            pos = [p + self._rope_offset(s) for s, p in zip(decodes, pos)]
         return ids, pos, slots
+
+    def _rope_offset(self, s: ScheduledRequest) -> int:
+        """Where the request's rotation rows start in the tables: past the first table for a
+        request longer than LongRoPE's pretraining length."""
+        return self._long_offset if self._long_from is not None and s.request.num_tokens > self._long_from else 0
 
     def _prepare(self, out: SchedulerOutput):
         bs = self.block_size
@@ -217,10 +273,11 @@ class ModelRunner:
                 offsets.append(len(ids))
                 ids.append(s.request.token_at(c))
                 ids.extend(s.spec_token_ids)
+                off = self._rope_offset(s)
                 for p in range(c, c + s.num_new_tokens):
-                    pos.append(p)
+                    pos.append(p + off)
                     slots.append(s.block_ids[p // bs] * bs + p % bs)
-            decode_ctx = [p + 1 for p in pos]
+            decode_ctx = [p + 1 - self._rope_offset(s) for s, p in zip(decodes, pos)]
         else:
             ids, pos, slots = self._decode_inputs(decodes, bs)
             offsets = list(range(len(decodes)))
@@ -231,7 +288,7 @@ class ModelRunner:
             ids.extend(s.request.token_slice(c, c + n))
             p = np.arange(c, c + n, dtype=np.int64)
             table = np.asarray(s.block_ids, dtype=np.int64)
-            pos.extend(p.tolist())
+            pos.extend((p + self._rope_offset(s)).tolist())
             slots.extend((table[p // bs] * bs + p % bs).tolist())
             offsets.append(t)
             t += n
@@ -275,46 +332,83 @@ class ModelRunner:
         result = RunnerOutput()
         if out.is_empty:
             return result
+        if out.kv_copies:  # copy-on-write of shared beam blocks, before this step writes any
+            copy_blocks(self.kv_caches, out.kv_copies)
         decodes = self._graph_decodes(out)
         hidden = None
+        spec_sched: list = []
+        pool_sched: list = []
         if decodes is not None:
             ids, pos, slots = self._decode_inputs(decodes, self.block_size)
-            sample_sched = [(s, i) for i, s in enumerate(decodes)]
+            ends = [(s, i) for i, s in enumerate(decodes)]
+            sample_sched, beam_sched = _split_beams(ends)
             masks = StepMasks.start([s.request.grammar for s, _ in sample_sched])  # filled during the forward
             t_model = time.perf_counter()
             logits = self.graphs.run(ids, pos, slots, [s.block_ids for s in decodes])
+            if beam_sched:  # the sampled rows first, then the beams' (as the eager path orders them)
+                logits = logits[[i for _, i in sample_sched] + [i for _, i in beam_sched]]
         else:
             order, offsets, input_ids, positions, meta = self._prepare(out)
-            sample_sched = [(s, off + s.num_new_tokens - 1) for s, off in zip(order, offsets)
-                            if s.sample and not s.spec_token_ids]
+            ends = [(s, off + s.num_new_tokens - 1) for s, off in zip(order, offsets)
+                    if s.sample and not s.spec_token_ids and s.request.pooling is None]
+            sample_sched, beam_sched = _split_beams(ends)
             # decodes with drafts: logits at the decode token and at every draft (verify.py)
             spec_sched = [(s, off) for s, off in zip(order, offsets) if s.spec_token_ids]
+            pool_sched = [(s, off) for s, off in zip(order, offsets) if s.request.pooling is not None]
             spans = self._prompt_spans(order, offsets)
-            rows_idx = torch.tensor([i for _, i in sample_sched]
+            rows_idx = torch.tensor([i for _, i in sample_sched] + [i for _, i in beam_sched]
                                     + [off + j for s, off in spec_sched for j in range(s.num_new_tokens)],
                                     dtype=torch.long, device=self.device)
             masks = StepMasks.start([s.request.grammar for s, _ in sample_sched])  # filled during the forward
             t_model = time.perf_counter()
             if self.tp is not None:  # the other ranks run the same forward and logits (collectives)
-                send_step(input_ids, positions, meta, [rows_idx] + [sp.rows for sp in spans])
+                send_step(input_ids, positions, meta, [rows_idx] + [sp.rows for sp in spans], out.kv_copies)
             hidden = self._forward(input_ids, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[rows_idx]) if len(rows_idx) else None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the sampler syncs anyway; this makes model_time honest
         result.model_time = time.perf_counter() - t_model
-        if decodes is None and spec_sched:
-            self._verify(spec_sched, logits[len(sample_sched):], result)
+        ns, nb = len(sample_sched), len(beam_sched)
+        if spec_sched:
+            self._verify(spec_sched, logits[ns + nb:], result)
+        if beam_sched:
+            self._beam_candidates(beam_sched, logits[ns:ns + nb], result)
         if sample_sched:
             rows = [self._sampling_row(s) for s, _ in sample_sched]
-            so = _sample_or_blame(logits[:len(sample_sched)] if decodes is None and spec_sched else logits, rows, masks)
+            so = _sample_or_blame(logits[:ns] if nb or spec_sched else logits, rows, masks)
             for (s, _), tok, lp in zip(sample_sched, so.token_ids, so.logprobs):
                 result.sampled[s.request_id] = tok
                 if lp is not None:
                     result.logprobs[s.request_id] = lp
-        if hidden is not None:  # decode-only steps have no prompt left to score
+        if hidden is not None:  # decode-only steps have no prompt left to score or pool
             self._prompt_logprobs(spans, hidden, result)
+            if pool_sched:
+                self._pool(pool_sched, hidden, result)
         result.forward_time = time.perf_counter() - t0
         return result
+
+    def _beam_candidates(self, beam_sched, logits: torch.Tensor, result: RunnerOutput) -> None:
+        """Each beam's most likely next tokens and their log-probabilities (the model's own
+        log-softmax in float32, as transformers' beam search scores them)."""
+        k = min(max(s.request.beam_topk for s, _ in beam_sched), logits.shape[-1])
+        vals, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        for (s, _), v, i in zip(beam_sched, vals.tolist(), ids.tolist()):
+            n = s.request.beam_topk
+            result.beam_candidates[s.request_id] = (i[:n], v[:n])
+
+    def _pool(self, pool_sched, hidden: torch.Tensor, result: RunnerOutput) -> None:
+        """Embedding requests: their chunk's rows, after the final norm, into the pooler."""
+        if self.pooler is None:
+            raise RuntimeError("an embedding request reached a runner that does not pool (--runner generate)")
+        picks = [self.pooler.rows(s, off) for s, off in pool_sched]
+        flat = [r for rows in picks for r in rows]
+        normed = self.model.normed(hidden[flat]) if flat else hidden[:0]
+        start = 0
+        for (s, _), rows in zip(pool_sched, picks):
+            vec = self.pooler.feed(s, normed[start:start + len(rows)])
+            start += len(rows)
+            if vec is not None:
+                result.embeddings[s.request_id] = vec
 
     def _sampling_row(self, s: ScheduledRequest) -> SamplingRow:
         return SamplingRow(
@@ -377,9 +471,11 @@ class ModelRunner:
         part in every collective), until it sends the end."""
         while (step := recv_step()) is not None:
             dev = self.device  # tensors arrive on rank 0's device
-            input_ids, positions, fields, logit_rows = _to(step, dev)
+            input_ids, positions, fields, logit_rows, kv_copies = _to(step, dev)
             meta = AttentionMetadata(backend=self.attn, **fields)
             with torch.inference_mode():
+                if kv_copies:
+                    copy_blocks(self.kv_caches, kv_copies)
                 hidden = self._forward(input_ids, positions, self.kv_caches, meta)
                 for rows in logit_rows:
                     if len(rows):

@@ -16,32 +16,11 @@ import sys
 from pathlib import Path
 
 from tokenloom.config import EngineArgs
-from tokenloom.specs.hardware import CATALOG, LOCAL, Hardware, hardware_names
+from tokenloom.sim.band import band_figures, band_runs, band_table
+from tokenloom.sim.estimate_report import catalog_table, model_line, decode_table, explain, fmt_time
+from tokenloom.specs.hardware import LOCAL, Hardware, hardware_names
 
 DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64,128,256"
-
-
-# ---------------------------------------------------------------- number formatting
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.4g} {unit}"
-    return f"{n:,.0f} B"
-
-
-def fmt_time(s: float) -> str:
-    if s >= 1:
-        return f"{s:.3g} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.4g} ms"
-    return f"{s * 1e6:.4g} µs"
-
-
-def fmt_rate(x: float, unit: str) -> str:
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if x >= scale:
-            return f"{x / scale:.4g} {prefix}{unit}"
-    return f"{x:.4g} {unit}"
 
 
 def _parse_batch_sizes(text: str) -> list[int]:
@@ -57,23 +36,70 @@ def _parse_batch_sizes(text: str) -> list[int]:
 # ---------------------------------------------------------------- registration
 def _add_cost_args(p: argparse.ArgumentParser) -> None:
     """Flags that pick the cost model: shared by `estimate` and `simulate`."""
+    from tokenloom.specs.weight_formats import KV_FORMATS, weight_format_names
+
     g = p.add_argument_group("cost model")
     g.add_argument("--hardware", default="rtx4090", metavar="NAME",
-                   help=f"one of: {', '.join(hardware_names())} (default: rtx4090)")
+                   help=f"one of: {', '.join(hardware_names())}, or a GPU of --hardware-file (default: rtx4090)")
+    g.add_argument("--hardware-file", default=None, metavar="FILE",
+                   help="TOML or JSON file describing GPUs (specs/hardware_file.py); --hardware names one of them")
+    g.add_argument("--bandwidth", type=float, default=None, metavar="B/S",
+                   help="memory bandwidth in bytes/s, replacing the hardware's (e.g. 1.7e12)")
+    g.add_argument("--peak-flops", type=float, default=None, metavar="FLOP/S",
+                   help="dense 16-bit tensor peak in FLOP/s, replacing the hardware's (fp32/fp8/int8 scale with it)")
+    g.add_argument("--memory", default=None, metavar="SIZE", help="device memory, e.g. 80GiB, replacing the hardware's")
     g.add_argument("--model", default="qwen2.5-0.5b", metavar="PRESET|DIR",
-                   help="model preset name or a directory with config.json (default: qwen2.5-0.5b)")
+                   help="model preset, reference model (llama-2-7b, llama-3.1-70b, ...) or a directory with "
+                        "config.json (default: qwen2.5-0.5b)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
-                   help="weight/KV dtype (default: the checkpoint's)")
+                   help="activation/unquantized-weight dtype (default: the checkpoint's)")
     g.add_argument("--quantization", default=None, choices=["int8", "int4", "int4-g128"],
                    help="weight-only quantized matmul weights (the engine's --quantization): fewer bytes per step")
+    g.add_argument("--weight-format", default=None, choices=weight_format_names(), metavar="FORMAT",
+                   help="how the checkpoint stores its weights: GGUF (gguf-q8_0, gguf-q4_k_m, ...), gptq-int4, awq, "
+                        "ct-w4a16, fp8 (W8A8, FP8 tensor rate), ... (default: every weight in --dtype); "
+                        f"one of {', '.join(weight_format_names())}")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *sorted(KV_FORMATS)],
+                   help="KV cache storage (default: --dtype)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="GPUs the model is split over (per-GPU bytes and FLOPs, two all-reduces per layer)")
     g.add_argument("--mem-efficiency", type=float, default=None,
-                   help="fraction of peak bandwidth achieved (default: 0.8 datasheet, 1.0 measured)")
+                   help="plain roofline: fraction of peak bandwidth for every byte (default: kernel-by-kernel "
+                        "efficiencies fitted to published figures; 1.0 on measured hardware)")
     g.add_argument("--compute-efficiency", type=float, default=None,
-                   help="fraction of peak FLOP/s achieved (default: 0.6 datasheet, 1.0 measured)")
+                   help="plain roofline: fraction of peak FLOP/s for every FLOP (see --mem-efficiency)")
     g.add_argument("--overhead-ms", type=float, default=None,
-                   help="fixed per-step overhead in ms (default: 0 for datasheet GPUs; "
-                        "measured op dispatch x ops per step for local)")
+                   help="host time per step in ms (default: 0.3 on datasheet GPUs; measured op dispatch x ops per "
+                        "step on local)")
+    g.add_argument("--per-seq-overhead-ms", type=float, default=None,
+                   help="host time per scheduled sequence and step in ms (default: 0.01 on datasheet GPUs)")
     g.add_argument("--refresh-local", action="store_true", help="re-run the local microbenchmarks")
+
+
+def _cost_model_kwargs(args: argparse.Namespace) -> dict:
+    """CostModel keyword arguments from the shared cost-model flags; without --weight-format or
+    --quantization, the format a model directory's config.json declares (GPTQ, AWQ, compressed-tensors)."""
+    weight_format = args.weight_format
+    if weight_format is None and args.quantization is None:
+        from tokenloom.specs.model_spec import load_config
+        from tokenloom.specs.weight_formats import weight_format_from_config
+
+        weight_format = weight_format_from_config(load_config(args.model)[0])
+    return dict(
+        mem_efficiency=args.mem_efficiency, compute_efficiency=args.compute_efficiency,
+        overhead_s=None if args.overhead_ms is None else args.overhead_ms / 1e3,
+        per_seq_overhead_s=None if args.per_seq_overhead_ms is None else args.per_seq_overhead_ms / 1e3,
+        quantization=args.quantization, weight_format=weight_format,
+        kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+
+
+def _resolve_hardware(args: argparse.Namespace) -> Hardware:
+    from tokenloom.specs.hardware_file import resolve_hardware
+
+    return resolve_hardware(args.hardware, hardware_file=args.hardware_file, bandwidth=args.bandwidth,
+                            peak_flops=args.peak_flops, memory=args.memory, refresh_local=args.refresh_local)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -154,6 +180,9 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
                    help="print the first N steps seed-style (who was batched, how many tokens, how long)")
     o.add_argument("--output-json", default=None, metavar="FILE", help="write config, workload and results here")
     o.add_argument("--no-save-requests", action="store_true", help="leave per-request records out of the JSON")
+    o.add_argument("--band", action=argparse.BooleanOptionalAction, default=True,
+                   help="also simulate the band's low and high ends (engines of lesser and greater quality) and "
+                        "print them beside the central figures (datasheet GPUs; default: on)")
     p.set_defaults(func=run_simulate)
 
 
@@ -171,39 +200,22 @@ preemption and prefix caching are the real ones.  Reports the same metrics as
 
 
 # ---------------------------------------------------------------- estimate command
-def _catalog_table() -> "object":
-    from rich.table import Table
-
-    t = Table(title="hardware catalog (dense peaks; fp16/bf16 = tensor cores w/ FP32 accumulate)")
-    for col in ("name", "memory", "bandwidth", "fp16/bf16", "fp32", "ridge fp16 (FLOP/B)", "source"):
-        t.add_column(col, overflow="fold")
-    for hw in CATALOG.values():
-        t.add_row(hw.name, f"{hw.memory_bytes / 2**30:.0f} GiB", fmt_rate(hw.mem_bandwidth, "B/s"),
-                  fmt_rate(hw.peak_flops["float16"], "FLOP/s"), fmt_rate(hw.peak_flops["float32"], "FLOP/s"),
-                  f"{hw.ridge_point('float16'):.0f}", hw.source)
-    t.add_row(LOCAL, "-", "measured", "measured", "measured", "-", "tokenloom.specs.microbench (cached)")
-    return t
-
-
 def run_estimate(args: argparse.Namespace) -> int:
     from tokenloom.measure.report import wide_console
     from tokenloom.sim.estimate import estimate
-    from tokenloom.specs.hardware import get_hardware
     from tokenloom.specs.model_spec import load_model_spec
 
     console = wide_console()
     if args.list_hardware:
-        console.print(_catalog_table())
+        console.print(catalog_table())
         return 0
     try:
-        hw = get_hardware(args.hardware, refresh_local=args.refresh_local)
+        hw = _resolve_hardware(args)
         spec = load_model_spec(args.model)
         est = estimate(
             spec, hw, None if args.dtype == "auto" else args.dtype,
             batch_sizes=args.batch_size, context_len=args.context_len, prompt_len=args.prompt_len,
-            mem_efficiency=args.mem_efficiency, compute_efficiency=args.compute_efficiency,
-            overhead_s=None if args.overhead_ms is None else args.overhead_ms / 1e3,
-            prefill_chunk=args.prefill_chunk, quantization=args.quantization,
+            prefill_chunk=args.prefill_chunk, **_cost_model_kwargs(args),
         )
     except (KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)  # as every command reports a user's mistake
@@ -218,93 +230,6 @@ def run_estimate(args: argparse.Namespace) -> int:
         path.write_text(json.dumps(data, indent=2), encoding="utf-8")
         console.print(f"wrote {path}", markup=False)
     return 0
-
-
-def decode_table(est) -> "object":
-    from rich.table import Table
-
-    hw = est.hardware
-    weights = est.dtype + (f", {est.quantization} weights" if est.quantization else "")
-    t = Table(title=f"decode step: {est.model['name']} ({weights}) on {hw['name']}, "
-                    f"context {est.context_len} tokens/request, mem eff {est.mem_efficiency:g}, "
-                    f"compute eff {est.compute_efficiency:g}, overhead {fmt_time(est.overhead_s)}")
-    for col in ("batch", "bytes/step", "FLOPs/step", "mem time", "compute time", "step time", "bound",
-                "tok/s per req", "tok/s total", "KV resident", "fits"):
-        t.add_column(col, justify="right")
-    for d in est.decode:
-        t.add_row(str(d.batch_size), fmt_bytes(d.bytes), fmt_rate(d.flops, "FLOP"), fmt_time(d.mem_time_s),
-                  fmt_time(d.compute_time_s), fmt_time(d.step_time_s), d.bound,
-                  f"{d.tokens_per_s_per_request:,.1f}", f"{d.tokens_per_s_total:,.0f}",
-                  fmt_bytes(d.kv_cache_bytes), "yes" if d.fits_in_memory else "NO")
-    return t
-
-
-def explain(est, spec, hw: Hardware) -> str:
-    """The batch-smallest decode step, prefill and crossover with every number plugged in."""
-    d = min(est.decode, key=lambda p: p.batch_size)
-    B, L, kv = d.batch_size, est.context_len, est.kv_bytes_per_token
-    nb = {"float16": 2, "bfloat16": 2, "float32": 4}[est.dtype]
-    bw, peak = hw.mem_bandwidth, hw.peak_flops[est.dtype]
-    em, ec = est.mem_efficiency, est.compute_efficiency
-    bw_eff, peak_eff = bw * em, peak * ec
-    per_req_flops = d.flops / B
-    lines = [
-        "",
-        f"How one decode step at batch {B} was computed ({spec.name}, {est.dtype}, {hw.name}, context L = {L}):",
-        "",
-        f"  weights read per step   W  = {spec.streamed_params:,} params x {nb} B = {fmt_bytes(est.weight_bytes_streamed)}"
-        if not est.quantization else
-        f"  weights read per step   W  = {spec.matmul_params:,} matmul params in {est.quantization} (scales included)"
-        f" + {spec.streamed_params - spec.matmul_params:,} others x {nb} B = {fmt_bytes(est.weight_bytes_streamed)}",
-        f"  KV bytes per token      kv = 2 (K and V) x {spec.num_layers} layers x {spec.num_kv_heads} kv heads"
-        f" x {spec.head_dim} head_dim x {nb} B = {kv:,} B",
-        f"  bytes per step             = W + B*L*kv + B*kv = {fmt_bytes(d.weight_bytes)} + {B} x {L} x {kv:,} B"
-        f" + {B} x {kv:,} B = {fmt_bytes(d.bytes)}",
-        f"  memory time                = bytes / (bandwidth x mem_eff) = {fmt_bytes(d.bytes)}"
-        f" / ({fmt_rate(bw, 'B/s')} x {em:g}) = {fmt_time(d.mem_time_s)}",
-        f"  FLOPs per token         F  = 2 x {spec.matmul_params:,} matmul params + 4 x {spec.num_layers} layers"
-        f" x {spec.num_heads} heads x {spec.head_dim} head_dim x (L+1 = {L + 1}) = {fmt_rate(per_req_flops, 'FLOP')}",
-        f"  compute time               = B*F / (peak x compute_eff) = {B} x {fmt_rate(per_req_flops, 'FLOP')}"
-        f" / ({fmt_rate(peak, 'FLOP/s')} x {ec:g}) = {fmt_time(d.compute_time_s)}",
-        f"  step time                  = max({fmt_time(d.mem_time_s)}, {fmt_time(d.compute_time_s)})"
-        f" + overhead {fmt_time(d.overhead_s)} = {fmt_time(d.step_time_s)}  ({d.bound}-bound)",
-        f"  tokens/s                   = 1 / step = {d.tokens_per_s_per_request:,.1f} tok/s per request;"
-        f"  B / step = {d.tokens_per_s_total:,.1f} tok/s in total",
-        "",
-        f"  arithmetic intensity at batch {B}: {d.flops / d.bytes:.1f} FLOP/B vs ridge point"
-        f" {peak_eff / bw_eff:.0f} FLOP/B (peak' / bw') -> each weight byte is reused by only B requests",
-    ]
-    w_t = est.weight_bytes_streamed / bw_eff
-    kv_t = (L + 1) * kv / bw_eff
-    f_t = per_req_flops / peak_eff
-    if est.crossover_batch is None:
-        lines.append(
-            f"  crossover batch  B* = (W/bw') / (F/peak' - (L+1)*kv/bw') = {fmt_time(w_t)} / ({fmt_time(f_t)} - {fmt_time(kv_t)})"
-            f" -> none: at L = {L} each request's KV reads take longer than its FLOPs, so decode stays memory-bound at any batch")
-    else:
-        lines.append(
-            f"  crossover batch  B* = (W/bw') / (F/peak' - (L+1)*kv/bw') = {fmt_time(w_t)} / ({fmt_time(f_t)} - {fmt_time(kv_t)})"
-            f" = {est.crossover_batch:,.1f}  (below it: memory-bound, batching is ~free; above: compute-bound)")
-    lines.append(
-        f"  memory capacity: {fmt_bytes(est.weight_bytes_total)} of weights + {fmt_bytes((L + 1) * kv)} KV per request"
-        f" -> at most {est.max_batch_in_memory:,} requests of {L + 1} tokens fit in {hw.memory_bytes / 2**30:.0f} GiB")
-    if est.prefill is not None:
-        p = est.prefill
-        P = p.prompt_len
-        lines += [
-            "",
-            f"  prefill of P = {P} prompt tokens ({p.num_steps} step{'s' if p.num_steps != 1 else ''}), the TTFT floor:",
-            f"    FLOPs = 2 x P x {spec.layer_matmul_params:,} layer matmul params + 2 x {spec.logits_matmul_params:,}"
-            f" logits params (last token only) + 4 x {spec.num_layers} x {spec.num_heads} x {spec.head_dim}"
-            f" x P(P+1)/2 = {fmt_rate(p.flops, 'FLOP')}",
-            f"    time  = max(bytes/bw' = {fmt_time(p.mem_time_s)}, FLOPs/peak' = {fmt_time(p.compute_time_s)})"
-            f" + overhead {fmt_time(p.overhead_s)} = {fmt_time(p.time_s)}  ({p.bound}-bound, {p.tokens_per_s:,.0f} prompt tok/s)",
-            "    TTFT >= this: the prefill step's last position also yields the first output token.",
-        ]
-    if not hw.measured:
-        lines += ["", "  Roofline floor: real engines add per-step CPU/launch overhead (pass --overhead-ms) and "
-                      "rarely reach the efficiencies above on every kernel."]
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- simulate command
@@ -343,7 +268,6 @@ def run_simulate(args: argparse.Namespace) -> int:
     from tokenloom.measure.workloads import MIN_TOKEN_ID, workload_from_args, workload_stats
     from tokenloom.model.tools.presets import PRESETS
     from tokenloom.sim.estimate import CostModel
-    from tokenloom.specs.hardware import get_hardware
     from tokenloom.specs.model_spec import load_config, load_model_spec, max_position_embeddings
     from tokenloom.sim.simulator import SimConfig, Simulator
 
@@ -355,7 +279,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     console = wide_console()
     try:
-        hw = get_hardware(args.hardware, refresh_local=args.refresh_local)
+        hw = _resolve_hardware(args)
         spec = load_model_spec(args.model)
         config, _ = load_config(args.model)
         if args.calibrated:
@@ -369,10 +293,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                                        measure=getattr(args, "measure_engine", None))  # from `tokenloom`
             console.print("calibrated: " + "; ".join(cm.calibration.summary_lines()), markup=False, soft_wrap=True)
         else:
-            cm = CostModel(spec, hw, None if args.dtype == "auto" else args.dtype,
-                           mem_efficiency=args.mem_efficiency, compute_efficiency=args.compute_efficiency,
-                           overhead_s=None if args.overhead_ms is None else args.overhead_ms / 1e3,
-                           quantization=args.quantization)
+            cm = CostModel(spec, hw, None if args.dtype == "auto" else args.dtype, **_cost_model_kwargs(args))
         sim_cfg = SimConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -398,12 +319,14 @@ def run_simulate(args: argparse.Namespace) -> int:
         return 2
     sc = sim.scheduler_config
     console.print(
-        f"simulate: {spec.name} ({cm.dtype}) on {hw.name} | {len(reqs)} requests, workload {wl_spec.name}, "
+        f"simulate: {spec.name} ({cm.dtype}{', ' + cm.quantization + ' weights' if cm.quantization else ''}) on "
+        f"{hw.name}{' x' + str(cm.tensor_parallel_size) if cm.tensor_parallel_size > 1 else ''} | "
+        f"{len(reqs)} requests, workload {wl_spec.name}, "
         f"rate {wl_spec.request_rate} req/s | max_num_seqs {sc.max_num_seqs}, max_num_batched_tokens "
         f"{sc.max_num_batched_tokens}, max_model_len {sc.max_model_len}, {sim.num_kv_blocks:,} KV blocks x "
-        f"{sim_cfg.block_size} tokens | mem eff {cm.mem_efficiency:g}, compute eff {cm.compute_efficiency:g}, "
-        f"overhead {fmt_time(cm.overhead_s)}/step"
+        f"{sim_cfg.block_size} tokens"
         + (f" | {args.replicas} replicas, router {args.router}" if args.replicas != 1 else ""), markup=False)
+    console.print(f"cost model: {model_line(cm)}", markup=False)
     res = sim.run(reqs, seed=args.seed, max_concurrency=args.max_concurrency)
     if first.events:
         if args.replicas != 1:  # (replica, event) pairs: each line says whose step it was
@@ -423,17 +346,25 @@ def run_simulate(args: argparse.Namespace) -> int:
     replicas = getattr(res, "replicas", None)
     if replicas is not None:
         console.print(replica_table(res))
+    band = None
+    if args.band and cm.form == "kernels" and not hasattr(cm, "calibration"):
+        band = band_runs(cm, sim_cfg, args, max_position_embeddings(config), reqs, percentiles)
+        band["central"] = band_figures(summary)
+        console.print(band_table(band))
     if args.output_json:
         doc = report.build_report(
             "simulate",
             config={**report.args_to_config(args), "scheduler": sc, "num_kv_blocks": res.num_kv_blocks,
                     "cost_model": {"dtype": cm.dtype, "mem_efficiency": cm.mem_efficiency,
                                    "compute_efficiency": cm.compute_efficiency, "overhead_s": cm.overhead_s,
-                                   "per_seq_overhead_s": cm.per_seq_overhead_s,
+                                   "per_seq_overhead_s": cm.per_seq_overhead_s, "form": cm.form,
+                                   "weight_format": cm.quantization, "kv_cache_dtype": cm.kv_format.name,
+                                   "tensor_parallel_size": cm.tensor_parallel_size,
+                                   **({"efficiency": cm.efficiency.to_dict()} if cm.form == "kernels" else {}),
                                    **({"calibration": cm.calibration.to_dict(with_samples=False)}
                                       if hasattr(cm, "calibration") else {})}},
             workload={"spec": wl_spec.to_dict(), "stats": workload_stats(reqs)},
-            results={"summary": summary, "groups": groups, "steps": steps,
+            results={"summary": summary, "groups": groups, "steps": steps, **({"band": band} if band else {}),
                      **({"router": res.router, "replicas": [r.to_dict() for r in replicas]}
                         if replicas is not None else {})},
             # The "machine" is the simulated one; the host only ran the arithmetic.

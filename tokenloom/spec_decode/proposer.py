@@ -22,9 +22,10 @@ def speculation_allowed(req: Request) -> bool:
     """True when drafting for req keeps its outputs exact and complete: every per-row
     sampling setting must be the same for all draft positions (no penalties, no pending
     min_tokens, no grammar), and per-token logprobs and seeded generators are not part of
-    verification (their requests decode one token a step)."""
+    verification (their requests decode one token a step).  A beam of a beam search takes no
+    drafts: its next token is the search's to choose."""
     p = req.sampling_params
-    return (req.grammar is None and p.logprobs is None and p.seed is None
+    return (req.samples_tokens and req.grammar is None and p.logprobs is None and p.seed is None
             and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
             and req.num_output_tokens >= p.min_tokens)
 

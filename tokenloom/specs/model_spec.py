@@ -36,6 +36,8 @@ OPS_PER_LAYER = 30
 OPS_PER_QK_NORM = 12  # Qwen3: two more RMSNorms per layer
 OPS_FIXED = 10  # embedding, final norm, lm_head, sampling
 
+_GEMMA = ("gemma2", "gemma3_text")
+
 
 def normalize_dtype(dtype: str) -> str:
     """'fp16' -> 'float16' etc.; ValueError for anything the estimator does not model."""
@@ -47,7 +49,8 @@ def normalize_dtype(dtype: str) -> str:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The shape of a dense decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3)."""
+    """The shape of a dense decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 /
+    Gemma 3 / Phi-3)."""
 
     name: str
     hidden_size: int
@@ -62,6 +65,7 @@ class ModelSpec:
     o_bias: bool = False
     qk_norm: bool = False
     mlp_bias: bool = False
+    sandwich_norm: bool = False  # Gemma: four RMSNorms per layer, not two
     torch_dtype: str | None = None  # the dtype the checkpoint ships in, if known
 
     # ------------------------------------------------------------ construction
@@ -80,14 +84,16 @@ class ModelSpec:
                 num_layers=int(config["num_hidden_layers"]),
                 num_heads=heads,
                 num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
+                # Gemma's config classes default head_dim to 256, not hidden // heads
+                head_dim=int(config.get("head_dim") or (256 if model_type in _GEMMA else hidden // heads)),
                 intermediate_size=int(config["intermediate_size"]),
                 vocab_size=int(config["vocab_size"]),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 # Qwen2 hard-codes bias on q/k/v (not o); Llama/Qwen3 have one switch for all four.
                 qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
                 o_bias=model_type != "qwen2" and bool(config.get("attention_bias", False)),
-                qk_norm=model_type == "qwen3",
+                qk_norm=model_type in ("qwen3", "gemma3_text"),
+                sandwich_norm=model_type in _GEMMA,
                 mlp_bias=bool(config.get("mlp_bias", False)),
                 torch_dtype=config.get("torch_dtype") or config.get("dtype"),
             )
@@ -130,7 +136,8 @@ class ModelSpec:
 
     @property
     def norm_params_per_layer(self) -> int:
-        return 2 * self.hidden_size  # input and post-attention RMSNorm
+        # input and post-attention RMSNorm (Gemma: and the two around the MLP)
+        return (4 if self.sandwich_norm else 2) * self.hidden_size
 
     @property
     def layer_params(self) -> int:
@@ -263,9 +270,12 @@ class ModelSpec:
 def load_config(model: str) -> tuple[dict, str]:
     """(config dict, display name) from a preset name, a model directory or a config.json path."""
     from tokenloom.model.tools.presets import PRESETS, get_preset
+    from tokenloom.specs.reference_models import REFERENCE_CONFIGS, reference_config
 
     if model in PRESETS:
         return get_preset(model), model
+    if model in REFERENCE_CONFIGS:  # shapes of published models, never built (specs/reference_models.py)
+        return reference_config(model), model
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
@@ -277,8 +287,8 @@ def load_config(model: str) -> tuple[dict, str]:
                 raise ValueError(f"model {model!r}: {path} is not a config.json ({e})") from None
         return config, os.path.basename(os.path.dirname(os.path.abspath(path))) or str(path)
     raise ValueError(
-        f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-        f"nor a directory containing config.json"
+        f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}), a reference model "
+        f"({', '.join(sorted(REFERENCE_CONFIGS))}) nor a directory containing config.json"
     )
 
 

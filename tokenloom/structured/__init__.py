@@ -9,11 +9,14 @@ sampled token, the state accepts it.  Padding ids past the tokenizer's vocabular
 pads 151,665 tokens to 151,936) are never allowed.
 
 xgrammar is an optional dependency (the `structured` extra); it is imported only when a
-request asks for structure.
+request asks for structure.  For a reasoning model the grammar waits until the thinking is
+over (`ReasoningGate`): it constrains the answer only.
 """
 
 from tokenloom.structured.compiler import GrammarCompiler, GrammarError
 from tokenloom.structured.masks import StepMasks, apply_grammar_masks
+from tokenloom.structured.reasoning_gate import ReasoningGate, gate_grammar
 from tokenloom.structured.state import GrammarState
 
-__all__ = ["GrammarCompiler", "GrammarError", "GrammarState", "StepMasks", "apply_grammar_masks"]
+__all__ = ["GrammarCompiler", "GrammarError", "GrammarState", "ReasoningGate", "StepMasks", "apply_grammar_masks",
+           "gate_grammar"]

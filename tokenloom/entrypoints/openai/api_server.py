@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server: FastAPI routes around one AsyncLLMEngine.
 
     /v1/completions, /v1/chat/completions   generation (JSON or SSE)      [--api-key applies]
-    /v1/models, /v1/models/{id}             what is served (adapters too)  [--api-key applies]
+    /v1/responses (+ GET/DELETE /{id})      the Responses API (serving_responses.py) [--api-key applies]
+    /v1/embeddings                          embeddings (--runner pooling) [--api-key applies]
+    /v1/models, /v1/models/{id}             what is served (LoRA adapters too) [--api-key applies]
     /v1/load_lora_adapter, /v1/unload_lora_adapter   LoRA adapters at run time (--enable-lora) [--api-key applies]
     /tokenize /detokenize /tokenizer_info   the model's tokenizer over HTTP [--api-key applies]
     /health /version /metrics               liveness, version, Prometheus
@@ -10,6 +12,10 @@
 Every error is OpenAI-shaped JSON, and the OpenAPI document (/openapi.json) says so: each
 route lists the error statuses it can answer, and SSE / Prometheus / plain-text bodies are
 declared with their real content types, so generated clients and schema fuzzers can trust it.
+
+A server runs one kind of engine (`--runner`): generate serves the generation routes,
+pooling the embeddings route; the other kind's routes answer 400 saying which runner they
+need, and are left out of the OpenAPI document (which lists what this server serves).
 
 Lifecycle: the engine (weights, KV cache) is built before uvicorn binds its port, so a
 successful /health means "ready to generate".  The engine thread starts with the app
@@ -48,11 +54,14 @@ from tokenloom.entrypoints.openai.openapi_doc import (GENERATION_ERRORS, LORA_LO
                                                       generation_ok, install_openapi)
 from tokenloom.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                                    CompletionResponse, DetokenizeRequest, DetokenizeResponse,
-                                                   LoadLoRAAdapterRequest, ModelCard, ModelList, TokenizeRequest,
-                                                   TokenizeResponse, TokenizerInfo, UnloadLoRAAdapterRequest)
+                                                   EmbeddingRequest, EmbeddingResponse, LoadLoRAAdapterRequest,
+                                                   ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                                                   TokenizerInfo, UnloadLoRAAdapterRequest)
 from tokenloom.entrypoints.openai.serving_chat import create_chat_completion, render_messages
 from tokenloom.entrypoints.openai.serving_common import ServingContext, encode_text, off_loop, tokenize_limit
 from tokenloom.entrypoints.openai.serving_completion import create_completion
+from tokenloom.entrypoints.openai.serving_embedding import create_embedding
+from tokenloom.entrypoints.openai.serving_responses import install_responses
 from tokenloom.entrypoints.openai.unsent_bound import with_unsent_bound
 
 logger = logging.getLogger("tokenloom.server")
@@ -96,7 +105,16 @@ def server_facts(ctx: ServingContext) -> ServerFacts:
                        max_prompts_per_request=limits.max_prompts_per_request, max_logit_bias=limits.max_logit_bias,
                        tokenize_limit=tokenize_limit(ctx),
                        trust_request_chat_template=limits.trust_request_chat_template,
-                       empty_text_has_tokens=bool(engine.tokenizer.encode("", add_special_tokens=True)))
+                       empty_text_has_tokens=bool(engine.tokenizer.encode("", add_special_tokens=True)),
+                       **_pooling_facts(engine.engine.pooling_config))
+
+
+def _pooling_facts(pooling) -> dict:
+    """An embedding server's vector length and what `dimensions` may ask (none for a generator)."""
+    if pooling is None:
+        return {}
+    return dict(embedding_size=pooling.dimensions, matryoshka=pooling.is_matryoshka,
+                matryoshka_dimensions=pooling.matryoshka_dimensions)
 
 
 def build_app(ctx: ServingContext, *, api_key: str | None = None, dashboard: bool = True) -> FastAPI:
@@ -177,14 +195,32 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None, dashboard: boo
             logger.info("LoRA adapter %r unloaded", lora.lora_name)
             return PlainTextResponse(f"Success: LoRA adapter {lora.lora_name!r} removed successfully.")
 
-    @app.post("/v1/completions", responses=generation_ok(CompletionResponse, *guarded, *GENERATION_ERRORS))
+    runner = engine.engine.runner_type
+    generating, pooling = runner == "generate", runner == "pooling"
+
+    def needs(kind: str, route: str) -> None:
+        if runner != kind:
+            raise bad_request(f"{route} is not served here: this server runs --runner {runner}; start it with "
+                              f"--runner {kind}", code="unsupported_route")
+
+    @app.post("/v1/completions", responses=generation_ok(CompletionResponse, *guarded, *GENERATION_ERRORS),
+              include_in_schema=generating)
     async def completions(body: CompletionRequest, raw: Request):
+        needs("generate", "/v1/completions")
         return await create_completion(ctx, body, raw)
 
     @app.post("/v1/chat/completions",
-              responses=generation_ok(ChatCompletionResponse, *guarded, *GENERATION_ERRORS))
+              responses=generation_ok(ChatCompletionResponse, *guarded, *GENERATION_ERRORS),
+              include_in_schema=generating)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        needs("generate", "/v1/chat/completions")
         return await create_chat_completion(ctx, body, raw)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse,
+              responses=error_responses(*guarded, *GENERATION_ERRORS), include_in_schema=pooling)
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
+        needs("pooling", "/v1/embeddings")
+        return await create_embedding(ctx, body, raw)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=error_responses(*guarded, *TOKENIZER_ERRORS))
     async def tokenize(body: TokenizeRequest) -> Response:
@@ -229,6 +265,9 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None, dashboard: boo
     async def tokenizer_info() -> TokenizerInfo:
         """The tokenizer's settings (vLLM's endpoint, read by lm-eval-harness's remote tokenizer)."""
         return TokenizerInfo.of(engine.tokenizer, engine.max_model_len, engine.engine.vocab_size)
+
+    if generating:  # /v1/responses: the Responses API over the chat path (a pooling server has none)
+        install_responses(app, ctx, guarded)
 
     if dashboard:  # checks the key itself: ?key= and a cookie count there, not only the header
         hub = install_dashboard(app, engine.engine, ctx.served_model_names, api_key)
@@ -310,7 +349,8 @@ def build_server(args: argparse.Namespace) -> tuple[_Server, AsyncLLMEngine]:
     else:  # a path is served under its directory's name, and still accepted as given
         names, aliases = default_served_names(args.model, engine.model_name)
     ctx = ServingContext(engine, names, limits, tool_call_parser=getattr(args, "tool_call_parser", None),
-                         model_aliases=aliases)
+                         model_aliases=aliases, reasoning_parser=getattr(args, "reasoning_parser", None),
+                         max_stored_responses=getattr(args, "max_stored_responses", 1024))
     for name, path in lora_modules:
         ctx.loras.load_now(name, path)
     app = build_app(ctx, api_key=args.api_key, dashboard=getattr(args, "dashboard", True))

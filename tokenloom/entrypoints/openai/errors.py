@@ -112,6 +112,7 @@ def sse_error(err: OpenAIError) -> str:
 
 
 INVALID_UNICODE = "invalid_unicode"  # the pydantic error type for a string that is not valid Unicode
+UNSUPPORTED = "unsupported"  # the pydantic error type for a field (or value) the server does not support
 
 
 def _param_of(loc: Sequence[Any]) -> str | None:
@@ -147,7 +148,8 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
             continue
         seen.add(p)
         msgs.append(f"{p}: {e.get('msg')}")
-    return bad_request("; ".join(msgs), param=param)
+    return bad_request("; ".join(msgs), param=param,
+                       code="unsupported_value" if first.get("type") == UNSUPPORTED else "invalid_value")
 
 
 async def _openai_error_handler(request: Request, exc: Exception) -> JSONResponse:

@@ -25,7 +25,29 @@ RUNTIME_RULES = (
     "(plus max_tokens) do not fit max_model_len (`context_length_exceeded`); min_tokens exceeds max_tokens; "
     "max_tokens is 0 without echo; best_of differs from n; more than one output constraint is given "
     "(response_format, structured_outputs, guided_*), or its JSON schema, regex or grammar does not compile; "
-    "the chat template cannot render the messages; a string prompt has no tokens.")
+    "the chat template cannot render the messages; a string prompt has no tokens; with use_beam_search, its n "
+    "beams do not fit the batch (--max-num-seqs) or the KV cache.")
+
+EMBEDDING_RULES = (
+    "Beyond this schema, a request is refused (400, `error.param` naming the field) when an input's tokens do not "
+    "fit max_model_len (`context_length_exceeded`) or a string input has no tokens.")
+
+# use_beam_search: true takes only settings beam search honours; these must keep their defaults
+BEAM_SEARCH_DEFAULTS: dict[str, Any] = {
+    "echo": False, "logprobs": None, "prompt_logprobs": None, "stop": None, "stop_token_ids": None, "min_tokens": 0,
+    "logit_bias": None, "allowed_token_ids": None, "presence_penalty": 0, "frequency_penalty": 0,
+    "repetition_penalty": None, "response_format": None, "structured_outputs": None, "guided_json": None,
+    "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+}
+
+RESPONSES_RUNTIME_RULES = (
+    "Beyond this schema, a request is refused (400, `error.param` naming the field) when: the conversation's "
+    "tokens (instructions, the stored conversation of previous_response_id, the input) plus max_output_tokens do "
+    "not fit max_model_len (`context_length_exceeded`); previous_response_id names no stored response "
+    "(`previous_response_not_found`); the input holds no message; tool_choice asks for a call without tools, or "
+    "names a function not in tools; two tools share a name; text.format's JSON schema, or a forced call's "
+    "parameters, does not compile, or both constrain the output; a forced call (tool_choice \"required\" or a "
+    "named function) cannot finish within max_output_tokens.")
 
 
 TEXT_PART = {"type": "object", "required": ["type", "text"],
@@ -67,6 +89,10 @@ class ServerFacts:
     tokenize_limit: int
     trust_request_chat_template: bool
     empty_text_has_tokens: bool  # the tokenizer adds special tokens (a BOS) even to ""
+    # embeddings (--runner pooling): the vector's length, and what `dimensions` may ask
+    embedding_size: int = 0
+    matryoshka: bool = False  # a request may shorten the vector
+    matryoshka_dimensions: tuple[int, ...] | None = None  # ...to one of these only
 
 
 def decimal_range_pattern(hi: int) -> str:
@@ -93,6 +119,37 @@ def _branches(prop: dict[str, Any], kind: str) -> Iterator[dict[str, Any]]:
 def _token_list(schema: dict[str, Any], facts: ServerFacts, max_items: int) -> None:
     schema["items"]["maximum"] = facts.vocab_size - 1
     schema["maxItems"] = max_items
+
+
+def _embedding_limits(schema: dict[str, Any] | None, facts: ServerFacts) -> None:
+    """/v1/embeddings: token ids in the vocabulary, inputs within max_model_len (an embedding
+    needs no room for a generated token) and the request's count, `dimensions` as the model allows."""
+    if schema is None:
+        return
+    schema["description"] = EMBEDDING_RULES
+    props = schema.get("properties", {})
+    for s in _branches(props.get("input", {}), "string"):
+        if not facts.empty_text_has_tokens:
+            s["minLength"] = 1
+    for s in _branches(props.get("input", {}), "array"):
+        items = s["items"]
+        if items.get("type") == "integer":
+            _token_list(s, facts, facts.max_model_len)
+        else:
+            s["maxItems"] = facts.max_prompts_per_request
+            if items.get("type") == "array":
+                _token_list(items, facts, facts.max_model_len)
+            elif not facts.empty_text_has_tokens:
+                items["minLength"] = 1
+    dims = props.get("dimensions")
+    if dims is not None:
+        if not facts.matryoshka:
+            props["dimensions"] = {**_NULL, "title": "Dimensions", "default": None,
+                                   "description": "refused: this model is not a matryoshka model"}
+        for s in _branches(props["dimensions"], "integer"):
+            if facts.matryoshka_dimensions:
+                s["enum"] = list(facts.matryoshka_dimensions)
+            s["maximum"] = facts.embedding_size
 
 
 def apply_server_facts(doc: dict[str, Any], facts: ServerFacts) -> dict[str, Any]:
@@ -128,6 +185,17 @@ def apply_server_facts(doc: dict[str, Any], facts: ServerFacts) -> dict[str, Any
                 props[field]["anyOf"] = [shape, _NULL]
         if name in schemas:
             schemas[name]["description"] = RUNTIME_RULES
+    beam = schemas.get("CompletionRequest")
+    if beam is not None and "use_beam_search" in beam.get("properties", {}):
+        beam.setdefault("allOf", []).append({  # beam search takes none of the sampling-only settings
+            "if": {"required": ["use_beam_search"], "properties": {"use_beam_search": {"const": True}}},
+            "then": {"properties": {k: _NULL if v is None else {"const": v} for k, v in BEAM_SEARCH_DEFAULTS.items()}}})
+    _embedding_limits(schemas.get("EmbeddingRequest"), facts)
+    responses = schemas.get("ResponsesRequest")
+    if responses is not None:
+        for s in _branches(responses.get("properties", {}).get("max_output_tokens", {}), "integer"):
+            s["maximum"] = context
+        responses["description"] = RESPONSES_RUNTIME_RULES
     prompt = schemas.get("CompletionRequest", {}).get("properties", {}).get("prompt", {})
     for s in _branches(prompt, "string"):
         if not facts.empty_text_has_tokens:

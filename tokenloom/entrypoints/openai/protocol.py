@@ -149,6 +149,23 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = Field(None, description="not supported: only empty",
                                json_schema_extra={"maxLength": 0})  # refused by the handler, in its words
     add_special_tokens: bool = True
+    # vLLM's beam search: `n` beams, the n best sequences returned (serving_completion.py)
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-10, le=10, description="beam search: a finished sequence scores its "
+                                  "summed logprob / (generated tokens) ** length_penalty; ignored otherwise")
+
+
+class EmbeddingRequest(_Request):
+    """OpenAI's /v1/embeddings body (plus vLLM's `add_special_tokens` and `priority`)."""
+
+    model: str | None = None
+    input: str | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[str], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="matryoshka models only: keep the first N components")
+    user: str | None = None
+    add_special_tokens: bool = True
+    priority: int = 0
 
 
 class ChatMessage(BaseModel):
@@ -252,6 +269,26 @@ class CompletionResponse(_Response):
     system_fingerprint: str | None = None
 
 
+class EmbeddingData(_Response):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32 (encoding_format)
+
+
+class EmbeddingUsage(_Response):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(_Response):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
 class TopLogprob(_Response):
     token: str
     logprob: float
@@ -272,6 +309,7 @@ class ChatLogprobs(_Response):
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's field: the thinking, with --reasoning-parser
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's shape (tool_calls.ToolCall.to_openai)
 
 
@@ -296,6 +334,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(_Response):

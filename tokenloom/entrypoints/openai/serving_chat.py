@@ -33,6 +33,7 @@ from tokenloom.entrypoints.openai.serving_common import (ChunkFrame, ServingCont
                                                          encode_text, finite_logprob, make_usage, merge_streams, new_id,
                                                          off_loop, sampling_params, sse_body, structured_outputs,
                                                          validate_prompt)
+from tokenloom.entrypoints.openai.reasoning_parsers import ReasoningParser
 from tokenloom.entrypoints.openai.tool_calls import ToolPlan, constrained_calls, plan_tools
 from tokenloom.entrypoints.openai.tool_parsers import get_parser, parser_for_template
 from tokenloom.outputs import PositionLogprobs, RequestOutput
@@ -158,6 +159,15 @@ class _Prepared:
     tokenizer: Any
     tools: ToolPlan
     parser_name: str | None = None
+    reasoning: ReasoningParser | None = None  # --reasoning-parser: the answer is what follows the thinking
+    inside: bool | None = None  # where the output starts (ReasoningTags.starts_inside)
+
+    def split(self, text: str, final: bool = True) -> tuple[str | None, str]:
+        """(reasoning, answer text) of a choice's text; the answer is "" where there is none yet."""
+        if self.reasoning is None:
+            return None, text
+        reasoning, answer = self.reasoning.split(text, self.inside, final=final)
+        return reasoning, answer or ""
 
 
 def _render_and_validate(ctx: ServingContext, req: ChatCompletionRequest, params: Any,
@@ -221,6 +231,8 @@ async def _prepare(ctx: ServingContext, req: ChatCompletionRequest,
     params = sampling_params(req, max_tokens=max_tokens, logprobs=top_n, prompt_logprobs=req.prompt_logprobs)
     if plan.constraint is not None:
         params.structured_outputs = plan.constraint
+    if ctx.reasoning is not None:  # a grammar then waits for the thinking to end
+        params.reasoning_tags = ctx.reasoning.tags
     ids = await off_loop(_render_and_validate, ctx, req, params, plan.template_tools)
     # A function's parameters that are not a usable JSON schema are the tools' fault; a
     # missing xgrammar is not: then the tool_choice asked for what this environment cannot do.
@@ -229,8 +241,8 @@ async def _prepare(ctx: ServingContext, req: ChatCompletionRequest,
     rid = new_id("chatcmpl")
     streams = add_requests(ctx, rid, [(None, ids)], params, priority=req.priority, cache_salt=req.cache_salt,
                            lora_request=lora)
-    return _Prepared(rid, req.model or ctx.model_name, req, top_n, ctx.engine.tokenizer, plan,
-                     parser_name), streams
+    return _Prepared(rid, req.model or ctx.model_name, req, top_n, ctx.engine.tokenizer, plan, parser_name,
+                     ctx.reasoning, ctx.reasoning.starts_inside(ids) if ctx.reasoning is not None else None), streams
 
 
 def _answer(p: _Prepared, text: str, finish_reason: str | None,
@@ -275,8 +287,12 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         logprobs = None
         if p.top_n is not None:
             logprobs = chat_logprobs(c.token_ids, c.logprobs or [], p.top_n, _texts(p, out), last=True)
-        content, tool_calls, reason = _answer(p, c.text, c.finish_reason, len(c.token_ids))
-        choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=tool_calls),
+        reasoning, text = p.split(c.text)
+        content, tool_calls, reason = _answer(p, text, c.finish_reason, len(c.token_ids))
+        if reasoning is not None and not content and not tool_calls:
+            content = None  # the thinking was all there is (cut off before its end)
+        message = ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=tool_calls)
+        choices.append(ChatChoice(index=c.index, message=message,
                                   logprobs=logprobs, finish_reason=reason, stop_reason=c.stop_reason))
     resp = ChatCompletionResponse(id=p.request_id, model=p.model, choices=choices, usage=make_usage(finals))
     return Response(resp.model_dump_json(), media_type="application/json")
@@ -286,6 +302,7 @@ async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream
     req = p.req
     frame = ChunkFrame(p.request_id, "chat.completion.chunk", p.model, req.stream_options)
     text_sent: dict[int, int] = {}
+    reasoning_sent: dict[int, int] = {}
     tokens_sent: dict[int, int] = {}
     done: set[int] = set()
     latest: list[RequestOutput] = []
@@ -301,7 +318,7 @@ async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream
     # The role comes first, before any token exists: clients show "assistant is typing".  A
     # constrained tool call has no content at all: null, as OpenAI sends it.
     for j in range(req.n):
-        text_sent[j] = tokens_sent[j] = calls_sent[j] = 0
+        text_sent[j] = tokens_sent[j] = calls_sent[j] = reasoning_sent[j] = 0
         yield frame.chunk({"index": j, "delta": {"role": "assistant", "content": None if hold_all else ""},
                            "logprobs": None, "finish_reason": None}, latest)
     async for _, out in merge_streams(streams):
@@ -314,21 +331,27 @@ async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream
             finished = c.finish_reason is not None
             if not new_ids and not finished:
                 continue
-            visible = len(c.text)
+            # With --reasoning-parser the thinking goes out as reasoning_content (all but a tail
+            # that may be the end tag) and everything below works on the answer after it.
+            reasoning, text = p.split(c.text, final=finished)
+            delta: dict[str, Any] = {}
+            if reasoning is not None and len(reasoning) > reasoning_sent[j]:
+                delta["reasoning_content"] = reasoning[reasoning_sent[j]:]
+                reasoning_sent[j] = len(reasoning)
+            visible = len(text)
             if not finished and hold_all:
                 visible = text_sent[j]
             elif not finished and parser is not None:
-                visible = max(text_sent[j], parser.safe_prefix(c.text))
-            delta: dict[str, Any] = {}
+                visible = max(text_sent[j], parser.safe_prefix(text))
             reason = c.finish_reason if finished else None
             if not finished and plan.mode == "required":
-                ready = constrained_calls(plan, c.text)[0][calls_sent[j]:]
+                ready = constrained_calls(plan, text)[0][calls_sent[j]:]
                 if ready:
                     delta["tool_calls"] = [call.to_openai(calls_sent[j] + k) for k, call in enumerate(ready)]
                     calls_sent[j] += len(ready)
             if finished and (hold_all or parser is not None):
                 try:
-                    content, tool_calls, reason = _answer(p, c.text, c.finish_reason, len(c.token_ids))
+                    content, tool_calls, reason = _answer(p, text, c.finish_reason, len(c.token_ids))
                 except OpenAIError as e:  # the status is 200 already: the error goes in the stream
                     yield sse_error(e)
                     return
@@ -338,7 +361,7 @@ async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream
                     unsent = [{"index": k, **tc} for k, tc in enumerate(tool_calls) if k >= calls_sent[j]]
                     if unsent:
                         delta["tool_calls"] = unsent
-            delta_text = c.text[text_sent[j]:visible]
+            delta_text = text[text_sent[j]:visible]
             logprobs = None
             if p.top_n is not None:
                 new_lp = (c.logprobs or [])[tokens_sent[j]:tokens_sent[j] + len(new_ids)]
@@ -350,6 +373,8 @@ async def _stream(ctx: ServingContext, p: _Prepared, streams: list[RequestStream
             held = (hold_all or parser is not None) and not delta_text
             if held and not finished and logprobs is None and not delta:
                 continue  # nothing to say yet: the text so far may be (or is) a tool call
+            if p.reasoning is not None and not (finished or delta_text or delta or logprobs is not None):
+                continue  # nothing to say yet: the text so far may be a tag
             if delta_text or not (finished or delta or held):
                 delta = {"content": delta_text, **delta}
             elif "tool_calls" in delta or (held and not finished):

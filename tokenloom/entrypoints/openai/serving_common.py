@@ -35,6 +35,7 @@ from tokenloom.entrypoints.openai.errors import (OpenAIError, bad_request, conte
                                                  sse_error)
 from tokenloom.entrypoints.openai.limits import ServerLimits, check_sampling_limits
 from tokenloom.entrypoints.openai.lora_models import LoRAModels
+from tokenloom.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from tokenloom.entrypoints.openai.protocol import LOGIT_BIAS_KEY, PromptTokensDetails, Usage, _SamplingFields
 from tokenloom.outputs import RequestOutput
 from tokenloom.request import LoRARequest
@@ -55,10 +56,15 @@ class ServingContext:
     created: int = field(default_factory=lambda: int(time.time()))
     tool_call_parser: str | None = None  # --tool-call-parser: reads tool_choice "auto" answers
     model_aliases: list[str] = field(default_factory=list)  # accepted in requests, not listed (model_names.py)
+    reasoning_parser: str | None = None  # --reasoning-parser: splits <think> ... </think> off the answer
+    max_stored_responses: int = 1024  # --max-stored-responses: the Responses API's memory (responses_store.py)
+    reasoning: ReasoningParser | None = field(init=False, default=None)
     loras: LoRAModels = field(init=False)  # LoRA adapters served by name (--enable-lora)
 
     def __post_init__(self) -> None:
         self.loras = LoRAModels(self.engine, self.served_model_names, self.model_aliases)
+        if self.reasoning_parser is not None:  # ValueError naming the flag when the tokenizer lacks the tags
+            self.reasoning = get_reasoning_parser(self.reasoning_parser, self.engine.tokenizer)
         # The server compiles grammars in worker processes it can kill (started on the first
         # grammar), bounded by the --max-grammar-* limits; see `compile_grammar`.
         grammars = self.engine.engine.grammars
@@ -328,17 +334,19 @@ def validate_prompt(ctx: ServingContext, prompt: str | list[int], params: Sampli
 
 
 def add_requests(ctx: ServingContext, base_id: str, prompts: Sequence[tuple[str | None, list[int]]],
-                 params: SamplingParams, *, priority: int, cache_salt: str | None,
+                 params: Any, *, priority: int, cache_salt: str | None,
                  lora_request: LoRARequest | None = None) -> list[RequestStream]:
     """Queue validated prompts (one engine request each, on `lora_request`'s adapter if
-    given); 503 if over capacity."""
+    given); 503 if over capacity.  `params`: one set for every prompt (SamplingParams,
+    BeamSearchParams or PoolingParams), or a list of one per prompt."""
     ctx.check_engine()
-    ctx.check_capacity(len(prompts) * params.n)
+    each = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    ctx.check_capacity(sum(p.n for p in each))
     arrival = time.perf_counter()
     try:
-        return [ctx.engine.add_request(f"{base_id}-{i}", text, ids, params, arrival_time=arrival,
+        return [ctx.engine.add_request(f"{base_id}-{i}", text, ids, p, arrival_time=arrival,
                                        priority=priority, cache_salt=cache_salt, lora_request=lora_request)
-                for i, (text, ids) in enumerate(prompts)]
+                for i, ((text, ids), p) in enumerate(zip(prompts, each))]
     except EngineDeadError as e:
         raise OpenAIError(503, str(e), code="engine_unavailable") from None
     except ValueError as e:  # its adapter was unloaded since the request named it

@@ -8,6 +8,14 @@ much text and how many tokens were already sent.
 `max_tokens: 0` with `echo` scores the prompt (lm-eval-harness's loglikelihood recipe): the
 engine runs the prompt and generates one token, which is dropped, so the answer is the
 prompt itself with its logprobs and `completion_tokens` is 0.
+
+`use_beam_search: true` (vLLM's extension) searches `n` beams per prompt and returns the
+`n` best sequences, best first, scored as transformers scores them with `length_penalty`
+(docs/beam-search.md).  Settings beam search cannot honour -- logprobs, echo, stop strings
+and ids, penalties, biases, output constraints, min_tokens -- are a 400 naming the field
+(`openapi_limits.BEAM_SEARCH_DEFAULTS`); the sampling knobs (temperature, top_p, top_k,
+min_p, seed) have nothing to act on and are ignored, as in vLLM.  The result arrives
+whole, also when streamed (one chunk per choice).
 """
 
 from __future__ import annotations
@@ -20,8 +28,9 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenloom.engine.async_engine import RequestStream
 from tokenloom.engine.detokenizer import TokenTexts
-from tokenloom.entrypoints.openai.errors import bad_request
+from tokenloom.entrypoints.openai.errors import OpenAIError, bad_request
 from tokenloom.entrypoints.openai.limits import check_prompt_count
+from tokenloom.entrypoints.openai.openapi_limits import BEAM_SEARCH_DEFAULTS
 from tokenloom.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                    CompletionResponse)
 from tokenloom.entrypoints.openai.serving_common import (ChunkFrame, ServingContext, SSEResponse, abort_all,
@@ -30,7 +39,8 @@ from tokenloom.entrypoints.openai.serving_common import (ChunkFrame, ServingCont
                                                          new_id, off_loop,
                                                          sampling_params, sse_body, validate_prompt)
 from tokenloom.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.request import LoRARequest
+from tokenloom.sampling_params import BeamSearchParams, SamplingParamError, SamplingParams
 
 
 def _split_prompts(prompt: str | list) -> list[str | list[int]]:
@@ -156,6 +166,8 @@ async def _prepare(ctx: ServingContext, req: CompletionRequest,
         raise bad_request("max_tokens may be 0 only with echo=true (scoring the prompt)", param="max_tokens")
     single = _split_prompts(req.prompt)
     check_prompt_count(ctx.limits, len(single))
+    if req.use_beam_search:
+        return await _prepare_beams(ctx, req, single, lora)
     echo_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
     prompt_lp = req.prompt_logprobs if req.prompt_logprobs is not None else echo_lp
     params = sampling_params(req, max_tokens=1 if score_only else req.max_tokens, logprobs=req.logprobs,
@@ -166,6 +178,41 @@ async def _prepare(ctx: ServingContext, req: CompletionRequest,
     streams = add_requests(ctx, rid, prompts, params, priority=req.priority, cache_salt=req.cache_salt,
                            lora_request=lora)
     return _Prepared(rid, req.model or ctx.model_name, texts, req, ctx.engine.tokenizer, score_only), streams
+
+
+async def _prepare_beams(ctx: ServingContext, req: CompletionRequest, single: list[str | list[int]],
+                         lora: LoRARequest | None = None) -> tuple[_Prepared, list[RequestStream]]:
+    """use_beam_search: one beam search per prompt, `n` beams each (see the module docstring),
+    on the LoRA adapter the request's model names, if any."""
+    for name, default in BEAM_SEARCH_DEFAULTS.items():
+        if getattr(req, name) != default or (default is None) != (getattr(req, name) is None):
+            raise bad_request(f"{name} cannot be used with use_beam_search", param=name, code="unsupported_value")
+
+    def params_for(max_tokens: int) -> BeamSearchParams:
+        try:
+            return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
+                                    length_penalty=req.length_penalty)
+        except SamplingParamError as e:
+            raise bad_request(str(e), param="n" if e.param == "beam_width" else e.param) from None
+
+    def work() -> tuple[list[tuple[str | None, list[int]]], list[BeamSearchParams]]:
+        # each prompt tokenized and checked with the search it gets (max_tokens null: up to max_model_len)
+        prompts, _ = _tokenize_all(ctx, single, params_for(1), req)
+        params = [params_for(req.max_tokens or ctx.engine.max_model_len - len(ids)) for _, ids in prompts]
+        for (_, ids), bp in zip(prompts, params):
+            validate_prompt(ctx, ids, bp)
+        return prompts, params
+
+    try:
+        prompts, params = await off_loop(work)
+    except OpenAIError as e:
+        if e.param == "beam_width":  # the width is the request's n
+            e.param = "n"
+        raise
+    rid = new_id("cmpl")
+    streams = add_requests(ctx, rid, prompts, params, priority=req.priority, cache_salt=req.cache_salt,
+                           lora_request=lora)
+    return _Prepared(rid, req.model or ctx.model_name, [""] * len(prompts), req, ctx.engine.tokenizer), streams
 
 
 def _jsonable_prompt_logprobs(out: RequestOutput) -> list | None:

@@ -18,24 +18,30 @@ import torch
 from safetensors.torch import save_file
 
 from tokenloom.model.hf_config import model_args_fields
-from tokenloom.model.tools.presets import TINY_PRESETS, get_preset
-from tokenloom.model.tools.tokenizer_builder import default_tokenizer, save_hf_tokenizer
+from tokenloom.model.tools.presets import CHAT_FORMATS, TINY_PRESETS, get_preset
+from tokenloom.model.tools.tokenizer_builder import (CHAT_FORMATS as TEMPLATES, add_chat_tokens, default_tokenizer,
+                                                     save_hf_tokenizer)
 
 _SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def hf_weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of a checkpoint of this config, as transformers names them."""
+    """Tensor names and shapes of a checkpoint of this config, as transformers names them
+    (Phi-3 stores q/k/v and gate/up fused; Gemma has two more norms per layer)."""
     a = model_args_fields(cfg, cfg["architectures"][0])
+    fused = a["architecture"] == "Phi3ForCausalLM"
     h, inter, v = a["hidden_size"], a["intermediate_size"], a["vocab_size"]
     nh, nkv, hd = a["num_heads"], a["num_kv_heads"], a["head_dim"]
     qkv_bias, o_bias = a["qkv_bias"], a["o_bias"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
     for i in range(a["num_layers"]):
         p = f"model.layers.{i}."
-        shapes[p + "self_attn.q_proj.weight"] = (nh * hd, h)
-        shapes[p + "self_attn.k_proj.weight"] = (nkv * hd, h)
-        shapes[p + "self_attn.v_proj.weight"] = (nkv * hd, h)
+        if fused:
+            shapes[p + "self_attn.qkv_proj.weight"] = ((nh + 2 * nkv) * hd, h)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (nh * hd, h)
+            shapes[p + "self_attn.k_proj.weight"] = (nkv * hd, h)
+            shapes[p + "self_attn.v_proj.weight"] = (nkv * hd, h)
         shapes[p + "self_attn.o_proj.weight"] = (h, nh * hd)
         if qkv_bias:
             shapes[p + "self_attn.q_proj.bias"] = (nh * hd,)
@@ -46,11 +52,17 @@ def hf_weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         if a["qk_norm"]:
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
-        shapes[p + "mlp.up_proj.weight"] = (inter, h)
+        if fused:
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter, h)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (inter, h)
+            shapes[p + "mlp.up_proj.weight"] = (inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if a["sandwich_norm"]:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
     if not a["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (v, h)
@@ -75,22 +87,35 @@ def make_model(preset: str, out: str | Path, *, seed: int = 0, dtype: str = "flo
     std = init_std if init_std is not None else (0.25 if preset in TINY_PRESETS else 0.02)
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
+    fields = model_args_fields(cfg, cfg["architectures"][0])
+    # Gemma stores norm weights as offsets from 1 (x * (1 + w)): centred on 0, not 1
+    norm_centre = 1.0 - fields["norm_offset"]
+    # Gemma multiplies embeddings by sqrt(hidden): drawn that much smaller, so the token's own
+    # embedding does not drown the layers' output (a random model would echo its input)
+    embed_std = std / (fields["embed_scale"] or 1.0)
     for name, shape in hf_weight_shapes(cfg).items():
         if name.endswith("norm.weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)  # not all-ones, so a missed norm shows up
+            t = norm_centre + 0.1 * torch.randn(shape, generator=gen)  # not all-ones, so a missed norm shows up
         elif name.endswith(".bias"):
             t = 0.1 * torch.randn(shape, generator=gen)
+        elif name == "model.embed_tokens.weight":
+            t = embed_std * torch.randn(shape, generator=gen)
         else:
             t = std * torch.randn(shape, generator=gen)
         tensors[name] = t.to(_SAVE_DTYPES[dtype]).contiguous()
     _save_weights(tensors, out, max_shard_bytes)
     write_hf_config(cfg, out)
-    gen_cfg = {"bos_token_id": cfg.get("bos_token_id", 1), "eos_token_id": cfg.get("eos_token_id", 2),
-               "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    # the family's chat format: its template, its markers appended to the trained vocabulary,
+    # its end-of-turn token a stop token beside EOS (as the family's generation_config has it)
+    fmt = TEMPLATES[CHAT_FORMATS.get(cfg["architectures"][0], "chatml")]
     vocab = tokenizer_vocab or min(cfg["vocab_size"], 4096)
-    tok = default_tokenizer(vocab)
-    save_hf_tokenizer(tok, out, model_max_length=cfg.get("max_position_embeddings", 2048))
+    tok = add_chat_tokens(default_tokenizer(vocab - len(fmt.special_tokens)), fmt)
+    save_hf_tokenizer(tok, out, model_max_length=cfg.get("max_position_embeddings", 2048), chat_template=fmt.template)
+    eos = cfg.get("eos_token_id", 2)
+    if fmt.end_of_turn is not None:
+        eos = [eos, tok.token_to_id(fmt.end_of_turn)]
+    gen_cfg = {"bos_token_id": cfg.get("bos_token_id", 1), "eos_token_id": eos, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
     return out
 
 

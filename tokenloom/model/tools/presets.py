@@ -1,10 +1,14 @@
 """Model presets for `tokenloom make-model`, `estimate` and `simulate`.
 
-Each preset is a Hugging Face `config.json` dictionary.  The tiny ones exercise every
-supported architecture's features (GQA, qkv bias, q/k norm, tied/untied embeddings,
-llama3 rope scaling) in a few MB; the real shapes copy the published configs of
-Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B (and bigger ones used only by the estimator),
-so benchmarks and estimates run on the same shapes users deploy.
+Each preset is a Hugging Face `config.json` dictionary (transformers' config class for its
+`model_type` writes it: make_model.py).  The tiny ones exercise every supported
+architecture's features (GQA, qkv bias, q/k norm, tied/untied embeddings, llama3 rope
+scaling; Gemma 2's alternating windows and soft-caps, Gemma 3's local rotation and q/k
+norms, Phi-3's fused checkpoint and LongRoPE) in a few MB; the real shapes copy the
+published configs of Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B, Gemma-2-2B, Gemma-3-1B,
+Phi-3-mini-4k (and bigger ones used only by the estimator), so benchmarks and estimates
+run on the same shapes users deploy.  `CHAT_FORMATS` names the chat template each family's
+tokenizer gets (model/tools/tokenizer_builder.py).
 """
 
 from __future__ import annotations
@@ -73,6 +77,52 @@ PRESETS: dict[str, dict] = {
         "use_sliding_window": False,
         "sliding_window": None,
         "max_window_layers": 2,
+    },
+    "tiny-gemma2": {
+        **{k: v for k, v in _TINY_COMMON.items() if k != "hidden_act"},
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "head_dim": 16,
+        "query_pre_attn_scalar": 32,  # not head_dim: the scale reads it
+        "sliding_window": 16,  # layer 0 slides, layer 1 attends to everything
+        "layer_types": ["sliding_attention", "full_attention"],
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+    },
+    "tiny-gemma3": {
+        **{k: v for k, v in _TINY_COMMON.items() if k != "hidden_act"},
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_theta": 1000000.0,  # full-attention layers (scaled as Gemma-3-4B's are)
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "rope_local_base_freq": 10000.0,  # sliding layers
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+    },
+    "tiny-phi3": {
+        **_TINY_COMMON,
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "rope_theta": 10000.0,
+        # Phi-3-mini-128k's LongRoPE, scaled down: the long rotation past 128 tokens
+        "original_max_position_embeddings": 128,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0, 1.0, 1.0, 1.05, 1.1, 1.2, 1.5, 2.0],
+            "long_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0],
+        },
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "pad_token_id": 0,
     },
     # ---- real shapes (random weights when made here) ----
     "qwen2.5-0.5b": {
@@ -147,6 +197,75 @@ PRESETS: dict[str, dict] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+    "gemma-2-2b": {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 8192,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "vocab_size": 256000,
+        "torch_dtype": "bfloat16",
+        "pad_token_id": 0,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+    },
+    "gemma-3-1b": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 32768,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "vocab_size": 262144,
+        "torch_dtype": "bfloat16",
+        "pad_token_id": 0,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+    },
+    "phi-3-mini-4k": {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+        "sliding_window": 2047,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "vocab_size": 32064,
+        "torch_dtype": "bfloat16",
+        "pad_token_id": 32000,
+        "bos_token_id": 1,
+        "eos_token_id": 32000,
+    },
     # ---- shapes for the estimator / simulator only (too big to make here usefully) ----
     "qwen2.5-7b": {
         "architectures": ["Qwen2ForCausalLM"],
@@ -183,7 +302,11 @@ PRESETS: dict[str, dict] = {
 }
 
 # Presets small enough that `make-model` is quick and tests can use them.
-TINY_PRESETS = ("tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3")
+TINY_PRESETS = ("tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3")
+
+# The chat format of each architecture's tokenizer (model/tools/tokenizer_builder.py CHAT_FORMATS);
+# ChatML for the rest.
+CHAT_FORMATS = {"Gemma2ForCausalLM": "gemma", "Gemma3ForCausalLM": "gemma", "Phi3ForCausalLM": "phi3"}
 
 
 def get_preset(name: str) -> dict:

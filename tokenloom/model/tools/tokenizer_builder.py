@@ -10,7 +10,8 @@ its own standard library, so we train on that:
 * `build_bytelevel_bpe` trains a byte-level BPE: every byte is in the base alphabet, so *any*
   text (Chinese included) round-trips exactly; merges are learned on top.
 * `save_hf_tokenizer` writes the files `transformers.AutoTokenizer` expects, with a ChatML
-  chat template.
+  chat template or a family's own (`CHAT_FORMATS`: Gemma's turns, Phi-3's role tags), whose
+  markers `add_chat_tokens` appends to the vocabulary as special tokens.
 * `default_tokenizer` trains a small one in a few seconds and caches it on disk.
 
 Special tokens have fixed ids regardless of vocabulary size, which lets presets hard-code
@@ -28,6 +29,7 @@ import sys
 import sysconfig
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -48,6 +50,52 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """A family's chat template, the special tokens it writes (appended to the vocabulary
+    after the trained entries) and the one that ends a turn (a stop token beside EOS)."""
+
+    template: str
+    special_tokens: tuple[str, ...] = ()
+    end_of_turn: str | None = None
+
+
+# Gemma's turns: <start_of_turn>user|model ... <end_of_turn>, a system message folded into
+# the first user turn (Gemma has no system role), BOS first.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(prefix='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set ns.prefix = message['content'] | trim + '\n\n' %}"
+    "{% else %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' "
+    "+ ns.prefix + message['content'] | trim + '<end_of_turn>\n' }}{% set ns.prefix = '' %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# Phi-3's role tags: <|system|> / <|user|> / <|assistant|>, each message closed by <|end|>.
+PHI3_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+CHAT_FORMATS: dict[str, ChatFormat] = {
+    "chatml": ChatFormat(DEFAULT_CHAT_TEMPLATE),
+    "gemma": ChatFormat(GEMMA_CHAT_TEMPLATE, ("<start_of_turn>", "<end_of_turn>"), "<end_of_turn>"),
+    "phi3": ChatFormat(PHI3_CHAT_TEMPLATE, ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"), "<|end|>"),
+}
+
+
+def add_chat_tokens(tok: Tokenizer, fmt: ChatFormat) -> Tokenizer:
+    """`tok` with `fmt`'s markers appended as special tokens (ids from its vocabulary size on)."""
+    missing = [t for t in fmt.special_tokens if tok.token_to_id(t) is None]
+    if missing:
+        tok.add_special_tokens(missing)
+    return tok
+
 
 # Directories that are not ordinary Python source: third-party packages, py2-syntax fixtures,
 # and demo scripts.  The CPython test suite itself is kept: it is real code and doubles the data.
@@ -157,6 +205,7 @@ def save_hf_tokenizer(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
+    specials = {i: t.content for i, t in sorted(tok.get_added_tokens_decoder().items()) if t.special}
     added = {
         str(i): {
             "content": name,
@@ -166,15 +215,17 @@ def save_hf_tokenizer(
             "single_word": False,
             "special": True,
         }
-        for i, name in enumerate(SPECIAL_TOKENS)
+        for i, name in specials.items()
     }
+    # every special token beyond pad/bos/eos: ChatML's markers and a family's
+    extra = [name for name in specials.values() if name not in (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)]
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
-        "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
+        "additional_special_tokens": extra,
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
@@ -186,7 +237,7 @@ def save_hf_tokenizer(
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
-        "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
+        "additional_special_tokens": extra,
     }
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
 

@@ -3,7 +3,9 @@
 Accepts a local directory or a hub id (fetched with huggingface_hub), reads
 config.json and single or sharded `*.safetensors` (via `model.safetensors.index.json`),
 and fuses q/k/v and gate/up projections while copying, so each decode step reads each
-weight matrix exactly once (decode at small batch is bound by weight bytes read).
+weight matrix exactly once (decode at small batch is bound by weight bytes read).  Phi-3
+checkpoints store them fused already (`qkv_proj`, `gate_up_proj`, in the same order) and
+load as they are; Gemma's RMSNorm weights are stored as offsets from 1 and load as 1 + w.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from safetensors import safe_open
 
 from tokenloom.config import BackendPlan
 from tokenloom.model.llama import CausalLM, ModelArgs
+from tokenloom.model.weights.formats import describe_prequantized, open_reader
 from tokenloom.model.weights.parallel import TPGroup, shard_model
-from tokenloom.model.registry import resolve_architecture
+from tokenloom.model.registry import is_headless, resolve_architecture
 from tokenloom.kernels import glibc_heap
 
 _DTYPES = {
@@ -131,6 +134,12 @@ def _shard_bounds(param_name: str, idx: int, a: ModelArgs) -> tuple[int, int]:
     return [(0, i), (i, 2 * i)][idx]
 
 
+def _parts(param_name: str) -> int:
+    """How many checkpoint tensors a parameter of ours is made of where the checkpoint stores
+    them apart (q, k, v; gate, up)."""
+    return 3 if "qkv_proj" in param_name else 2 if "gate_up_proj" in param_name else 1
+
+
 @dataclass
 class LoadedModel:
     model: CausalLM
@@ -177,27 +186,41 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
     cfg = load_config(path)
     arch = resolve_architecture(cfg)
     a = ModelArgs.from_hf_config(cfg, arch)
+    headless = is_headless(cfg)  # a base model (sentence-transformers saves one): no LM head, names unprefixed
+    if headless:
+        a = dataclasses.replace(a, tie_word_embeddings=True)  # no head of its own to load (it pools, never samples)
     if plan is None:
         from tokenloom.model.backends import resolve_backends
 
         plan = resolve_backends(device, resolve_dtype(dtype, cfg, device), dataclasses.asdict(a),
                                 linear=linear_backend, quantization=quantization, pack_weights=pack_weights,
-                                tensor_parallel_size=tp.size if tp is not None else 1)
+                                tensor_parallel_size=tp.size if tp is not None else 1,
+                                prequantized=describe_prequantized(cfg))
     tdtype = getattr(torch, plan.dtype)
+    files = _weight_files(path)
     with torch.device("meta"):
         model = CausalLM(a, max_positions)
-    rope = model.rope  # built on the CPU, in float32, even under the meta device
-    model.rope = None
+    # a checkpoint quantized by GPTQ / AWQ / compressed-tensors: its quantized layers (formats/)
+    prequant = open_reader(cfg, plan.prequantized, files, lambda n: _target(n, a), model)
+    ropes = {name: getattr(model, name) for name in ("rope", "local_rope")}  # built on the CPU, in float32,
+    for name in ropes:  # even under the meta device: moved, not re-made
+        setattr(model, name, None)
     model = model.to_empty(device=device)
-    model.rope = rope.to(device)
+    for name, rope in ropes.items():
+        setattr(model, name, rope.to(device) if rope is not None else None)
     params = dict(model.named_parameters())
-    filled: dict[str, int] = {}
+    filled: dict[str, int] = {}  # checkpoint tensors copied into each parameter of ours
+    whole: set[str] = set()  # our linears the checkpoint stores fused already (Phi-3): one tensor each
     with torch.no_grad():
-        for f in _weight_files(path):
+        for f in files:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 names = list(sf.keys())
             for name in names:
-                tgt = _target(name, a)
+                tgt = _target("model." + name if headless else name, a)
+                if tgt is not None and tgt[1] is None:
+                    whole.add(tgt[0].rpartition(".")[0])
+                if prequant is not None and prequant.take(f, name):
+                    continue
                 if tgt is None:
                     continue
                 # One mapping per tensor: pages of the mmapped file are released as soon as
@@ -207,6 +230,8 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
                     if pname not in params:
                         raise ValueError(f"checkpoint tensor {name!r} has no place in {arch} ({pname})")
                     t = sf.get_tensor(name)
+                    if a.norm_offset and pname.endswith("norm.weight"):
+                        t = t.float() + a.norm_offset  # Gemma: x * (1 + w), the sum in float32 as the reference's
                     p = params[pname]
                     if idx is None:
                         if tuple(t.shape) != tuple(p.shape):
@@ -221,13 +246,10 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
                         p.data[lo:hi].copy_(t)
                         filled[pname] = filled.get(pname, 0) + 1
                     del t
+        if prequant is not None:
+            prequant.install(model, filled, panels=plan.linear == "panels", dtype=tdtype, device=device)
     for pname, p in params.items():
-        expect = 1
-        if "qkv_proj" in pname:
-            expect = 3
-        elif "gate_up_proj" in pname:
-            expect = 2
-        if filled.get(pname, 0) != expect:
+        if filled.get(pname, 0) != (1 if pname.rpartition(".")[0] in whole else _parts(pname)):
             raise ValueError(f"checkpoint at {path} is missing weights for {pname}")
     model.eval()
     del params  # drop our references, so packing can free each unpacked weight as it goes

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from tokenloom.model.llama import ModelArgs
-from tokenloom.model.lora import TARGETS, LoRAAdapter, module_shape
+from tokenloom.model.lora import TARGETS, LoRAAdapter, module_shape, targets_for
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -81,8 +81,9 @@ def read_adapter_config(path: str | Path) -> dict:
     return cfg
 
 
-def lora_scaling(cfg: dict) -> tuple[int, float]:
-    """(r, scaling) of a plain LoRA config; ValueError naming any setting we do not run."""
+def lora_scaling(cfg: dict, targets: dict = TARGETS) -> tuple[int, float]:
+    """(r, scaling) of a plain LoRA config on a model whose adaptable modules are `targets`;
+    ValueError naming any setting we do not run."""
     peft_type = cfg.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
         raise ValueError(f"peft_type {peft_type!r}: only LORA adapters are supported")
@@ -97,12 +98,12 @@ def lora_scaling(cfg: dict) -> tuple[int, float]:
         raise ValueError(f"init_lora_weights {init!r} changes the base model's weights; only adapters whose base "
                          f"is the unchanged model are supported (convert it with peft's "
                          f"path_initial_model_for_weight_conversion)")
-    targets = cfg.get("target_modules")
-    named = [targets] if isinstance(targets, str) and re.fullmatch(r"\w+", targets) else targets
+    wanted = cfg.get("target_modules")
+    named = [wanted] if isinstance(wanted, str) and re.fullmatch(r"\w+", wanted) else wanted
     if isinstance(named, list):
-        odd = [m for m in named if m not in TARGETS]
+        odd = [m for m in named if m not in targets]
         if odd:
-            raise ValueError(f"target_modules {odd}: LoRA on these is not supported (supported: {', '.join(TARGETS)})")
+            raise ValueError(f"target_modules {odd}: LoRA on these is not supported (supported: {', '.join(targets)})")
     r, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise ValueError(f"r must be a positive integer, got {r!r}")
@@ -120,7 +121,8 @@ def load_peft_adapter(path: str | Path, a: ModelArgs, max_rank: int, dtype: torc
     above --max-lora-rank)."""
     path = _dir(path)
     cfg = read_adapter_config(path)
-    r, scaling = lora_scaling(cfg)
+    targets = targets_for(a)
+    r, scaling = lora_scaling(cfg, targets)
     if r > max_rank:
         raise ValueError(f"the adapter's rank r={r} is above --max-lora-rank {max_rank}; raise --max-lora-rank")
     weights = path / WEIGHTS_FILE
@@ -135,11 +137,11 @@ def load_peft_adapter(path: str | Path, a: ModelArgs, max_rank: int, dtype: torc
             if m is None:
                 what = "LoRA on this module is" if "lora_" in key else "weights other than LoRA's A and B are"
                 raise ValueError(f"{WEIGHTS_FILE}: {key!r}: {what} not supported "
-                                 f"(supported: {', '.join(TARGETS)} of each decoder layer)")
+                                 f"(supported: {', '.join(targets)} of each decoder layer)")
             layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-            if module not in TARGETS:
+            if module not in targets:
                 raise ValueError(f"{WEIGHTS_FILE}: {key!r}: LoRA on {module} is not supported "
-                                 f"(supported: {', '.join(TARGETS)})")
+                                 f"(supported: {', '.join(targets)})")
             if layer >= a.num_layers:
                 raise ValueError(f"{WEIGHTS_FILE}: {key!r}: the base model has {a.num_layers} layers")
             pairs.setdefault((layer, module), {})[ab] = f.get_tensor(key)

@@ -121,15 +121,23 @@ class TorchQuantized(QuantizedMatrix):
 
     def __init__(self, weight: torch.Tensor, scheme: QuantScheme):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
+        q, s = quantize_int8(weight) if scheme.bits == 8 else quantize_int4(weight, scheme.group)
+        self._store(q.to(weight.device), s.to(weight.device), scheme, weight.shape[1])
+
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme, in_features: int) -> "TorchQuantized":
+        """An already quantized matrix (a checkpoint's, model/weights/formats/): q and s as
+        `quantize_int8` / `quantize_int4` return them; int4 scales in any float dtype."""
+        m = cls.__new__(cls)
+        QuantizedMatrix.__init__(m)
+        m._store(q, s, scheme, in_features)
+        return m
+
+    def _store(self, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme, in_features: int) -> None:
+        self.out_features, self.in_features = q.shape[0], in_features
         self.scheme = scheme
-        if scheme.bits == 8:
-            q, s = quantize_int8(weight)
-        else:
-            q, s = quantize_int4(weight, scheme.group)
-            q = pack_nibbles(q)
-        self.register_buffer("qweight", q.to(weight.device), persistent=False)
-        self.register_buffer("scales", s.to(weight.device), persistent=False)
+        self.register_buffer("qweight", q if scheme.bits == 8 else pack_nibbles(q), persistent=False)
+        self.register_buffer("scales", s, persistent=False)
 
     def _dequant(self, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         if self.scheme.bits == 8:
@@ -153,17 +161,30 @@ class PanelQuantized(QuantizedMatrix):
 
     def __init__(self, weight: torch.Tensor, scheme: QuantScheme):
         super().__init__()
+        q, s = quantize_int8(weight) if scheme.bits == 8 else quantize_int4(weight, scheme.group)
+        self._store(q, s, scheme, weight.shape[1])
+
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme, in_features: int) -> "PanelQuantized":
+        """An already quantized matrix (a checkpoint's, model/weights/formats/): q and s as
+        `quantize_int8` / `quantize_int4` return them (int4 scales in a dtype the kernel takes)."""
+        m = cls.__new__(cls)
+        QuantizedMatrix.__init__(m)
+        m._store(q, s, scheme, in_features)
+        return m
+
+    def _store(self, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme, in_features: int) -> None:
         from tokenloom.kernels import cpu as cpu_kernels
 
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = q.shape[0], in_features
         self.scheme = scheme
         ops = cpu_kernels.quant_ops()
         assert ops is not None, "our quantized CPU kernel is not available here"
         if scheme.bits == 8:
-            packed, s = cpu_kernels.pack_int8(*quantize_int8(weight), quads=cpu_kernels.int8_quads())
+            packed, s = cpu_kernels.pack_int8(q, s, quads=cpu_kernels.int8_quads())
             self._op = ops.linear_int8
         else:
-            packed, s = cpu_kernels.pack_int4(*quantize_int4(weight, scheme.group))
+            packed, s = cpu_kernels.pack_int4(q, s)
             self._op = ops.linear_int4
         self.register_buffer("qweight", packed, persistent=False)
         self.register_buffer("scales", s, persistent=False)
