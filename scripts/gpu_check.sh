@@ -9,6 +9,8 @@
 #    engine, sampler and server tests;
 # 2. eager vs CUDA graphs: capture time and memory, launches and kernels per decode step
 #    (scripts/gpu_decode_report.py);
+# 2b. --async-scheduling off vs on: batch 1 step time, batch 256 tokens/s at context 512, bf16
+#    (scripts/overlap_bench.py, wall clock: step events cannot time an overlapped step);
 # 3. `bench roofline` bf16 at batch 1, 8, 32, 128, 256 (context 512);
 # 4. `bench throughput --baseline hf` (bf16);
 # 5. `bench roofline` fp32 at batch 1, 8, 32.
@@ -48,10 +50,15 @@ step eager vs CUDA graphs, bf16
 timeout "${REPORT_TIMEOUT:-150}" python3 scripts/gpu_decode_report.py --model "$M" --dtype bfloat16 \
   --batch-sizes 1,32,256 --context 512 --output-json "$O/decode_report_bf16.json" 2>&1 | tail -n 60
 
+step async scheduling off vs on, bf16
+timeout "${OVERLAP_TIMEOUT:-180}" python3 scripts/overlap_bench.py --model "$M" --device cuda --dtype bfloat16 \
+  --batch-sizes 1,256 --context 512 --steps 64 --repeats 3 --kv-cache-memory 6GiB \
+  --output-json "$O/overlap_bf16.json" 2>&1 | tail -n 8
+
 step tests on cuda
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts= \
   tests/test_attention_backends.py tests/test_cuda_graphs.py tests/test_parity.py tests/test_engine.py \
-  tests/test_sampler.py tests/test_server.py 2>&1 | tee "$O/pytest.log" | tail -n 25
+  tests/test_sampler.py tests/test_async_scheduling.py tests/test_server.py 2>&1 | tee "$O/pytest.log" | tail -n 25
 
 step roofline bf16
 timeout "${ROOF_TIMEOUT:-150}" python3 -m tokenloom.entrypoints.cli bench roofline --model "$M" --device cuda \

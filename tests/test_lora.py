@@ -134,6 +134,14 @@ def test_mixed_batch_matches_peft(made, mixed, monkeypatch, backend, max_loras):
     assert llm.llm_engine.kv.pool.num_free == ENGINE["num_kv_blocks"]
 
 
+def test_async_scheduling_keeps_each_row_on_its_adapter(made, mixed):
+    """With async scheduling a decode step's ids come from the step before, in the
+    scheduler's order: the rows are not regrouped then, and still run their own adapters."""
+    prompts, loras, refs, which = mixed
+    llm = LLM(str(made["base"]), enable_lora=True, max_loras=2, max_lora_rank=8, async_scheduling=True, **ENGINE)
+    assert [o.outputs[0].token_ids for o in _generate(llm, prompts, loras)] == refs
+
+
 # Phi-3 keeps q/k/v and gate/up fused in its checkpoint, so peft adapts them fused; Gemma 2
 # runs GeGLU, soft-capped attention and sandwich norms around the same projections.
 FAMILIES = {

@@ -231,7 +231,7 @@ def test_a_row_that_breaks_the_sampler_is_named():
     bad = SamplingRow("bad", SamplingParams(temperature=0), [], [], frozenset(), None)
     bad.params.allowed_token_ids = [500]  # past this 100-token vocabulary
     logits = torch.randn(2, 100)
-    assert _sample_or_blame(logits.clone(), [good, good]).token_ids == logits.argmax(-1).tolist()
+    assert _sample_or_blame(logits.clone(), [good, good]).finish().token_ids == logits.argmax(-1).tolist()
     with pytest.raises(RequestError) as err:
         _sample_or_blame(logits.clone(), [good, bad])
     assert err.value.request_id == "bad"

@@ -60,6 +60,8 @@ class EngineArgs:
     linear_backend: str = "auto"  # auto|panels|onednn|torch: the matmuls (model/weights/loader.py)
     quantization: str | None = None  # None|int8|int4|int4-g128: weight-only, at load (model/weights/quantization.py)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    # schedule and launch step N+1 while step N runs on the device (engine/overlap.py)
+    async_scheduling: bool = False
     # n-gram speculative decoding, vLLM's dict (or its JSON text): tokenloom/spec_decode/config.py
     speculative_config: dict | str | None = None
     tensor_parallel_size: int = 1  # ranks that each hold 1/N of every layer (model/weights/parallel.py)
@@ -126,6 +128,10 @@ class EngineArgs:
                        help="the largest adapter rank accepted; every slot is this wide")
         g.add_argument("--enforce-eager", action="store_true",
                        help="run decode steps eagerly (no CUDA graphs)")
+        g.add_argument("--async-scheduling", action="store_true",
+                       help="overlap the host's work for the next decode step with the device's current one: "
+                            "the next step is scheduled and launched before this one's tokens reach the host, "
+                            "its input ids taken from the sampled tokens on the device (docs/gpu.md)")
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
         g.add_argument("--chat-template", default=None, help="Jinja chat template file or string")
         g.add_argument("--revision", default=None)

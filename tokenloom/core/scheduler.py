@@ -539,7 +539,10 @@ class Scheduler:
 
     def _end(self, req: Request, now: float | None) -> None:
         """A running request that finished by its own rules leaves: blocks freed."""
-        self.running.remove(req)
+        if self.paused.pop(req.request_id, None) is not None:  # paused while its step ran (async)
+            req.paused = False
+        else:
+            self._unqueue(req)
         self.requests.pop(req.request_id, None)
         self.kv.free(req)
         req.finished_time = now

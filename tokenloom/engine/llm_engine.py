@@ -11,6 +11,10 @@ Output processing never calls the scheduler: it returns `Decisions` (which sampl
 why, trailing tokens to drop, siblings to admit, runner state to release) and `_apply`
 carries them out, so state flows one way: scheduler -> processor -> engine -> scheduler.
 
+With async scheduling (`--async-scheduling`) the next step is scheduled and launched from
+this step's tokens on the device before the host reads them (core/lookahead.py); each call
+still completes one step, and a token computed for a request that ended meanwhile is dropped.
+
 Requests join (`add_request`) and leave (finish, `abort_request`) between steps.  Besides
 sampling (`SamplingParams`), a request may embed its prompt (`PoolingParams`, an engine
 run with `--runner pooling`: prefill only, the runner pools the hidden states) or search
@@ -46,6 +50,7 @@ from tokenloom.config import (EngineArgs, EngineConfig, LoRAConfig, ModelShape, 
                               resolve_runner)
 from tokenloom.core.events import StepEvent
 from tokenloom.core.kv_cache import KVCacheManager
+from tokenloom.core.lookahead import schedule_ahead
 from tokenloom.core.scheduler import Scheduler, SchedulerOutput
 from tokenloom.engine.beam_search import Fork
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
@@ -64,7 +69,7 @@ from tokenloom.model.weights.peft_lora import load_peft_adapter
 from tokenloom.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.request import LoRARequest, Request, RequestStatus
-from tokenloom.runner.model_runner import ModelRunner, RunnerOutput
+from tokenloom.runner.model_runner import LaunchedStep, ModelRunner, RunnerOutput
 from tokenloom.runner.tp_worker import TPLauncher, launched_by_torchrun, run_worker, worker_spec
 from tokenloom.model.weights.parallel import check_split
 from tokenloom.sampling_params import BeamSearchParams, SamplingParamError, SamplingParams
@@ -75,6 +80,18 @@ from tokenloom.structured import GrammarCompiler, gate_grammar
 logger = logging.getLogger("tokenloom")
 
 PromptType = str | list[int] | dict
+
+
+def check_async_scheduling(args: EngineArgs, speculative: SpeculativeConfig | None) -> None:
+    """Refuse what async scheduling does not support, naming the settings."""
+    if not args.async_scheduling:
+        return
+    if speculative is not None:
+        raise ValueError("async_scheduling (--async-scheduling) does not support speculative decoding "
+                         "(--speculative-config): the next step's drafts depend on tokens the host has not seen; "
+                         "use one or the other")
+    if args.tensor_parallel_size > 1:
+        raise ValueError("async_scheduling (--async-scheduling) does not support --tensor-parallel-size > 1 yet")
 
 
 class PromptTooLongError(ValueError):
@@ -95,6 +112,7 @@ class LLMEngine:
         self.args = args
         # checked before anything loads: a bad speculative_config is a quick, clear error
         self.speculative_config = SpeculativeConfig.parse(args.speculative_config)
+        check_async_scheduling(args, self.speculative_config)
         self.lora_config = LoRAConfig.from_args(args)  # --enable-lora: adapter slots (same: checked first)
         # loaded adapters by id: what requests run with (`add_lora`, or loaded on first use)
         self.loras: dict[int, tuple[LoRARequest, LoRAAdapter]] = {}
@@ -125,7 +143,8 @@ class LLMEngine:
         self.tp_launcher = None
         if args.tensor_parallel_size > 1:  # ranks 1..N-1 load their shards meanwhile (runner/tp_worker.py)
             f = model_args_fields(cfg, resolve_architecture(cfg))
-            check_split(f["num_heads"], f["num_kv_heads"], f["intermediate_size"], args.tensor_parallel_size)
+            check_split(f["num_heads"], f["num_kv_heads"], f["intermediate_size"], args.tensor_parallel_size,
+                        f["moe_intermediate_size"], f["shared_expert_intermediate_size"])
             if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
                 # Under torchrun every rank runs the same command; all but rank 0 become workers
                 # here and leave when rank 0 shuts the group down.
@@ -200,6 +219,12 @@ class LLMEngine:
         self.num_failed_steps = 0
         self.device_error: str | None = None  # set when the device probe fails after a failed step
         self.faults = FaultInjector.from_env()
+        # async scheduling: the step launched ahead, whose results the next step() collects
+        self.async_scheduling = bool(args.async_scheduling)
+        self._ahead: tuple[LaunchedStep, float] | None = None
+        self.num_steps_ahead = 0  # steps launched before the previous one's tokens reached the host
+        if self.async_scheduling:
+            self.runner.sync_model_time = False
 
     def shutdown(self) -> None:
         """Release what outlives a step: the tensor-parallel workers (idempotent)."""
@@ -535,7 +560,13 @@ class LLMEngine:
         """One engine iteration.  Returns cumulative outputs of the requests that progressed
         (only the finished ones with finished_only=True: offline callers skip building
         per-step snapshots nobody reads).  A request that failed in this step comes back
-        finished, with `error` set and finish_reason "error"."""
+        finished, with `error` set and finish_reason "error".
+
+        With async scheduling each call still completes one step, but first launches the
+        next one (core/lookahead.py) so the device has it queued while the host processes
+        this one; the next call collects it."""
+        if self.async_scheduling:
+            return self._step_overlapped(finished_only)
         start = time.perf_counter()
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
@@ -546,6 +577,11 @@ class LLMEngine:
             res = self._execute(out)
         except Exception as e:
             return self._failed_step(out, e)
+        return self._complete(out, res, start, finished_only)
+
+    def _complete(self, out: SchedulerOutput, res: RunnerOutput, start: float,
+                  finished_only: bool) -> list[RequestOutput]:
+        """A step's results in: tokens appended, outputs processed, decisions applied."""
         self.consecutive_failed_steps = 0
         now = time.perf_counter()
         self.scheduler.update_from_output(out, res.sampled, now, res.accepted)
@@ -557,6 +593,62 @@ class LLMEngine:
         if self.observers:
             self._notify(out, res, start)
         return outputs
+
+    def _step_overlapped(self, finished_only: bool) -> list[RequestOutput]:
+        """`step` with async scheduling: collect the step launched ahead (or schedule and
+        launch one now), launch the one after it from its tokens on the device, then
+        process it.  The host waits for the device only in `collect`."""
+        current, self._ahead = self._ahead, None
+        if current is not None and all(s.request.is_finished for s in current[0].out.scheduled):
+            current = None  # every request in it ended meanwhile: nothing of it is kept
+        if current is None:
+            start = time.perf_counter()
+            out = self.scheduler.schedule(now=start)
+            if out.is_empty:
+                return []
+            try:
+                current = (self._launch(out, None), start)
+            except Exception as e:
+                return self._failed_step(out, e)
+        launched, start = current
+        out = launched.out
+        ahead = schedule_ahead(self.scheduler, out) if self._faults is None else None
+        if ahead is not None:
+            t = time.perf_counter()
+            try:
+                self._ahead = (self._launch(ahead, launched), t)
+                self.num_steps_ahead += 1
+            except Exception:  # scheduled again normally after this step, where failures are contained
+                logger.debug("launching step %d ahead failed; it runs after step %d instead", ahead.step, out.step,
+                             exc_info=True)
+        try:
+            res = self.runner.collect(launched)
+        except Exception as e:
+            self._ahead = None  # it read this step's tokens
+            return self._failed_step(out, e)
+        self._drop_ended(out, res)
+        return self._complete(out, res, start, finished_only)
+
+    def _launch(self, out: SchedulerOutput, feed: LaunchedStep | None) -> LaunchedStep:
+        if self._faults is not None:
+            self._check_faults(out)
+        return self.runner.launch(out, feed)
+
+    @staticmethod
+    def _drop_ended(out: SchedulerOutput, res: RunnerOutput) -> None:
+        """Async scheduling: a request that ended after this step was launched (its previous
+        token was EOS or completed a stop string, or it was aborted) loses what the step
+        computed for it -- that token is never appended, never seen."""
+        if all(not s.request.is_finished for s in out.scheduled):
+            return
+        keep = []
+        for s in out.scheduled:
+            if s.request.is_finished:
+                res.sampled.pop(s.request_id, None)
+                res.logprobs.pop(s.request_id, None)
+            else:
+                keep.append(s)
+        out.scheduled = keep
 
     def _apply(self, d: Decisions, now: float | None) -> None:
         """Carry out what output processing decided (the only place its decisions reach the
@@ -586,13 +678,17 @@ class LLMEngine:
         return output
 
     def _execute(self, out: SchedulerOutput) -> RunnerOutput:
-        if self._faults is not None:  # tests only: fail this forward pass on purpose
-            for s in out.scheduled:
-                g = self.processor.group_of(s.request_id)
-                prompt = g.prompt if g is not None else None
-                self._faults.check("forward", s.request_id, prompt, attribute=False)
-                self._faults.check("sample", s.request_id, prompt)
+        if self._faults is not None:
+            self._check_faults(out)
         return self.runner.execute(out)
+
+    def _check_faults(self, out: SchedulerOutput) -> None:
+        """Tests only: fail this forward pass on purpose (engine/faults.py)."""
+        for s in out.scheduled:
+            g = self.processor.group_of(s.request_id)
+            prompt = g.prompt if g is not None else None
+            self._faults.check("forward", s.request_id, prompt, attribute=False)
+            self._faults.check("sample", s.request_id, prompt)
 
     def _failed_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """Contain a failed execute(): fail the request it names, else the step's requests."""

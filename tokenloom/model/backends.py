@@ -51,8 +51,9 @@ def resolve_backends(device: torch.device, dtype: torch.dtype, fields: Mapping[s
     # Linears called as plain functions, without nn.Module's dispatch; torch.compile traces
     # the modules (their custom ops), so there they keep module calls.
     flat = not compile
-    lora_name = _lora(device, dtype, tp, compile) if lora else None
-    graphs_off = _graphs_off(device, enforce_eager, tp, compile, attention_name, fallback, lora)
+    moe = bool(fields.get("num_experts"))
+    lora_name = _lora(device, dtype, tp, compile, moe) if lora else None
+    graphs_off = _graphs_off(device, enforce_eager, tp, compile, attention_name, fallback, moe=moe, lora=lora)
     return BackendPlan(device=device.type, dtype=str(dtype).removeprefix("torch."), linear=linear_name,
                        quantization=quantization, attention=attention_name, ops=ops_name,
                        fused_kv_write=fused_kv_write, flat_calls=flat, compile=compile,
@@ -183,11 +184,13 @@ def _ops(name: str, device: torch.device, dtype: torch.dtype, attention: str) ->
     return name
 
 
-def _lora(device: torch.device, dtype: torch.dtype, tp: bool, compile: bool) -> str:
+def _lora(device: torch.device, dtype: torch.dtype, tp: bool, compile: bool, moe: bool = False) -> str:
     """How LoRA deltas run with --enable-lora: our C++ shrink/expand on CPUs where it builds,
     PyTorch's matmuls elsewhere.  ValueError where adapters cannot run yet."""
     from tokenloom.kernels import cpu as cpu_kernels
 
+    if moe:
+        raise ValueError("--enable-lora is not supported for mixture-of-experts models yet")
     if tp:
         raise ValueError("--enable-lora is not supported with --tensor-parallel-size > 1 yet")
     if compile:
@@ -208,7 +211,7 @@ def _attention_fallback(attention: str, softcap: float | None) -> str | None:
 
 
 def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bool, attention: str,
-                fallback: str | None = None, lora: bool = False) -> str | None:
+                fallback: str | None = None, moe: bool = False, lora: bool = False) -> str | None:
     """Why decode steps do not replay CUDA graphs, or None where they do."""
     if device.type != "cuda":
         return "not on a CUDA device"
@@ -224,4 +227,6 @@ def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bo
         return f"the {attention} attention backend cannot be captured (use triton)"
     if fallback is not None:
         return "some layers attend through the torch reference, which cannot be captured"
+    if moe:
+        return "mixture-of-experts steps pick their experts on the host (model/moe.py)"
     return None

@@ -5,8 +5,9 @@ file omits take the defaults of *that family's* config class (Qwen3's head_dim i
 hidden/heads; Mistral's sliding window is 4096 unless the file says null; Gemma 2 caps its
 logits at 30 unless the file says null), and switches such as Qwen2's `use_sliding_window`
 gate other keys.  Reading a key with a generic default silently builds a different model
-that still runs and still emits plausible text, so every field the forward pass needs is
-resolved here, once, and tests/test_hf_checkpoints.py and tests/test_families.py check each
+that still runs and still emits plausible text (a Mixtral without its rope_theta rotates
+with 1e6, not 1e4; a Qwen3-MoE layer listed in `mlp_only_layers` is dense), so every
+field the forward pass needs is resolved here, once, and tests/test_hf_checkpoints.py and tests/test_families.py check each
 against the installed transformers' own config classes and models.
 
 Pure Python (no torch, no transformers import), so the simulator and the estimator can
@@ -69,7 +70,39 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         **_COMMON, "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192, "rms_norm_eps": 1e-5,
         "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "sliding_window": None,
     },
+    # Mixture of experts (model/moe.py).  Mixtral's experts are `intermediate_size` wide and
+    # every layer is sparse; the Qwen families' experts are `moe_intermediate_size` wide and a
+    # layer is dense where `mlp_only_layers` lists it or `decoder_sparse_step` skips it.
+    "MixtralForCausalLM": {
+        **_COMMON, "intermediate_size": 14336, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5,
+        "num_key_value_heads": 8, "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2,
+    },
+    "Qwen3MoeForCausalLM": {
+        **_COMMON, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
+        "num_key_value_heads": 4, "max_position_embeddings": 32768, "use_sliding_window": False,
+        "sliding_window": 4096, "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts_per_tok": 8,
+        "num_experts": 128, "norm_topk_prob": False, "mlp_only_layers": None,
+    },
+    "Qwen2MoeForCausalLM": {
+        **_COMMON, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 32768,
+        "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "layer_types": None,
+        "decoder_sparse_step": 1, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+        "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False, "mlp_only_layers": None,
+        "qkv_bias": True,
+    },
 }
+# Where each family's config.json keeps its expert count, first found wins: Mixtral's and
+# Qwen3-MoE's config classes map `num_experts` onto `num_local_experts` (transformers 5 writes
+# the latter for Qwen3-MoE; the hub's files hold the former); Qwen2-MoE reads `num_experts`.
+_EXPERT_COUNT_KEYS = {
+    "MixtralForCausalLM": ("num_local_experts", "num_experts"),
+    "Qwen3MoeForCausalLM": ("num_local_experts", "num_experts"),
+    "Qwen2MoeForCausalLM": ("num_experts",),
+}
+# transformers' rope_theta for a config that names none, where the family's class overrides
+# the common 1e4 (`default_theta`).
+_FAMILY_THETA = {"MixtralForCausalLM": 1000000.0}
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Gemma 3's rotation per layer type when the file names none (Gemma3TextConfig.default_theta).
 _GEMMA3_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
@@ -104,15 +137,19 @@ def model_args_fields(cfg: dict, architecture: str) -> dict[str, Any]:
         if (scaling or {}).get("rope_type", "longrope") != "longrope":
             raise ValueError(f"Phi-3's rope type must be longrope (or su), got {scaling['rope_type']!r}")
     else:
-        theta, scaling = rope_settings(cfg, max_pos)
+        family_theta = _FAMILY_THETA.get(architecture)
+        rope_cfg = cfg if family_theta is None or "rope_theta" in cfg else {**cfg, "rope_theta": family_theta}
+        theta, scaling = rope_settings(rope_cfg, max_pos)
     if scaling is not None and scaling["rope_type"] == "longrope":
         if not phi3:  # transformers recomputes the cache at the switch for Phi-3 only; the others keep stale keys
             raise ValueError("rope type 'longrope' is read for Phi-3 only (Phi3ForCausalLM)")
         _check_longrope(scaling, head_dim)
-    qwen2, mistral = architecture == "Qwen2ForCausalLM", architecture == "MistralForCausalLM"
-    # Qwen2's attention always carries q/k/v biases and never an o bias; Mistral's and Phi-3's
-    # none (their classes do not read attention_bias); the others put it on all four projections.
-    attention_bias = False if mistral or phi3 else bool(get("attention_bias"))
+    qwen2, qwen2_moe = architecture == "Qwen2ForCausalLM", architecture == "Qwen2MoeForCausalLM"
+    # Qwen2's attention always carries q/k/v biases and never an o bias, Qwen2-MoE's as its
+    # `qkv_bias` says; Mistral's, Mixtral's and Phi-3's none (their classes do not read
+    # attention_bias); the others put it on all four projections.
+    attention_bias = (False if architecture in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+                      or qwen2_moe else bool(get("attention_bias")))
     types, window = layer_types(cfg, architecture, num_layers)
     return dict(
         architecture=architecture,
@@ -128,11 +165,11 @@ def model_args_fields(cfg: dict, architecture: str) -> dict[str, Any]:
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(get("tie_word_embeddings")),
-        qkv_bias=True if qwen2 else attention_bias,
+        qkv_bias=True if qwen2 else bool(get("qkv_bias")) if qwen2_moe else attention_bias,
         o_bias=False if qwen2 else attention_bias,
         # Only Llama's MLP reads mlp_bias; the other families' MLPs have no bias.
         mlp_bias=bool(get("mlp_bias")) if architecture == "LlamaForCausalLM" else False,
-        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
         sliding_window=window,
         layer_types=types,
         hidden_act="silu" if act == "swish" else act,
@@ -148,6 +185,49 @@ def model_args_fields(cfg: dict, architecture: str) -> dict[str, Any]:
         sandwich_norm=gemma,
         local_rope_theta=local_theta,
         local_rope_scaling=local_scaling,
+        **moe_fields(cfg, architecture, num_layers),
+    )
+
+
+def moe_fields(cfg: dict, architecture: str, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of `ModelArgs` (all zero / empty for a dense family):
+
+    num_experts, num_experts_per_tok   E experts per sparse layer, k chosen per token
+    moe_intermediate_size              each expert's SwiGLU width
+    shared_expert_intermediate_size    Qwen2-MoE's always-on expert (0: none)
+    norm_topk_prob                     the k chosen probabilities renormalised to sum to 1
+                                       (Mixtral always; the Qwen families where the key says)
+    moe_weights_fp32                   the routing weights scale the experts' outputs in
+                                       float32 (Mixtral) or in the model's dtype (Qwen)
+    moe_layers                         the indices of the sparse layers; the others are dense
+                                       SwiGLU MLPs `intermediate_size` wide
+    """
+    none = dict(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0,
+                norm_topk_prob=False, moe_weights_fp32=False, moe_layers=())
+    if architecture not in _EXPERT_COUNT_KEYS:
+        return none
+    get = _getter(cfg, architecture)
+    count_key = next((k for k in _EXPERT_COUNT_KEYS[architecture] if cfg.get(k) is not None),
+                     _EXPERT_COUNT_KEYS[architecture][0])
+    num_experts = int(get(count_key) or 0)
+    top_k = int(get("num_experts_per_tok"))
+    if num_experts == 0:
+        return none  # transformers builds every layer dense
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the {num_experts} experts")
+    if architecture == "MixtralForCausalLM":
+        return dict(num_experts=num_experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=int(get("intermediate_size")), shared_expert_intermediate_size=0,
+                    norm_topk_prob=True, moe_weights_fp32=True, moe_layers=tuple(range(num_layers)))
+    step = int(get("decoder_sparse_step") or 1)
+    dense = set(get("mlp_only_layers") or ())
+    return dict(
+        num_experts=num_experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=int(get("moe_intermediate_size")),
+        shared_expert_intermediate_size=(int(get("shared_expert_intermediate_size") or 0)
+                                         if architecture == "Qwen2MoeForCausalLM" else 0),
+        norm_topk_prob=bool(get("norm_topk_prob")), moe_weights_fp32=False,
+        moe_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
     )
 
 
@@ -164,24 +244,31 @@ def layer_types(cfg: dict, architecture: str, num_layers: int) -> tuple[tuple[st
     """Each layer's attention ("sliding_attention" or "full_attention") and the window the
     sliding ones use (None where no layer slides), as the family's config class decides.
 
-    Mistral and Phi-3 apply `sliding_window` to every layer.  Qwen2/Qwen3 apply it only when
+    Mistral, Mixtral and Phi-3 apply `sliding_window` to every layer, Qwen3-MoE too where
+    `use_sliding_window` is set.  Qwen2/Qwen3/Qwen2-MoE apply it only when
     `use_sliding_window` is set, and only to the layers `layer_types` marks sliding -- by
-    default those with index >= `max_window_layers`.  Gemma 2 alternates, sliding first;
+    default those with index >= `max_window_layers` (Qwen2-MoE: the even-numbered ones
+    below it).  Gemma 2 alternates, sliding first;
     Gemma 3 slides on all but every `sliding_window_pattern`-th layer (6); either takes an
     explicit `layer_types`.  Llama has no window (a stray key is ignored, as transformers
     ignores it)."""
     get = _getter(cfg, architecture)
-    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):
-        window = _window(get("sliding_window"))
+    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        on = architecture != "Qwen3MoeForCausalLM" or get("use_sliding_window")
+        window = _window(get("sliding_window")) if on else None
         return ((SLIDING if window is not None else FULL,) * num_layers), window
     if architecture == "LlamaForCausalLM":
         return (FULL,) * num_layers, None
     types = get("layer_types")
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM"):
         window = _window(get("sliding_window")) if get("use_sliding_window") else None
         if types is None:
             first_sliding = int(get("max_window_layers"))
-            types = [SLIDING if window is not None and i >= first_sliding else FULL for i in range(num_layers)]
+            if architecture == "Qwen2MoeForCausalLM":
+                types = [SLIDING if window is not None and i % 2 == 0 and i < first_sliding else FULL
+                         for i in range(num_layers)]
+            else:
+                types = [SLIDING if window is not None and i >= first_sliding else FULL for i in range(num_layers)]
         # with use_sliding_window off a "sliding" layer type keeps full attention (no window)
         types = [t if window is not None else FULL for t in types]
     else:  # Gemma 2 / 3

@@ -1,10 +1,12 @@
-"""The dense decoder-only transformer, configured by config.json: Llama, Mistral, Qwen2,
-Qwen3, Gemma 2, Gemma 3 (text) and Phi-3.
+"""The decoder-only transformer, configured by config.json: Llama, Mistral, Qwen2, Qwen3,
+Gemma 2, Gemma 3 (text) and Phi-3, and the mixtures of experts Mixtral, Qwen3-MoE and
+Qwen2-MoE, whose sparse layers' MLP is a router over experts (model/moe.py).
 
 One layer loop covers them all; the families differ only in switches and in the pieces
 `DecoderLayer.bind` chooses once: biases (Qwen2), RMSNorm on each head's q and k (Qwen3,
 Gemma 3), the MLP's activation (SwiGLU; Gemma's GeGLU), Gemma's "sandwich" norms (after
-attention and around the MLP too), each layer's attention kind (a sliding window on some
+attention and around the MLP too), a layer's MLP (dense, or a mixture of experts), each
+layer's attention kind (a sliding window on some
 layers, soft-capped scores: model/attention.py) and rotation (Gemma 3's sliding layers
 rotate with their own base).  Loading maps each family's checkpoint onto the same weights
 (model/weights/loader.py: Phi-3 stores q/k/v and gate/up already fused; Gemma stores its
@@ -26,6 +28,7 @@ from torch import nn
 
 from tokenloom.model.attention import AttentionBackend, AttentionMetadata, LayerAttention, attention_kinds
 from tokenloom.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, WrapLinear, bound_linear
+from tokenloom.model.moe import SparseMoE
 from tokenloom.model.ops import Ops, rotate
 
 RopeKV = Callable  # (qkv, StepInputs, k_cache, v_cache) -> q: `Attention.bind_rope_kv`
@@ -67,6 +70,16 @@ class ModelArgs:
     sandwich_norm: bool = False  # norms after attention and around the MLP too (Gemma)
     local_rope_theta: float | None = None  # sliding layers rotate with this base instead (Gemma 3)
     local_rope_scaling: dict | None = None
+    # Mixture of experts (model/moe.py; `hf_config.moe_fields` says what each means): the
+    # layers in `moe_layers` route each token to `num_experts_per_tok` of `num_experts`
+    # SwiGLU experts; a dense family leaves them at zero.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_weights_fp32: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, cfg: dict, architecture: str) -> "ModelArgs":
@@ -145,7 +158,7 @@ class DecoderLayer(nn.Module):
     as the `LayerStep` that `bind` makes of it.  `kind` and `rope_index` (set by `CausalLM`):
     which of the backend's attention kinds and which of the model's rotations it uses."""
 
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, index: int = 0):
         super().__init__()
         h, eps = a.hidden_size, a.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps)
@@ -156,7 +169,12 @@ class DecoderLayer(nn.Module):
         if a.sandwich_norm:
             self.pre_feedforward_layernorm = RMSNorm(h, eps)
             self.post_feedforward_layernorm = RMSNorm(h, eps)
-        self.mlp = GatedMLP(h, a.intermediate_size, a.mlp_bias, a.hidden_act)
+        self.mlp: GatedMLP | SparseMoE
+        if index in a.moe_layers:
+            self.mlp = SparseMoE(h, a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size,
+                                 a.shared_expert_intermediate_size, a.norm_topk_prob, a.moe_weights_fp32)
+        else:
+            self.mlp = GatedMLP(h, a.intermediate_size, a.mlp_bias, a.hidden_act)
         self.kind, self.rope_index = 0, 0
 
     def bind(self, ops: Ops, ropes: tuple[RotaryEmbedding, ...], backend: AttentionBackend,
@@ -172,7 +190,8 @@ class DecoderLayer(nn.Module):
         ffn_out_norm = self.post_feedforward_layernorm.weight if sandwich else None
         rope_kv = attn.bind_rope_kv(ops, ropes[self.rope_index], self.rope_index, backend)
         return LayerStep(self.input_layernorm.weight, attn_out_norm, ffn_norm, ffn_out_norm, self.input_layernorm.eps,
-                         qkv, o, self.mlp.bind(ops, flat, wrap), rope_kv, self.kind,
+                         qkv, o, self.mlp.bind(ops, flat, wrap) if isinstance(self.mlp, GatedMLP)
+                         else self.mlp.bind(ops, flat), rope_kv, self.kind,
                          attn.q_size, attn.scale, ops)
 
 
@@ -235,7 +254,7 @@ class CausalLM(nn.Module):
         # _weight skips nn.Embedding's random init (pointless before loading, and on the meta
         # device it drags in torch._dynamo, seconds of start-up).
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, _weight=torch.empty(a.vocab_size, a.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         with torch.device("cpu"):  # real tables even when the rest is built on the meta device

@@ -10,6 +10,9 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",  # text-only (model_type gemma3_text); not the multimodal Gemma3ForConditionalGeneration
     "Phi3ForCausalLM",
+    "MixtralForCausalLM",  # mixture of experts (model/moe.py)
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
 )
 
 

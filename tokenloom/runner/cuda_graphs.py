@@ -119,13 +119,17 @@ class DecodeGraphs:
             self._copied.record()
 
     def run(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-            block_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+            block_ids: Sequence[Sequence[int]], device_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [n, vocab] of n decodes (n <= the largest size): a graph replay where one
-        was captured, the same padded forward eagerly otherwise."""
+        was captured, the same padded forward eagerly otherwise.  `device_ids`: the ids as a
+        tensor on the device (async scheduling: the previous step's sampled tokens), copied
+        into the graph's input after the host's staging copy, in stream order."""
         n = len(ids)
         b = self.size_for(n)
         assert b is not None, f"{n} decodes exceed the largest captured size {self.max_size}"
         self.load(b, ids, positions, slots, block_ids)
+        if device_ids is not None:
+            self.ids[:n].copy_(device_ids)
         g = self.graphs.get(b)
         if g is None:
             return self.forward(b)[:n]

@@ -43,7 +43,7 @@ from tokenloom.runner.lora_step import LoRAStep, by_adapter
 from tokenloom.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from tokenloom.runner.pooler import Pooler
 from tokenloom.runner.tp_comm import recv_step, send_step
-from tokenloom.runner.sampler import SamplingRow, sample
+from tokenloom.runner.sampler import PendingSample, SamplingRow, sample, sample_start
 from tokenloom.spec_decode.verify import verify
 from tokenloom.structured import StepMasks
 
@@ -88,6 +88,20 @@ class _PromptSpan:
     rows: torch.Tensor  # their rows in the step's hidden states
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass and sampling are queued (`ModelRunner.launch`); `collect`
+    turns it into the RunnerOutput.  `rows`: request id -> its row in `pending.token_ids`."""
+
+    out: SchedulerOutput
+    result: RunnerOutput
+    t0: float
+    t_model: float = 0.0
+    model_timed: bool = False  # model_time measured at launch (else: up to `collect`)
+    pending: PendingSample | None = None
+    rows: dict[str, int] = field(default_factory=dict)
+
+
 def _split_beams(ends: list) -> tuple[list, list]:
     """(request, row) pairs of rows after a request's last token -> (sampled, beams)."""
     if not any(s.request.beam_topk for s, _ in ends):
@@ -122,11 +136,11 @@ class RequestError(RuntimeError):
         self.request_id = request_id
 
 
-def _sample_or_blame(logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | None = None):
-    """`sample`, and if it raises, the row that makes it raise found by sampling each row
+def _sample_or_blame(logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | None = None) -> PendingSample:
+    """`sample_start`, and if it raises, the row that makes it raise found by sampling each row
     alone (only on failure), so one request's bad settings fail that request, not the step."""
     try:
-        return sample(logits, rows, masks)
+        return sample_start(logits, rows, masks)
     except Exception as exc:
         for i, row in enumerate(rows):
             try:
@@ -162,6 +176,9 @@ class ModelRunner:
             for _ in range(a.num_layers)
         ]
         self.generators: dict[str, torch.Generator] = {}
+        # wait for the forward before sampling, so model_time is the model's alone; async
+        # scheduling turns it off (the host must not wait until it needs the tokens)
+        self.sync_model_time = True
         self.pooler = Pooler(pooling) if pooling is not None else None
         if self.device.type == "cpu":
             glibc_heap.keep_step_buffers()  # every step's temporaries reused, not faulted in anew
@@ -234,14 +251,16 @@ class ModelRunner:
         return g
 
     # ---- input preparation ------------------------------------------
-    def _decode_inputs(self, decodes: list[ScheduledRequest], bs: int) -> tuple[list[int], list[int], list[int]]:
-        """ids, positions and KV slots of one-token decodes: plain Python ints (the hot path)."""
+    def _decode_inputs(self, decodes: list[ScheduledRequest], bs: int,
+                       known: bool = True) -> tuple[list[int], list[int], list[int]]:
+        """ids, positions and KV slots of one-token decodes: plain Python ints (the hot path).
+        `known=False`: the ids are still on the device (async scheduling); zeros stand in."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         for s in decodes:
             c = s.num_computed_before
-            ids.append(s.request.token_at(c))
+            ids.append(s.request.token_at(c) if known else 0)
             pos.append(c)
             slots.append(s.block_ids[c // bs] * bs + c % bs)
         if self._long_from is not None:
@@ -253,11 +272,14 @@ class ModelRunner:
         request longer than LongRoPE's pretraining length."""
         return self._long_offset if self._long_from is not None and s.request.num_tokens > self._long_from else 0
 
-    def _prepare(self, out: SchedulerOutput):
+    def _prepare(self, out: SchedulerOutput, known: bool = True):
         bs = self.block_size
         decodes = [s for s in out.scheduled if s.phase == "decode"]
         prefills = [s for s in out.scheduled if s.phase != "decode"]
-        if self.lora is not None:  # each adapter's rows together: one run per adapter (runner/lora_step.py)
+        if self.lora is not None and known:
+            # each adapter's rows together: one run per adapter (runner/lora_step.py); not when the
+            # ids arrive from the step before on the device (async scheduling), in the scheduler's
+            # order: the segments then follow that order, more of them, the same deltas
             decodes, prefills = by_adapter(decodes), by_adapter(prefills)
         order = decodes + prefills
         spec = any(s.spec_token_ids for s in decodes)
@@ -279,7 +301,7 @@ class ModelRunner:
                     slots.append(s.block_ids[p // bs] * bs + p % bs)
             decode_ctx = [p + 1 - self._rope_offset(s) for s, p in zip(decodes, pos)]
         else:
-            ids, pos, slots = self._decode_inputs(decodes, bs)
+            ids, pos, slots = self._decode_inputs(decodes, bs, known)
             offsets = list(range(len(decodes)))
             decode_ctx = [s.num_computed_before + 1 for s in decodes]
         t = len(decodes)
@@ -328,27 +350,48 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, feed: "LaunchedStep | None" = None) -> "LaunchedStep":
+        """Prepare the step's inputs and queue its forward pass and sampling, without waiting
+        for the device (on CUDA the host returns while the GPU works; on the CPU the work is
+        done on return).  `feed`: the step before it, still running, whose sampled tokens are
+        this step's input ids (async scheduling: every request here is a one-token decode of
+        a request that samples in `feed`); they go from its sampler's output to this step's
+        inputs on the device, never through the host."""
         t0 = time.perf_counter()
-        result = RunnerOutput()
+        launched = LaunchedStep(out, RunnerOutput(), t0)
         if out.is_empty:
-            return result
+            return launched
+        result = launched.result
         if out.kv_copies:  # copy-on-write of shared beam blocks, before this step writes any
             copy_blocks(self.kv_caches, out.kv_copies)
+        fed = None
+        if feed is not None:
+            src = [feed.rows[s.request_id] for s in out.scheduled]
+            tokens = feed.pending.token_ids
+            if src == list(range(len(src))):  # the usual order: a prefix of the rows, no gather
+                fed = tokens[:len(src)]
+            else:
+                fed = tokens[self._index(src)]
         decodes = self._graph_decodes(out)
         hidden = None
         spec_sched: list = []
         pool_sched: list = []
         if decodes is not None:
-            ids, pos, slots = self._decode_inputs(decodes, self.block_size)
+            ids, pos, slots = self._decode_inputs(decodes, self.block_size, known=fed is None)
             ends = [(s, i) for i, s in enumerate(decodes)]
             sample_sched, beam_sched = _split_beams(ends)
             masks = StepMasks.start([s.request.grammar for s, _ in sample_sched])  # filled during the forward
             t_model = time.perf_counter()
-            logits = self.graphs.run(ids, pos, slots, [s.block_ids for s in decodes])
+            logits = self.graphs.run(ids, pos, slots, [s.block_ids for s in decodes], fed)
             if beam_sched:  # the sampled rows first, then the beams' (as the eager path orders them)
                 logits = logits[[i for _, i in sample_sched] + [i for _, i in beam_sched]]
         else:
-            order, offsets, input_ids, positions, meta = self._prepare(out)
+            order, offsets, input_ids, positions, meta = self._prepare(out, known=fed is None)
+            if fed is not None:
+                input_ids = fed  # decodes only, in `out.scheduled` order
             ends = [(s, off + s.num_new_tokens - 1) for s, off in zip(order, offsets)
                     if s.sample and not s.spec_token_ids and s.request.pooling is None]
             sample_sched, beam_sched = _split_beams(ends)
@@ -365,9 +408,12 @@ class ModelRunner:
                 send_step(input_ids, positions, meta, [rows_idx] + [sp.rows for sp in spans], out.kv_copies)
             hidden = self._forward(input_ids, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[rows_idx]) if len(rows_idx) else None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the sampler syncs anyway; this makes model_time honest
-        result.model_time = time.perf_counter() - t_model
+        launched.t_model = t_model
+        if self.device.type != "cuda" or self.sync_model_time:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the sampler syncs anyway; this makes model_time honest
+            result.model_time = time.perf_counter() - t_model
+            launched.model_timed = True
         ns, nb = len(sample_sched), len(beam_sched)
         if spec_sched:
             self._verify(spec_sched, logits[ns + nb:], result)
@@ -375,17 +421,36 @@ class ModelRunner:
             self._beam_candidates(beam_sched, logits[ns:ns + nb], result)
         if sample_sched:
             rows = [self._sampling_row(s) for s, _ in sample_sched]
-            so = _sample_or_blame(logits[:ns] if nb or spec_sched else logits, rows, masks)
-            for (s, _), tok, lp in zip(sample_sched, so.token_ids, so.logprobs):
-                result.sampled[s.request_id] = tok
-                if lp is not None:
-                    result.logprobs[s.request_id] = lp
+            launched.pending = _sample_or_blame(logits[:ns] if nb or spec_sched else logits, rows, masks)
+            launched.rows = {s.request_id: i for i, (s, _) in enumerate(sample_sched)}
         if hidden is not None:  # decode-only steps have no prompt left to score or pool
             self._prompt_logprobs(spans, hidden, result)
             if pool_sched:
                 self._pool(pool_sched, hidden, result)
-        result.forward_time = time.perf_counter() - t0
+        return launched
+
+    def collect(self, launched: "LaunchedStep") -> RunnerOutput:
+        """The launched step's results as Python values: waits for the device."""
+        result = launched.result
+        if launched.pending is not None:
+            so = launched.pending.finish()
+            for rid, i in launched.rows.items():
+                result.sampled[rid] = so.token_ids[i]
+                if so.logprobs[i] is not None:
+                    result.logprobs[rid] = so.logprobs[i]
+        now = time.perf_counter()
+        if launched.t_model and not launched.model_timed:  # not synchronised at launch: up to the tokens
+            result.model_time = now - launched.t_model
+        result.forward_time = now - launched.t0
         return result
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        """`rows` as an index tensor on the device, copied without waiting for the device (a
+        plain `torch.tensor(..., device=cuda)` would wait for the step still running)."""
+        t = torch.tensor(rows, dtype=torch.long)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _beam_candidates(self, beam_sched, logits: torch.Tensor, result: RunnerOutput) -> None:
         """Each beam's most likely next tokens and their log-probabilities (the model's own

@@ -33,12 +33,38 @@ class SamplerOutput:
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
 
 
-__all__ = ["SamplingRow", "SamplerOutput", "sample"]  # SamplingRow: tokenloom/sampling's, the runner builds them
+@dataclass
+class PendingSample:
+    """A step's draw, still on the device: `token_ids` [rows] and the logprobs asked for.
+    Nothing here has waited for the device; `finish` does (async scheduling feeds
+    `token_ids` to the next step's inputs before that)."""
+
+    token_ids: torch.Tensor
+    asked: list[int]  # rows that asked for logprobs, and how many top tokens each
+    top_n: list[int]
+    found: object = None  # their LogprobRows (runner/logprobs.py)
+
+    def finish(self) -> SamplerOutput:
+        """The tokens and logprobs as Python values (waits for the device)."""
+        lp_out: list = [None] * len(self.token_ids)
+        for j, (i, n) in enumerate(zip(self.asked, self.top_n)):
+            lp, rank, top = self.found.row(j)
+            lp_out[i] = (lp, rank, top[:n])
+        return SamplerOutput(token_ids=self.token_ids.tolist(), logprobs=lp_out)
+
+
+# SamplingRow: tokenloom/sampling's, the runner builds them
+__all__ = ["SamplingRow", "SamplerOutput", "PendingSample", "sample", "sample_start"]
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | None = None) -> SamplerOutput:
     """logits: [N, vocab] float32, one row per entry of `rows`.  `masks`: the grammar rows'
     bitmask, started before the forward (`StepMasks.start`); filled here when None."""
+    return sample_start(logits, rows, masks).finish()
+
+
+def sample_start(logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | None = None) -> PendingSample:
+    """`sample`, stopping before anything waits for the device: the tokens stay a tensor."""
     raw = logits  # logprobs are the raw logits' (every change below works on a copy)
 
     if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty for r in rows):
@@ -59,19 +85,16 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | Non
     else:  # every row samples: no pass over the logits for an argmax nobody keeps
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     if sampled_rows:
-        idx = torch.tensor(sampled_rows, device=logits.device)
+        idx = torch.tensor(sampled_rows).to(logits.device, non_blocking=True)  # no wait for the device
         sub_rows = [rows[i] for i in sampled_rows]
         every = len(sampled_rows) == len(rows)  # then no copy of the rows is needed
         probs = filter_logits(logits if every else logits[idx], sub_rows).softmax(dim=-1)
         tokens[idx] = draw(probs, sub_rows)
 
-    lp_out: list = [None] * len(rows)
     asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    if asked:
-        idx = torch.tensor(asked, device=raw.device)
-        found = logprob_rows(raw if len(asked) == len(rows) else raw[idx], tokens[idx],
-                             max(rows[i].params.logprobs for i in asked))
-        for j, i in enumerate(asked):
-            lp, rank, top = found.row(j)
-            lp_out[i] = (lp, rank, top[: rows[i].params.logprobs])
-    return SamplerOutput(token_ids=tokens.tolist(), logprobs=lp_out)
+    pending = PendingSample(tokens, asked, [rows[i].params.logprobs for i in asked])
+    if asked:  # computed now: the raw logits may be overwritten by the next step before `finish`
+        idx = torch.tensor(asked).to(raw.device, non_blocking=True)
+        pending.found = logprob_rows(raw if len(asked) == len(rows) else raw[idx], tokens[idx],
+                                     max(pending.top_n))
+    return pending

@@ -149,7 +149,9 @@ class CostModel:
         parts = self.gpu.parts
         tp = self.tensor_parallel_size
         # Per GPU: what each of the tp GPUs streams, stores and caches.
-        self.weight_bytes = int(round(parts.streamed / tp))
+        self.weight_bytes = int(round(parts.streamed / tp))  # a one-token step's
+        # Mixture of experts: a step of T tokens reads the experts they touch (`ModelSpec.experts_touched`).
+        self._moe_bytes: dict[int, int] | None = {} if spec.is_moe else None
         self.total_weight_bytes = int(round(parts.total / tp))
         self.kv_bytes_per_token = int(round(self.gpu.kv_per_token))
         self.layer_flops_per_token = 2 * spec.layer_matmul_params // tp
@@ -225,13 +227,21 @@ class CostModel:
         kv_read_tokens += sum_ctx
         new_tokens += n_dec
         attn_positions += sum_ctx + n_dec  # each decode token sees its history + itself
-        nbytes = self.weight_bytes + (kv_read_tokens + new_tokens) * self.kv_bytes_per_token
+        nbytes = self.weights_read(new_tokens) + (kv_read_tokens + new_tokens) * self.kv_bytes_per_token
         flops = (new_tokens * self.layer_flops_per_token + n_seq * self.logits_flops
                  + attn_positions * self.attn_flops_per_position)
         mem_t = nbytes / self.bandwidth
         comp_t = flops / self.flop_rate
         over = self.overhead_s + self.per_seq_overhead_s * n_seq
         return StepCost(float(nbytes), float(flops), mem_t, comp_t, over, max(mem_t, comp_t) + over)
+
+    def weights_read(self, tokens: int) -> int:
+        """Weight bytes (per GPU) a step of `tokens` new tokens streams: all of them in a dense model."""
+        if self._moe_bytes is None:
+            return self.weight_bytes
+        if tokens not in self._moe_bytes:
+            self._moe_bytes[tokens] = int(round(self.gpu.streamed_at(tokens)))
+        return self._moe_bytes[tokens]
 
     def step_time(self, prefill: Sequence[tuple[int, int]], decode_context_lens: Sequence[int]) -> float:
         """Seconds for one step (see class docstring); 0 for an empty step."""
@@ -245,7 +255,7 @@ class CostModel:
             return _ZERO
         if self.form == "kernels":
             return self.entries_cost([(1, ctx, True)] * b)
-        nbytes = self.weight_bytes + b * (ctx + 1) * self.kv_bytes_per_token
+        nbytes = self.weights_read(b) + b * (ctx + 1) * self.kv_bytes_per_token
         flops = b * (self.layer_flops_per_token + self.logits_flops + (ctx + 1) * self.attn_flops_per_position)
         mem_t, comp_t = nbytes / self.bandwidth, flops / self.flop_rate
         over = self.overhead_s + self.per_seq_overhead_s * b
@@ -256,17 +266,33 @@ class CostModel:
 
         Kernel by kernel, attention runs apart from the GEMMs, so the crossover is the layers'
         GEMM's: B rows of FLOPs at peak * e_max * B / (B + h) take as long as streaming the
-        weights, B* = (W / bw') * peak * e_max / (2 * P_layers) - h."""
+        weights, B* = (W / bw') * peak * e_max / (2 * P_layers) - h.  A mixture of experts' W
+        grows with B (the experts B tokens touch), so there B = f(W(B)) is iterated from below
+        (W rises and is bounded: the iteration climbs to the crossing)."""
         if self.form == "kernels":
             g = self.gpu
             top = self.efficiency.compute_eff_max.get(g.compute_kind, self.efficiency.compute_eff_max["16"])
-            b = (g.w_layers / g.bw_layers) * g.peak_fmt * top / g.p_layers - self.efficiency.gemm_half_rows
-            return b if b > 0 else None
-        per_req_flops = self.layer_flops_per_token + self.logits_flops + (context_len + 1) * self.attn_flops_per_position
-        denom = per_req_flops / self.flop_rate - (context_len + 1) * self.kv_bytes_per_token / self.bandwidth
-        if denom <= 0:
-            return None
-        return (self.weight_bytes / self.bandwidth) / denom
+
+            def crossing(w: float) -> float:
+                return (w / g.bw_layers) * g.peak_fmt * top / g.p_layers - self.efficiency.gemm_half_rows
+        else:
+            per_req_flops = (self.layer_flops_per_token + self.logits_flops
+                             + (context_len + 1) * self.attn_flops_per_position)
+            denom = per_req_flops / self.flop_rate - (context_len + 1) * self.kv_bytes_per_token / self.bandwidth
+            if denom <= 0:
+                return None
+
+            def crossing(w: float) -> float:
+                return (w / self.bandwidth) / denom
+        weights = (lambda t: self.gpu.w_layers_at(t)) if self.form == "kernels" else self.weights_read
+        b = crossing(weights(1))
+        if self._moe_bytes is not None:
+            for _ in range(100):
+                nxt = crossing(weights(max(1, round(b))))
+                if abs(nxt - b) < 0.5:
+                    break
+                b = nxt
+        return b if b > 0 else None
 
     def prefill_cost(self, prompt_len: int, chunk_size: int | None = None, context_start: int = 0) -> tuple[StepCost, int]:
         """Summed cost of prefilling one prompt alone, in steps of `chunk_size` tokens; (cost, steps)."""
@@ -384,7 +410,7 @@ def decode_point(cm: CostModel, batch_size: int, context_len: int) -> DecodePoin
         batch_size=batch_size,
         context_len=context_len,
         bytes=c.bytes,
-        weight_bytes=float(cm.weight_bytes),
+        weight_bytes=float(cm.weights_read(batch_size)),
         kv_read_bytes=float(batch_size * context_len * kv),
         kv_write_bytes=float(batch_size * kv),
         flops=c.flops,

@@ -59,10 +59,17 @@ class StepFeatures:
         self.head_bytes = spec.logits_matmul_params * nb
         # Norms and biases travel with the layers; the vocab matrix is the head's.
         self.layer_bytes = streamed - self.head_bytes
+        self.spec, self.dtype = spec, dtype  # mixture of experts: layer bytes depend on the step's tokens
         self.layer_flops_per_token = 2 * spec.layer_matmul_params
         self.head_flops_per_row = 2 * spec.logits_matmul_params
         self.attn_flops_per_pair = spec.attention_flops_per_position
         self.kv_bytes_per_token = spec.kv_bytes_per_token(dtype)
+
+    def _layer_bytes(self, tokens: int) -> float:
+        """The decoder layers' bytes a step of `tokens` tokens reads (`ModelSpec.experts_touched`)."""
+        if not self.spec.is_moe:
+            return self.layer_bytes
+        return self.spec.streamed_weight_bytes(self.dtype, None, tokens) - self.head_bytes
 
     def parts(self, entries: Sequence[Entry]) -> StepParts:
         bs = self.block_size
@@ -88,7 +95,7 @@ class StepFeatures:
             num_seqs=len(entries),
             num_tokens=tokens,
             num_sampled=sampled,
-            layer_bytes=float(self.layer_bytes) if entries else 0.0,
+            layer_bytes=float(self._layer_bytes(tokens)) if entries else 0.0,
             layer_flops=float(tokens * self.layer_flops_per_token),
             head_bytes=float(self.head_bytes) if sampled else 0.0,
             head_flops=float(sampled * self.head_flops_per_row),

@@ -21,7 +21,7 @@ def _llama(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: in
     }
 
 
-# From each model's config.json on the Hugging Face hub (meta-llama/*, codellama/*, mistralai/*).
+# From each model's config.json on the Hugging Face hub (meta-llama/*, codellama/*, mistralai/*, Qwen/*).
 REFERENCE_CONFIGS: dict[str, dict] = {
     "llama-2-7b": _llama(4096, 32, 32, 32, 11008, 32000, 4096),
     "llama-2-13b": _llama(5120, 40, 40, 40, 13824, 32000, 4096),
@@ -32,6 +32,15 @@ REFERENCE_CONFIGS: dict[str, dict] = {
     "llama-3.1-70b": _llama(8192, 80, 64, 8, 28672, 128256, 131072, "bfloat16", rope_theta=500000.0),
     "mistral-7b": {**_llama(4096, 32, 32, 8, 14336, 32000, 32768, "bfloat16", rope_theta=1000000.0),
                    "architectures": ["MistralForCausalLM"], "model_type": "mistral"},
+    # mixtures of experts (mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B)
+    "mixtral-8x7b": {**_llama(4096, 32, 32, 8, 14336, 32000, 32768, "bfloat16", rope_theta=1000000.0),
+                     "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "sliding_window": None,
+                     "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3-30b-a3b": {**_llama(2048, 48, 32, 4, 6144, 151936, 40960, "bfloat16", rope_theta=1000000.0),
+                      "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 128,
+                      "rms_norm_eps": 1e-6, "moe_intermediate_size": 768, "num_experts": 128,
+                      "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                      "mlp_only_layers": [], "use_sliding_window": False, "sliding_window": None},
 }
 
 

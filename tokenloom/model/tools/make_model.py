@@ -52,12 +52,15 @@ def hf_weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         if a["qk_norm"]:
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        if fused:
+        if i in a["moe_layers"]:
+            shapes.update(_expert_shapes(p, a, a["architecture"] == "MixtralForCausalLM"))
+        elif fused:
             shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, inter)
         else:
             shapes[p + "mlp.gate_proj.weight"] = (inter, h)
             shapes[p + "mlp.up_proj.weight"] = (inter, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+            shapes[p + "mlp.down_proj.weight"] = (h, inter)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         if a["sandwich_norm"]:
@@ -66,6 +69,27 @@ def hf_weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (h,)
     if not a["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def _expert_shapes(prefix: str, a: dict, mixtral: bool) -> dict[str, tuple[int, ...]]:
+    """A sparse layer's router and experts under the hub's names: Mixtral's
+    `block_sparse_moe.experts.N.w1/w2/w3`, the Qwen families' `mlp.experts.N.gate_proj/...`
+    (what transformers 5's `save_pretrained` writes too), Qwen2-MoE's shared expert and gate."""
+    h, inter, e = a["hidden_size"], a["moe_intermediate_size"], a["num_experts"]
+    block = prefix + ("block_sparse_moe." if mixtral else "mlp.")
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    shapes = {block + "gate.weight": (e, h)}
+    for j in range(e):
+        shapes[f"{block}experts.{j}.{names[0]}.weight"] = (inter, h)
+        shapes[f"{block}experts.{j}.{names[1]}.weight"] = (inter, h)
+        shapes[f"{block}experts.{j}.{names[2]}.weight"] = (h, inter)
+    shared = a["shared_expert_intermediate_size"]
+    if shared:
+        shapes[block + "shared_expert.gate_proj.weight"] = (shared, h)
+        shapes[block + "shared_expert.up_proj.weight"] = (shared, h)
+        shapes[block + "shared_expert.down_proj.weight"] = (h, shared)
+        shapes[block + "shared_expert_gate.weight"] = (1, h)
     return shapes
 
 

@@ -78,6 +78,33 @@ PRESETS: dict[str, dict] = {
         "sliding_window": None,
         "max_window_layers": 2,
     },
+    # mixture of experts (model/moe.py): 8 experts, 2 per token
+    "tiny-mixtral": {
+        **_TINY_COMMON,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "tiny-qwen3-moe": {
+        **_TINY_COMMON,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "use_sliding_window": False,
+        "sliding_window": None,
+    },
     "tiny-gemma2": {
         **{k: v for k, v in _TINY_COMMON.items() if k != "hidden_act"},
         "architectures": ["Gemma2ForCausalLM"],
@@ -197,6 +224,61 @@ PRESETS: dict[str, dict] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+    # The benchmark pair of docs/models.md, "Mixture of experts": Qwen3-30B-A3B's routing
+    # (128 experts, 8 per token, norm_topk_prob, head_dim 128 halved with the hidden size)
+    # with the hidden size, layer count and vocabulary scaled down to fit a small machine;
+    # and a dense Qwen3 with the same active parameters (its MLP as wide as 8 experts).
+    "qwen3-moe-bench": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "moe_intermediate_size": 384,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 6,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "vocab_size": 8192,
+        "torch_dtype": "bfloat16",
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "qwen3-dense-bench": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,  # 8 experts x 384
+        "num_hidden_layers": 6,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "vocab_size": 8192,
+        "torch_dtype": "bfloat16",
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 6,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
     "gemma-2-2b": {
         "architectures": ["Gemma2ForCausalLM"],
         "model_type": "gemma2",
@@ -302,7 +384,8 @@ PRESETS: dict[str, dict] = {
 }
 
 # Presets small enough that `make-model` is quick and tests can use them.
-TINY_PRESETS = ("tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3")
+TINY_PRESETS = ("tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3",
+                "tiny-phi3", "tiny-mixtral", "tiny-qwen3-moe")
 
 # The chat format of each architecture's tokenizer (model/tools/tokenizer_builder.py CHAT_FORMATS);
 # ChatML for the rest.

@@ -100,13 +100,22 @@ _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+# A SwiGLU's gate and up fuse into its gate_up_proj wherever it sits: a dense layer's `mlp`,
+# an expert `mlp.experts.N` (model/moe.py), Qwen2-MoE's `mlp.shared_expert`.
+_GATE_UP = {"gate_proj": 0, "up_proj": 1}
+# Mixtral's hub names: the block is `block_sparse_moe`, an expert's gate / down / up are w1 / w2 / w3.
+_MIXTRAL_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.(.+)$")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+# Experts stored as one 3D tensor each for all experts (transformers 5's in-memory layout, which
+# some checkpoints hold): gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+_STACKED = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
+STACKED = "stacked experts"  # the shard index `_target` gives such a tensor
 
 
-def _target(name: str, a: ModelArgs) -> tuple[str, int | None] | None:
-    """Map a checkpoint tensor name to (our name, shard index or None); None = ignore."""
+def _target(name: str, a: ModelArgs) -> tuple[str, int | str | None] | None:
+    """Map a checkpoint tensor name to (our name, shard index or None); None = ignore.  A
+    stacked expert tensor maps to (our name with {} for the expert, `STACKED`)."""
     if name == "model.embed_tokens.weight":
         return "embed_tokens.weight", None
     if name == "model.norm.weight":
@@ -119,18 +128,48 @@ def _target(name: str, a: ModelArgs) -> tuple[str, int | None] | None:
     layer, rest = m.groups()
     if rest.endswith("rotary_emb.inv_freq"):
         return None
+    mx = _MIXTRAL_EXPERT.match(rest)
+    if mx:
+        rest = f"mlp.experts.{mx[1]}.{_MIXTRAL_PROJ[mx[2]]}.{mx[3]}"
+    elif rest.startswith("block_sparse_moe."):
+        rest = "mlp." + rest.removeprefix("block_sparse_moe.")
+    st = _STACKED.match(rest)
+    if st:
+        return f"layers.{layer}.mlp.experts.{{}}.{st[1]}.weight", STACKED
     mod, _, kind = rest.rpartition(".")
     if mod in _FUSED:
         fused, idx = _FUSED[mod]
         return f"layers.{layer}.{fused}.{kind}", idx
+    owner, _, proj = mod.rpartition(".")
+    if proj in _GATE_UP and owner.startswith("mlp"):
+        return f"layers.{layer}.{owner}.gate_up_proj.{kind}", _GATE_UP[proj]
     return f"layers.{layer}.{rest}", None
 
 
-def _shard_bounds(param_name: str, idx: int, a: ModelArgs) -> tuple[int, int]:
+def _pieces(pname: str, idx: int | str | None, t: torch.Tensor):
+    """(our name, shard index, tensor) for each of our parameters a checkpoint tensor fills:
+    itself, or one slice per expert of a stacked one (gate_up split into its two halves, so
+    each half counts as the fused weight's shard it is)."""
+    if idx != STACKED:
+        yield pname, idx, t
+        return
+    if t.dim() != 3:
+        raise ValueError(f"{pname.format('*')}: stacked expert weights must be 3D, got shape {tuple(t.shape)}")
+    for e in range(t.shape[0]):
+        if "gate_up_proj" in pname:
+            half = t.shape[1] // 2
+            yield pname.format(e), 0, t[e, :half]
+            yield pname.format(e), 1, t[e, half:]
+        else:
+            yield pname.format(e), None, t[e]
+
+
+def _shard_bounds(param_name: str, idx: int, a: ModelArgs, rows: int) -> tuple[int, int]:
+    """Rows of our fused parameter (`rows` in all) that shard `idx` of a checkpoint fills."""
     if "qkv_proj" in param_name:
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][idx]
-    i = a.intermediate_size
+    i = rows // 2  # gate_up: a dense MLP's, an expert's or a shared expert's
     return [(0, i), (i, 2 * i)][idx]
 
 
@@ -226,26 +265,26 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
                 # One mapping per tensor: pages of the mmapped file are released as soon as
                 # the tensor is copied, so loading never holds the file and the model at once.
                 with safe_open(str(f), framework="pt", device="cpu") as sf:
-                    pname, idx = tgt
-                    if pname not in params:
-                        raise ValueError(f"checkpoint tensor {name!r} has no place in {arch} ({pname})")
                     t = sf.get_tensor(name)
-                    if a.norm_offset and pname.endswith("norm.weight"):
-                        t = t.float() + a.norm_offset  # Gemma: x * (1 + w), the sum in float32 as the reference's
-                    p = params[pname]
-                    if idx is None:
-                        if tuple(t.shape) != tuple(p.shape):
-                            raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != expected {tuple(p.shape)}")
-                        # copy=True: a zero-copy view would pin the whole mmapped file in memory
-                        p.data = t.to(device=device, dtype=tdtype, copy=True)
+                    for pname, idx, part in _pieces(*tgt, t):
+                        if pname not in params:
+                            raise ValueError(f"checkpoint tensor {name!r} has no place in {arch} ({pname})")
+                        if a.norm_offset and pname.endswith("norm.weight"):
+                            part = part.float() + a.norm_offset  # Gemma: x * (1 + w), in float32 as the reference's
+                        p = params[pname]
+                        if idx is None:
+                            if tuple(part.shape) != tuple(p.shape):
+                                raise ValueError(f"{name}: checkpoint shape {tuple(part.shape)} != expected "
+                                                 f"{tuple(p.shape)}")
+                            # copy=True: a zero-copy view would pin the whole mmapped file in memory
+                            p.data = part.to(device=device, dtype=tdtype, copy=True)
+                        else:
+                            lo, hi = _shard_bounds(pname, idx, a, p.shape[0])
+                            if p.dtype != tdtype:
+                                p.data = torch.empty(p.shape, dtype=tdtype, device=device)
+                            p.data[lo:hi].copy_(part)
                         filled[pname] = filled.get(pname, 0) + 1
-                    else:
-                        lo, hi = _shard_bounds(pname, idx, a)
-                        if p.dtype != tdtype:
-                            p.data = torch.empty(p.shape, dtype=tdtype, device=device)
-                        p.data[lo:hi].copy_(t)
-                        filled[pname] = filled.get(pname, 0) + 1
-                    del t
+                    del t, part
         if prequant is not None:
             prequant.install(model, filled, panels=plan.linear == "panels", dtype=tdtype, device=device)
     for pname, p in params.items():

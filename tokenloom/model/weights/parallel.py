@@ -8,6 +8,9 @@ Split the way the math allows with the fewest exchanges (Megatron-style):
     o_proj      row-parallel: a partial sum of the output per rank -> one all-reduce
     gate_up     column-parallel (gate and up split alike, so SiLU(gate) * up stays local)
     down_proj   row-parallel -> one all-reduce
+    experts     (a mixture-of-experts layer) each expert's gate_up and down split like a
+                dense MLP's, the shared expert too; the router replicated, so every rank
+                picks the same experts; the block's partial output -> one all-reduce
     embedding   vocabulary-parallel: rank r looks up the ids in its slice of the vocabulary,
                 zeros elsewhere -> one all-reduce
     lm_head     vocabulary-parallel: each rank scores its slice -> one all-gather
@@ -109,24 +112,27 @@ def head_split(num_heads: int, num_kv_heads: int, tp: TPGroup) -> tuple[range, r
     return q, kv
 
 
-def check_split(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
+def check_split(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int,
+                moe_intermediate_size: int = 0, shared_expert_intermediate_size: int = 0) -> None:
     """Raise ValueError if a model of this shape cannot be split over `size` ranks."""
     head_split(num_heads, num_kv_heads, TPGroup(0, size))
-    if intermediate_size % size:
-        raise ValueError(f"--tensor-parallel-size {size} must divide intermediate_size {intermediate_size}")
+    for key, width in (("intermediate_size", intermediate_size), ("moe_intermediate_size", moe_intermediate_size),
+                       ("shared_expert_intermediate_size", shared_expert_intermediate_size)):
+        if width % size:
+            raise ValueError(f"--tensor-parallel-size {size} must divide {key} {width}")
 
 
 def shard_model(model: nn.Module, a, tp: TPGroup):
     """Cut `model` (a loaded CausalLM, weights still plain) down to rank `tp.rank`'s shard.
     Returns the shard's ModelArgs."""
-    check_split(a.num_heads, a.num_kv_heads, a.intermediate_size, tp.size)
+    check_split(a.num_heads, a.num_kv_heads, a.intermediate_size, tp.size, a.moe_intermediate_size,
+                a.shared_expert_intermediate_size)
     q_heads, kv_heads = head_split(a.num_heads, a.num_kv_heads, tp)
-    d, inter = a.head_dim, a.intermediate_size // tp.size
+    d = a.head_dim
     q_span = (q_heads.start * d, q_heads.stop * d)
     k0 = a.num_heads * d
     v0 = k0 + a.num_kv_heads * d
     kv_spans = [(k0 + kv_heads.start * d, k0 + kv_heads.stop * d), (v0 + kv_heads.start * d, v0 + kv_heads.stop * d)]
-    i_lo, i_hi = tp.rank * inter, (tp.rank + 1) * inter
     with torch.no_grad():
         for layer in model.layers:
             att = layer.self_attn
@@ -138,15 +144,35 @@ def shard_model(model: nn.Module, a, tp: TPGroup):
             att.q_size, att.kv_size = len(q_heads) * d, len(kv_heads) * d
             att.o_proj = RowParallel(_input_slice(att.o_proj, *q_span, tp), tp)
             mlp = layer.mlp
-            gu = mlp.gate_up_proj
-            spans = [(i_lo, i_hi), (a.intermediate_size + i_lo, a.intermediate_size + i_hi)]
-            gu.weight = nn.Parameter(_rows(gu.weight, spans), requires_grad=False)
-            if gu.bias is not None:
-                gu.bias = nn.Parameter(_rows(gu.bias, spans), requires_grad=False)
-            mlp.intermediate = inter
-            mlp.down_proj = RowParallel(_input_slice(mlp.down_proj, i_lo, i_hi, tp), tp)
+            if hasattr(mlp, "experts"):  # a mixture-of-experts block (model/moe.py): one all-reduce for all
+                for expert in mlp.experts:
+                    _shard_gated(expert, tp, reduce=False)
+                if mlp.shared_expert is not None:
+                    _shard_gated(mlp.shared_expert, tp, reduce=False)
+                mlp.reduce = tp.all_reduce
+            else:
+                _shard_gated(mlp, tp, reduce=True)
         _shard_vocab(model, a, tp)
-    return replace(a, num_heads=len(q_heads), num_kv_heads=len(kv_heads), intermediate_size=inter)
+    return replace(a, num_heads=len(q_heads), num_kv_heads=len(kv_heads),
+                   intermediate_size=a.intermediate_size // tp.size,
+                   moe_intermediate_size=a.moe_intermediate_size // tp.size,
+                   shared_expert_intermediate_size=a.shared_expert_intermediate_size // tp.size)
+
+
+def _shard_gated(mlp: nn.Module, tp: TPGroup, reduce: bool) -> None:
+    """Rank r's slice of a SwiGLU MLP's intermediate dimension: gate_up's rows of gate and up
+    alike, down's columns; with `reduce`, down all-reduces its partial sums itself."""
+    full = mlp.intermediate
+    inter = full // tp.size
+    lo, hi = tp.rank * inter, (tp.rank + 1) * inter
+    gu = mlp.gate_up_proj
+    spans = [(lo, hi), (full + lo, full + hi)]
+    gu.weight = nn.Parameter(_rows(gu.weight, spans), requires_grad=False)
+    if gu.bias is not None:
+        gu.bias = nn.Parameter(_rows(gu.bias, spans), requires_grad=False)
+    mlp.intermediate = inter
+    down = _input_slice(mlp.down_proj, lo, hi, tp)
+    mlp.down_proj = RowParallel(down, tp) if reduce else down
 
 
 def _input_slice(linear: nn.Linear, lo: int, hi: int, tp: TPGroup) -> nn.Linear:

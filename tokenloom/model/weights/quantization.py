@@ -259,20 +259,30 @@ def quantize_model(model: nn.Module, scheme: QuantScheme, panels: bool) -> int:
     """Replace every nn.Linear of `model` (a CausalLM) by a QuantLinear, one at a time (each
     full-precision weight freed as soon as its quantized copy exists), and a tied embedding /
     LM head by one shared quantized matrix.  `panels`: our CPU kernel, else the PyTorch path.
-    Returns how many matrices were quantized."""
+    A linear marked `keep_precision` (a mixture-of-experts router, model/moe.py) stays in the
+    model's dtype, in our GEMM's panels with `panels`.  Returns how many matrices were quantized."""
+    from tokenloom.kernels import cpu as cpu_kernels
+    from tokenloom.model.weights.packed_linear import PanelLinear
+
     make = PanelQuantized if panels else TorchQuantized
     pad = None
     names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    kept = 0
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, attr)
+        if getattr(old, "keep_precision", False):
+            if panels and cpu_kernels.load():
+                setattr(parent, attr, PanelLinear(old.weight, old.bias))
+            kept += 1
+            continue
         matrix = make(old.weight, scheme)
         if panels:
             pad = matrix.qweight.shape[0] * 32
         setattr(parent, attr, QuantLinear(matrix, old.bias, pad))
         del old, matrix
-    n = len(names)
+    n = len(names) - kept
     if getattr(model, "lm_head", 0) is None:  # tied: one quantized copy for the lookup and the head
         emb = model.embed_tokens
         matrix = make(emb.weight, scheme)
