@@ -1,9 +1,9 @@
 """What serving LoRA adapters costs: a decode batch spread over several adapters against the
 same batch on the base model, in one engine, in one run.
 
-    python scripts/bench_lora.py                                  # Qwen2.5-0.5B shape, bf16, batch 16, 4 adapters, rank 16
-    python scripts/bench_lora.py --backends cpu torch --rounds 5  # our C++ shrink/expand and PyTorch's matmuls, side by side
-    python scripts/bench_lora.py --model /path/to/hf-dir --out docs/results/lora.json
+    python scripts/bench_lora.py              # Qwen2.5-0.5B shape, bf16, batch 16, 4 adapters, rank 16
+    python scripts/bench_lora.py --backends cpu torch --rounds 8 --num-threads 1   # C++ and PyTorch side by side
+    python scripts/bench_lora.py --model /path/to/hf-dir --out docs/results/lora/run.json
 
 The base model is a random-weight copy of the preset's shape (`tokenloom make-model`), the
 adapters random peft-format directories (adapter_config.json + adapter_model.safetensors,
@@ -14,10 +14,12 @@ every round, so the prefix cache never helps) on the base model, and spread roun
 over the adapters.  The figures are the median, over rounds, of the median model time of the
 round's decode steps that ran the whole batch (StepEvent.forward_time: forward pass +
 logits, no scheduling or sampling), the ratio adapters / base of those, and the median of the
-round-by-round ratios (the two cases of a round run back to back); tokens/s of the whole generate call (scheduling, sampling and the
-runner's per-step adapter bookkeeping included) beside it.  A run of the base workload on an
-engine without --enable-lora is the reference for "enabled but unused".  First, one linear's
-deltas alone, C++ against PyTorch, per linear shape of a layer (`time_deltas`).
+round-by-round ratios (the two cases of a round run back to back); tokens/s of the whole
+generate call (scheduling, sampling and the runner's per-step adapter bookkeeping included)
+beside it.  A run of the base workload on an engine without --enable-lora is the reference
+for "enabled but unused".  First, one linear's deltas alone, C++ against PyTorch, per linear
+shape of a layer (`time_deltas`).  On a shared machine pass --num-threads 1: a parallel
+region waits for its slowest thread, and a descheduled one turns the timings into noise.
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ def time_deltas(cfg: dict, dtype: torch.dtype, batch: int, adapters: int, rank: 
                 if i >= 20:
                     times.append(time.perf_counter() - t0)
             # the minimum as well: on a shared machine most calls of a few microseconds are preempted
-            out.setdefault(name, {})[fn_name] = {"median_us": 1e6 * statistics.median(times), "min_us": 1e6 * min(times)}
+            out.setdefault(name, {})[fn_name] = {"median_us": 1e6 * statistics.median(times),
+                                                 "min_us": 1e6 * min(times)}
     return out
 
 
@@ -163,7 +166,8 @@ def main() -> int:
     micro = time_deltas(cfg, getattr(torch, args.dtype), args.batch, args.adapters, args.rank)
     for name, t in micro.items():
         print(f"one {name} linear's deltas, {args.batch} rows on {args.adapters} adapters: "
-              + ", ".join(f"{k} {v['median_us']:.1f} us (min {v['min_us']:.1f})" for k, v in t.items()), file=sys.stderr)
+              + ", ".join(f"{k} {v['median_us']:.1f} us (min {v['min_us']:.1f})" for k, v in t.items()),
+              file=sys.stderr)
 
     vocab = cfg["vocab_size"]
     spread = [adapters[i % len(adapters)] for i in range(args.batch)]

@@ -151,10 +151,10 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tens
   const T* ap = a.data_ptr<T>();
   const T* bp = bt.data_ptr<T>();
   T* yp = y.data_ptr<T>();
-  // Split only work that pays for a second thread: at least ~1M multiply-adds (tens of
-  // microseconds) each.  A decode step's deltas mostly stay on one thread; a parallel region
-  // waits for its slowest thread, and on a busy machine that one may be descheduled.
-  constexpr int64_t kGrainMacs = int64_t{1} << 20;
+  // Split only work that pays for a second thread: at least ~256K multiply-adds (some ten
+  // microseconds) each.  (A parallel region waits for its slowest thread: on a machine busier
+  // than its cores, one descheduled thread stalls it -- as it does the base model's GEMMs.)
+  constexpr int64_t kGrainMacs = int64_t{1} << 18;
   const int64_t shrink_grain = std::max<int64_t>(1, kGrainMacs / std::max<int64_t>(1, rows * in));
   at::parallel_for(0, sr, shrink_grain, [&](int64_t j0, int64_t j1) {
     shrink(xp, x.stride(0), ap, sr, in, segs, t.data(), j0, j1);
@@ -205,7 +205,8 @@ at::Tensor lora_apply_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, c
 }  // namespace
 
 TORCH_LIBRARY(tokenloom_lora, m) {
-  m.def("lora_apply_(Tensor(a!) y, Tensor x, Tensor a, Tensor bt, Tensor segments, int[] subs, int rank) -> Tensor(a!)");
+  m.def("lora_apply_(Tensor(a!) y, Tensor x, Tensor a, Tensor bt, Tensor segments, int[] subs, int rank) "
+        "-> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_lora, CPU, m) { m.impl("lora_apply_", &lora_apply_); }

@@ -240,7 +240,8 @@ class LoRALinear:
         return y
 
 
-def lora_wrapper(slots: LoRASlots, rows: LoRARows, apply: ApplyFn = apply_torch) -> Callable[[int, str, Linear], Linear]:
+def lora_wrapper(slots: LoRASlots, rows: LoRARows,
+                 apply: ApplyFn = apply_torch) -> Callable[[int, str, Linear], Linear]:
     """What `CausalLM.bind(..., wrap=)` takes: layer i's linear `name`, bound as the plan
     chose, becomes a `LoRALinear` over the slots' weights for it."""
 
