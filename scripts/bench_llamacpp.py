@@ -23,6 +23,12 @@ Not part of CI and not imported by the tests. What it does, each step skipped wh
    Printed: the median over rounds per variant, side by side, and the ratios at equal bits;
    written to `--json`.
 
+--native SRC builds llama.cpp's own binaries from the source tree SRC twice (scripts/llamacpp_native.py):
+without AMX, and natively with AMX where tokenloom's AMX probe finds the tiles usable, with the
+tile-configuration fix gcc < 13 needs; it times batch 1 (llama-bench) and batch 16
+(llama-batched-bench, --batch-sizes), flash attention on and off (the faster kept), against
+tokenloom at the same batch sizes, rounds alternating, and reports both builds.
+
 Without --model a random-weight Qwen2.5-0.5B-shaped checkpoint is made once (bf16,
 `make-model`, as bench_quant.py does).
 """
@@ -130,6 +136,14 @@ def _pre(self, tokenizer):
         print("converter: unknown BPE pre-tokenizer, writing 'qwen2'", flush=True)
         return "qwen2"
 base.TextModel.get_vocab_base_pre = _pre
+# Without a tokenizer.model the converter falls back to the BPE vocabulary only on
+# FileNotFoundError, after importing sentencepiece: say the file is missing first.
+_sp = base.TextModel._set_vocab_sentencepiece
+def _sp_or_missing(self, *a, **k):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError("no tokenizer.model")
+    return _sp(self, *a, **k)
+base.TextModel._set_vocab_sentencepiece = _sp_or_missing
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
 conv.main()
 """
@@ -231,6 +245,84 @@ def run(model: Path, work: Path, llama_variants: list[str], ours: list[str], con
             "gguf_mb": {v: files[v].stat().st_size / 1e6 for v in llama_variants}}
 
 
+def run_native(model: Path, work: Path, source: Path, builds: list[str], llama_variants: list[str], ours: list[str],
+               batches: list[int], context: int, rounds: int, steps: int, threads: int) -> dict:
+    """--native: llama.cpp's own binaries from `source`, built each way in `builds` (llamacpp_native.py),
+    against tokenloom at each batch size; rounds alternate between every engine.  llama.cpp's
+    flash attention is timed on and off in the first round and the faster kept per variant."""
+    import torch
+
+    import llamacpp_native as nat
+
+    torch.set_num_threads(threads)
+    flags = {"noamx": ["-DGGML_NATIVE=OFF", *cmake_args().split()[1:]], "amx": ["-DGGML_NATIVE=ON"]}
+    from tokenloom.kernels import amx_probe
+
+    bins = {}
+    for b in builds:
+        if b == "amx" and not amx_probe.amx_usable():
+            print("skipping the AMX build: tokenloom's probe found no usable AMX here", flush=True)
+            continue
+        bins[b] = nat.build(source, work, b, [f for f in flags[b] if "GGML_AMX" not in f or b == "noamx"],
+                            fix_tiles=b == "amx" and nat.gcc_needs_tile_fix())
+    out_dir = work / "gguf" / model.resolve().name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {v: out_dir / f"model-{v}.gguf" for v in llama_variants}
+    for v in llama_variants:
+        if not files[v].exists():
+            if v in ("F32", "BF16"):
+                convert(model, source, files[v], v.lower())
+            else:
+                if not (out_dir / "model-F32.gguf").exists():
+                    convert(model, source, out_dir / "model-F32.gguf", "f32")
+                nat.quantize(next(iter(bins.values())), out_dir / "model-F32.gguf", files[v], v)
+    med: dict[str, float] = {}
+    flash: dict[str, bool] = {}
+    for batch in batches:
+        total = rounds * steps + 8
+        engines = {f"tokenloom {v} b{batch}": bench_quant.prefilled(model, batch, context, total,
+                                                                     **bench_quant.VARIANTS[v]) for v in ours}
+        times: dict[str, list[float]] = {k: [] for k in engines}
+        for r in range(rounds):
+            for name, eng in engines.items():
+                times[name].append(bench_quant.time_steps(eng, steps) * 1e3)
+            for b, bdir in bins.items():
+                for v in llama_variants:
+                    key = f"llama.cpp {b} {v} b{batch}"
+                    def one(fa: bool) -> float:
+                        if batch == 1:
+                            return nat.batch1_ms(bdir, files[v], threads, steps * 4, fa)
+                        return nat.batch_ms(bdir, files[v], threads, batch, context, steps * 4, fa)
+                    if key not in flash:
+                        on, off = one(True), one(False)
+                        flash[key] = on < off
+                        times.setdefault(key, []).append(min(on, off))
+                    else:
+                        times.setdefault(key, []).append(one(flash[key]))
+            print(f"batch {batch} round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in times.items()),
+                  flush=True)
+        del engines
+        med.update({k: statistics.median(v) for k, v in times.items()})
+    return {"model": str(model), "native": builds, "context": context, "rounds": rounds, "steps": steps,
+            "threads": threads, "batches": batches, "median_ms": med, "flash_attention": flash}
+
+
+def print_native_table(res: dict) -> None:
+    med = res["median_ms"]
+    for batch in res["batches"]:
+        print(f"\nbatch {batch}, context ~{res['context']}, {res['threads']} threads: median ms per decode step")
+        builds = [b for b in ("noamx", "amx") if any(k.startswith(f"llama.cpp {b} ") for k in med)]
+        print("| tokenloom | ms | " + " | ".join(f"llama.cpp {b} | ms | ratio" for b in builds) + " |")
+        for ours, theirs in OURS_TO_BITS.items():
+            a = med.get(f"tokenloom {ours} b{batch}")
+            cells = []
+            for b in builds:
+                t = med.get(f"llama.cpp {b} {theirs} b{batch}")
+                cells.append(f"{theirs} | {t and f'{t:.1f}' or '-'} | {f'{t / a:.2f}x' if a and t else ''}")
+            print(f"| {ours} | {a and f'{a:.1f}' or '-'} | " + " | ".join(cells) + " |")
+    print("(ratio = llama.cpp / tokenloom: > 1, tokenloom's step is faster)")
+
+
 def print_table(res: dict) -> None:
     med = res["median_ms"]
     print(f"\nbatch 1, context ~{res['context']}, {res['threads']} threads: median per-token decode over "
@@ -255,7 +347,23 @@ def main() -> None:
     ap.add_argument("--ours", default="fp32,bf16,int8,int4")
     ap.add_argument("--pure", action="store_true", help="llama.cpp's quantizer keeps no tensor at more bits")
     ap.add_argument("--json", default=None, help="result file (default: WORK/result.json)")
+    ap.add_argument("--native", default=None, metavar="LLAMA_CPP_SOURCE",
+                    help="build llama.cpp's own binaries from this source tree (noamx and amx builds) "
+                         "instead of the Python bindings; batch sizes from --batch-sizes")
+    ap.add_argument("--builds", default="noamx,amx", help="with --native: which builds")
+    ap.add_argument("--batch-sizes", default="1,16", help="with --native: decode batch sizes")
     a = ap.parse_args()
+    if a.native:
+        work = Path(a.work)
+        work.mkdir(parents=True, exist_ok=True)
+        res = run_native(bench_quant.model_dir(a.model), work, Path(a.native), a.builds.split(","),
+                         a.llama_variants.split(","), a.ours.split(","), [int(b) for b in a.batch_sizes.split(",")],
+                         a.context, a.rounds, a.steps, a.threads)
+        print_native_table(res)
+        out = Path(a.json) if a.json else work / "result-native.json"
+        out.write_text(json.dumps(res, indent=2))
+        print(f"wrote {out}")
+        return
     ensure_bindings()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

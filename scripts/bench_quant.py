@@ -12,7 +12,8 @@ scheduling, model, sampling), so a noisy neighbour slows every variant of a roun
 Printed: the median step time per variant and batch size, and the ratios to bf16 and fp32
 measured in the same run (docs/quantization.md).  A variant named `NAME/modules` (e.g.
 `--variants int4,int4/modules`) is NAME with its decode steps through the model's module tree
-instead of the flat loop (model/flat_decode.py): the loop's saving, in the same rounds.
+instead of the flat loop (model/flat_decode.py): the loop's saving, in the same rounds;
+`NAME/noamx` is NAME with the AMX kernels off (TOKENLOOM_AMX=0 while it loads, kernels/amx.py).
 
 --kernels times the GEMMs of one step alone (our bf16 kernel vs the int8 / int4 kernels).
 --quality adds the bundled model's held-out bits per byte (its whole validation split,
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -85,7 +87,13 @@ def bench_speed(path: Path, variants: list[str], batches: list[int], context: in
         engines = {}
         for v in variants:
             name, _, how = v.partition("/")
-            engines[v] = prefilled(path, b, context, rounds * steps + 2, **VARIANTS[name])
+            if how == "noamx":  # the same variant with AMX off (kernels/amx.py): its linears load without it
+                os.environ["TOKENLOOM_AMX"] = "0"
+            try:
+                engines[v] = prefilled(path, b, context, rounds * steps + 2, **VARIANTS[name])
+            finally:
+                if how == "noamx":
+                    os.environ.pop("TOKENLOOM_AMX", None)
             if how == "modules":  # the same engine, its linears called through their modules
                 runner = engines[v].llm_engine.runner
                 runner.model.bind(runner.ops, runner.attn, flat=False)

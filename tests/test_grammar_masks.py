@@ -56,7 +56,7 @@ def test_sampling_with_started_masks_obeys_the_grammar(compiler):
     logits = torch.randn(3, compiler.vocab_size)
     rows = [SamplingRow(request_id=f"r{i}", params=SamplingParams(temperature=0.0), prompt_token_ids=[1],
                         output_token_ids=[], eos_token_ids=frozenset(), generator=None, grammar=s) for i, s in enumerate(states)]
-    out = _sample_or_blame(logits, rows, StepMasks.start(states))
+    out = _sample_or_blame(logits, rows, StepMasks.start(states)).finish()  # the tokens as the host reads them
     assert out.token_ids[1] == int(logits[1].argmax())  # unconstrained: plain argmax
     for i in (0, 2):
         assert states[i].accept(out.token_ids[i])  # the grammar allows what was chosen

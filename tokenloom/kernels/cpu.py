@@ -394,7 +394,8 @@ def pack_for(weight: torch.Tensor) -> torch.Tensor:
 
 def linear_op(packed: torch.Tensor):
     """The op that multiplies by `packed`: its layout says which kernel it was packed for
-    (k-pairs: the bf16 kernel; 32-column panels: the AVX-512 one; 16-column: the AVX2 one)."""
+    (k-pairs: the bf16 kernel; 32-column panels: the AVX-512 one; 16-column: the AVX2 one).
+    kernels/amx.py `linear_op` adds the AMX kernel where it wins."""
     if packed.dim() == 4:
         return torch.ops.tokenloom_bf16.linear_fma if bf16_dot() == "fma" else torch.ops.tokenloom_bf16.linear
     if packed.shape[-1] == WIDE:

@@ -104,6 +104,7 @@ class PanelLinear(nn.Module):
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, packed: torch.Tensor | None = None,
                  shape: tuple[int, int] | None = None):
         super().__init__()
+        from tokenloom.kernels import amx as amx_kernels
         from tokenloom.kernels import cpu as cpu_kernels
 
         if packed is None:
@@ -113,7 +114,7 @@ class PanelLinear(nn.Module):
         else:
             assert shape is not None
             self.out_features, self.in_features = shape
-        self._op = cpu_kernels.linear_op(packed)  # chosen once: no per-call dispatch in Python
+        self._op = amx_kernels.linear_op(packed)  # chosen once (AMX: by rows, kernels/amx.py)
         self.register_buffer("weight", packed, persistent=False)
         self.register_buffer("bias", cpu_kernels.pad_bias(bias, self.out_features), persistent=False)
 

@@ -174,6 +174,7 @@ class PanelQuantized(QuantizedMatrix):
         return m
 
     def _store(self, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme, in_features: int) -> None:
+        from tokenloom.kernels import amx as amx_kernels
         from tokenloom.kernels import cpu as cpu_kernels
 
         self.out_features, self.in_features = q.shape[0], in_features
@@ -182,10 +183,11 @@ class PanelQuantized(QuantizedMatrix):
         assert ops is not None, "our quantized CPU kernel is not available here"
         if scheme.bits == 8:
             packed, s = cpu_kernels.pack_int8(q, s, quads=cpu_kernels.int8_quads())
-            self._op = ops.linear_int8
+            self._op = amx_kernels.with_amx("int8", ops.linear_int8)
         else:
             packed, s = cpu_kernels.pack_int4(q, s)
-            self._op = ops.linear_int4
+            amx_ok = scheme.group % 32 == 0 and s.dtype in (torch.bfloat16, torch.float16)
+            self._op = amx_kernels.with_amx("int4", ops.linear_int4) if amx_ok else ops.linear_int4
         self.register_buffer("qweight", packed, persistent=False)
         self.register_buffer("scales", s, persistent=False)
 

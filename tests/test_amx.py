@@ -1,0 +1,183 @@
+"""The AMX GEMMs (kernels/cpu_gemm_amx.cpp) against the reference GEMM, and the AMX probe.
+
+The bf16-tile kernels' products are exact (bf16 x bf16; int8 and int4 values are exact in
+bf16) and their sums float32; a float32 x enters as two bf16 planes (2^-17 of each value).
+Each is compared with float64 x @ W^T, W dequantized, within those bounds (1e-5 of the sum of
+|products| for float32 summation, plus 2^-16 of it for a float32 x).  The int8-tile kernel
+splits each activation row into two int8 planes: its own bound is stated in its test.  Skipped, with the probe's reason,
+where this machine's AMX is not usable.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenloom.kernels import amx, amx_probe
+from tokenloom.kernels import cpu as cpu_kernels
+from tokenloom.model.weights.quantization import dequantize_int4, quantize_int4
+
+
+def _amx_or_skip() -> None:
+    if not amx_probe.FLAGS <= cpu_kernels._cpu_flags():
+        pytest.skip(f"no AMX here: the CPU lacks {sorted(amx_probe.FLAGS - cpu_kernels._cpu_flags())}")
+    if not amx_probe.amx_usable():
+        pytest.skip(f"AMX listed but not usable here: {amx_probe.run_probe()[1]}")
+    if not amx.build() or not cpu_kernels.bf16_enabled():
+        pytest.skip("the AMX or AVX512-BF16 extension did not build here")
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """y against float64 x @ w^T (+ bias): a bf16 x is exact in the tiles, a float32 one is
+    kept as two bf16 planes to 2^-17 of each value (bound 2^-16), plus float32 summation."""
+    xr = x.double()
+    ref = xr @ w.double().t()
+    rel = 1e-5 if x.dtype == torch.bfloat16 else 1e-5 + 2**-16
+    bound = rel * (xr.abs() @ w.double().abs().t()) + 1e-6
+    if bias is not None:
+        ref = ref + bias.double()
+    assert y.shape == ref.shape
+    err = (y.double() - ref).abs()
+    assert (err <= bound).all(), f"max error {err.max().item()} over bound {bound.max().item()}"
+
+
+shapes = dict(m=st.integers(1, 40), k=st.integers(1, 200), n=st.integers(1, 80), bias=st.booleans(),
+              seed=st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=25, deadline=None)
+@given(**shapes)
+def test_amx_bf16_matches_reference(m: int, k: int, n: int, bias: bool, seed: int) -> None:
+    _amx_or_skip()
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g) if bias else None
+    y = torch.ops.tokenloom_amx.linear_bf16(x, cpu_kernels.pack_pairs(w), n, cpu_kernels.pad_bias(b, n))
+    assert y.dtype == torch.float32
+    _check(y, x, w.float(), b)
+
+
+@settings(max_examples=25, deadline=None)
+@given(**shapes)
+def test_amx_int8_matches_reference(m: int, k: int, n: int, bias: bool, seed: int) -> None:
+    _amx_or_skip()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    s = torch.rand(n, generator=g) + 0.01
+    b = torch.randn(n, generator=g) if bias else None
+    packed, scales = cpu_kernels.pack_int8(q, s, quads=True)
+    y = torch.ops.tokenloom_amx.linear_int8(x, packed, scales, n, cpu_kernels.pad_bias(b, n))
+    assert y.dtype == torch.bfloat16  # x's dtype
+    # y is rounded to bf16: its own rounding on top of the summation's.
+    ref = x.double() @ (q.double() * s.double()[:, None]).t() + (b.double() if b is not None else 0)
+    assert torch.allclose(y.double(), ref, rtol=2**-8, atol=1e-3 * (ref.abs().max().item() + 1))
+    y32 = torch.ops.tokenloom_amx.linear_int8(x.float(), packed, scales, n, cpu_kernels.pad_bias(b, n))
+    _check(y32, x.float(), q.float() * s[:, None], b)
+
+
+@settings(max_examples=25, deadline=None)
+@given(group=st.sampled_from([32, 64, 128]), **shapes)
+def test_amx_int4_matches_reference(group: int, m: int, k: int, n: int, bias: bool, seed: int) -> None:
+    _amx_or_skip()
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    q, s = quantize_int4(w, group)
+    for scale_dtype in (torch.bfloat16, torch.float16):
+        packed, scales = cpu_kernels.pack_int4(q, s.to(scale_dtype))
+        y = torch.ops.tokenloom_amx.linear_int4(x, packed, scales, n, group, cpu_kernels.pad_bias(b, n))
+        _check(y, x, dequantize_int4(q, s.to(scale_dtype).float(), k).float(), b)
+
+
+@settings(max_examples=25, deadline=None)
+@given(**shapes)
+def test_amx_int8_tiles_within_the_split_bound(m: int, k: int, n: int, bias: bool, seed: int) -> None:
+    """int8 tiles (activations split into two int8 planes): each activation is off by at most
+    max|x_row| / (127 * 508), so each output by at most that times sum_k |w[n, k]| (plus
+    float32 rounding of the sums)."""
+    _amx_or_skip()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 10
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    s = torch.rand(n, generator=g) + 0.01
+    b = torch.randn(n, generator=g) if bias else None
+    packed, scales = cpu_kernels.pack_int8(q, s, quads=True)
+    y = torch.ops.tokenloom_amx.linear_int8_tiles(x, packed, scales, n, cpu_kernels.pad_bias(b, n))
+    w = q.double() * s.double()[:, None]
+    ref = x.double() @ w.t() + (b.double() if b is not None else 0)
+    step = x.abs().amax(dim=1, keepdim=True).double() / (127 * 508)
+    bound = step * w.abs().sum(dim=1)[None] * 1.01 + 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-6
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+def test_amx_rejects_groups_not_a_multiple_of_32() -> None:
+    _amx_or_skip()
+    q, s = quantize_int4(torch.randn(8, 48), 16)
+    packed, scales = cpu_kernels.pack_int4(q, s)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.tokenloom_amx.linear_int4(torch.randn(2, 48), packed, scales, 8, 16, None)
+
+
+def test_dispatch_picks_by_rows_and_matches_both_kernels(monkeypatch) -> None:
+    """A calibration that takes AMX from 8 rows: calls below run our AVX-512 kernel, calls from
+    8 rows the AMX one, each exactly as that kernel alone."""
+    _amx_or_skip()
+    monkeypatch.setattr(amx, "choices", lambda: {"bf16": {"names": ["ours", "linear_bf16"],
+                                                          "pick": [0, 0, 0, 1, 1, 1, 1]}})
+    w = cpu_kernels.pack_pairs(torch.randn(40, 64).to(torch.bfloat16))
+    ours = cpu_kernels.linear_op(w)
+    op = amx.dispatch("bf16", ours)
+    for rows, kernel in ((1, ours), (7, ours), (8, torch.ops.tokenloom_amx.linear_bf16),
+                         (100, torch.ops.tokenloom_amx.linear_bf16)):
+        x = torch.randn(rows, 64)
+        assert torch.equal(op(x, w, 40, None), kernel(x, w, 40, None))
+
+
+def test_calibration_is_cached_beside_the_builds(tmp_path, monkeypatch) -> None:
+    _amx_or_skip()
+    monkeypatch.setenv("TOKENLOOM_KERNEL_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_calibrate():
+        calls.append(1)
+        return {k: {"names": ["ours", f"linear_{k}"], "pick": [1] * len(amx.BUCKETS), "ms": []} for k in amx.KINDS}
+
+    monkeypatch.setattr(amx, "calibrate", fake_calibrate)
+    amx.choices.cache_clear()
+    try:
+        assert amx.choices()["int8"]["pick"][0] == 1
+        amx.choices.cache_clear()
+        assert amx.choices()["bf16"]["pick"][-1] == 1 and len(calls) == 1  # the second process reads the file
+        files = list(tmp_path.glob("amx_calibration_*.json"))
+        assert len(files) == 1 and json.loads(files[0].read_text())["bf16"]["names"] == ["ours", "linear_bf16"]
+    finally:
+        amx.choices.cache_clear()
+
+
+def test_probe_says_yes_on_this_machine_when_cpuinfo_lists_amx() -> None:
+    if not amx_probe.FLAGS <= cpu_kernels._cpu_flags():
+        pytest.skip("the CPU does not list AMX")
+    usable, why = amx_probe.run_probe()
+    # A VM may list AMX and trap on it: then the probe must say so, with a reason, not crash.
+    assert isinstance(usable, bool) and why
+    if usable:
+        assert "correct" in why
+
+
+def test_probe_that_traps_reports_false_without_crashing(monkeypatch) -> None:
+    """The child dies of SIGILL, as on a CPU or VM that traps tile instructions: the caller
+    gets False and a reason, and the forced failure is not cached as this machine's verdict."""
+    if not amx_probe.FLAGS <= cpu_kernels._cpu_flags():
+        pytest.skip("the CPU does not list AMX")
+    monkeypatch.setenv("TOKENLOOM_AMX_PROBE_FAIL", "1")
+    usable, why = amx_probe.run_probe()
+    assert usable is False and "exited with" in why
+    assert amx_probe.amx_usable() is False
+    monkeypatch.delenv("TOKENLOOM_AMX_PROBE_FAIL")
+    monkeypatch.setenv("TOKENLOOM_AMX", "0")
+    assert amx_probe.amx_usable() is False

@@ -1,0 +1,537 @@
+// AMX GEMMs for x86 CPUs with usable tile registers (Sapphire Rapids and later):
+// y[M, N] = x[M, K] * W[N, K]^T (+ bias), W in bf16, int8 or int4.
+//
+// AMX multiplies whole tiles: TDPBF16PS adds a [16 x 32] bf16 tile of activations times a
+// [32 x 16] bf16 tile of weights into a [16 x 16] float32 tile, 16 K x 16 N x 16 M products
+// in one instruction, about sixteen times what one AVX512-BF16 dot product does.  From a few
+// rows on, the AVX-512 kernels are bound by their arithmetic, not by the weights' stream, and
+// this is where AMX wins (kernels/amx.py measures where, once per machine).
+//
+// Every precision goes through the same bf16 tile multiply, with the weights' tile in the
+// k-pair layout of cpu_gemm_bf16.cpp (`pack_pairs`: per 32-column panel, per pair of k, 32
+// columns x 2 bf16 = 128 bytes), which is already AMX's B-tile layout: a tile is 16 k-pairs of
+// one 16-column half, rows 128 bytes apart.  So:
+// * bf16 weights are loaded as tiles straight from their panels (no second copy);
+// * int8 weights (the k-quad panels of `pack_int8(quads=True)`) are widened to bf16 per panel
+//   into a thread's scratch: int8 values are exact in bf16, so every product is exact and the
+//   column scale is applied to the float32 sums, as in the AVX-512 int8 kernel;
+// * int4 weights (`pack_int4`) are widened through a 16-entry table (nibble -> bf16 of -8..7,
+//   exact), and each group's sums are scaled by the group's scale when the group ends (the
+//   group must be a multiple of 32 k: one k-block).
+// bf16 activations are taken as they are; float32 ones as two bf16 planes (`amx_linear`);
+// sums are float32.  AMX int8 tiles
+// (TDPBSSD) would need the activations quantized to int8 too; docs/quantization.md, "AMX",
+// says why this kernel does not.
+//
+// Linux hands out tile registers only to a process that asked (arch_prctl
+// ARCH_REQ_XCOMP_PERM): each worker thread asks once, lazily, before its first tile
+// instruction, and loads the tile configuration at every call (other code -- oneDNN -- may have
+// changed it) and releases the tiles after.  `probe` runs one int8 and one bf16 tile multiply
+// and checks them; kernels/amx_probe.py runs it in a child process, so a CPU or VM that traps
+// on tile instructions kills the child, not the server.
+//
+// The tile configuration is a constant in static storage: gcc 12's _tile_loadconfig declares
+// only an 8-byte read, so it may drop the stores filling a configuration built on the stack.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gemm_driver.h"
+
+namespace {
+
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+constexpr int64_t KB = 16;     // k-pairs per tile (32 k)
+constexpr int64_t PANEL = 32;  // columns per weight panel (kernels/cpu.py WIDE)
+
+// Palette 1; tiles 0-3: float32 sums [16 x 16]; 4-5: activations [16 x 32 bf16]; 6-7: weights
+// [16 pairs x 32 bf16].  Every tile is 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+constexpr TileConfig make_config() {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  return c;
+}
+alignas(64) static const TileConfig kConfig = make_config();
+
+// Tile permission for the calling thread's process (asked once per thread; harmless to repeat).
+bool request_tiles() {
+  static thread_local int granted = -1;
+  if (granted < 0) granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0 ? 1 : 0;
+  return granted == 1;
+}
+
+void begin_tiles() {
+  TORCH_CHECK(request_tiles(), "tokenloom_amx: the kernel refused AMX tile permission");
+  _tile_loadconfig(&kConfig);
+}
+
+// Where one 32-column panel's weights come from, as bf16 k-pair rows of 32 columns (64 bf16, 128
+// bytes each): `panel(p, buf)` returns a pointer to K2p rows (K2p = K2 rounded up to KB), either
+// the packed weights themselves or `buf` filled with them, and `group_blocks` k-blocks share one
+// scale (`scale(p, g, col)`: 1 for bf16).
+struct Bf16Panels {
+  const uint16_t* w;
+  int64_t K2, K2p;
+  const uint16_t* panel(int64_t p, uint16_t* buf) const {
+    const uint16_t* src = w + p * K2 * PANEL * 2;
+    if (K2 == K2p) return src;
+    std::memcpy(buf, src, K2 * PANEL * 2 * 2);
+    std::memset(buf + K2 * PANEL * 2, 0, (K2p - K2) * PANEL * 2 * 2);
+    return buf;
+  }
+};
+
+// int8 k-quad panels [P, K4, 32, 4] -> bf16 pairs: quad row q gives pair rows 2q (k 4q, 4q+1)
+// and 2q+1 (k 4q+2, 4q+3).  Each 16-column half (64 bytes: 16 columns x 4 k) is widened in
+// float32 (exact for -128..127; a float32 holding a small integer is its bf16 in the top half).
+struct Int8Panels {
+  const int8_t* w;
+  int64_t K4, K2p;
+  const uint16_t* panel(int64_t p, uint16_t* buf) const {
+    const int8_t* src = w + p * K4 * PANEL * 4;
+    const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int64_t q = 0; q < K4; ++q) {
+      for (int h = 0; h < 2; ++h) {
+        const __m512i v = _mm512_loadu_si512(src + (q * PANEL + h * 16) * 4);
+        const __m512i f0 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24)));
+        const __m512i f1 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24)));
+        const __m512i f2 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 8), 24)));
+        const __m512i f3 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24)));
+        const __m512i r0 = _mm512_or_si512(_mm512_srli_epi32(f0, 16), _mm512_and_si512(f1, hi16));
+        const __m512i r1 = _mm512_or_si512(_mm512_srli_epi32(f2, 16), _mm512_and_si512(f3, hi16));
+        _mm512_storeu_si512(buf + ((2 * q) * PANEL + h * 16) * 2, r0);
+        _mm512_storeu_si512(buf + ((2 * q + 1) * PANEL + h * 16) * 2, r1);
+      }
+    }
+    std::memset(buf + 2 * K4 * PANEL * 2, 0, (K2p - 2 * K4) * PANEL * 2 * 2);
+    return buf;
+  }
+};
+
+// int4 panels [P, Kp, 16] (byte c at k: column c in the low nibble, column 16 + c in the high
+// one, each + 8) -> bf16 pairs through a table of the 16 values.
+struct Int4Panels {
+  const uint8_t* w;
+  int64_t Kp, K2p;
+  const uint16_t* panel(int64_t p, uint16_t* buf) const {
+    alignas(64) static const uint16_t table[32] = {
+        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,  // -8 .. -1
+        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,  // 0 .. 7
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    const __m512i tab = _mm512_load_si512(table);
+    const __m512i low = _mm512_set1_epi16(0x0F);
+    const uint8_t* src = w + p * Kp * 16;
+    for (int64_t j = 0; j < Kp / 2; ++j) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (2 * j) * 16));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (2 * j + 1) * 16));
+      const __m256i ab = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+      const __m512i v = _mm512_cvtepu8_epi16(ab);  // column c's (k, k+1) bytes in words 2c, 2c+1
+      _mm512_storeu_si512(buf + j * PANEL * 2, _mm512_permutexvar_epi16(_mm512_and_si512(v, low), tab));
+      _mm512_storeu_si512(buf + (j * PANEL + 16) * 2,
+                          _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), tab));
+    }
+    std::memset(buf + (Kp / 2) * PANEL * 2, 0, (K2p - Kp / 2) * PANEL * 2 * 2);
+    return buf;
+  }
+};
+
+// Scales of the sums: none (bf16), per column (int8: float32 [P * 32]), per column and group
+// (int4: [P, groups, 32] bf16 or float16).
+struct NoScale {
+  int64_t group_blocks;
+  __m512 get(int64_t, int64_t, int) const { return _mm512_set1_ps(1.f); }
+};
+struct ColScale {
+  const float* s;
+  int64_t group_blocks;
+  __m512 get(int64_t p, int64_t, int h) const { return _mm512_loadu_ps(s + p * PANEL + h * 16); }
+};
+struct GroupScale {
+  const uint16_t* s;
+  int64_t groups, group_blocks;
+  bool fp16;
+  __m512 get(int64_t p, int64_t g, int h) const {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + (p * groups + g) * PANEL + h * 16));
+    if (fp16) return _mm512_cvtph_ps(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+  }
+};
+
+// Rows [m0, m0 + 32) (those below M) times panel p: for each k-block, two activation tiles
+// (rows m0.., m0 + 16..) times the panel's two 16-column weight tiles; at each group's end
+// the four sum tiles are scaled into `acc` [32 x 32] float32.
+template <typename Scale>
+inline void panel_rows(const uint16_t* a, const uint16_t* alo, int64_t lda, int64_t M, int64_t m0, const uint16_t* b,
+                       int64_t nkb, const Scale& scale, int64_t p, float* acc, float* ctile) {
+  const bool two = m0 + 16 < M;
+  const int64_t rows = std::min<int64_t>(32, M - m0);
+  std::fill(acc, acc + 32 * 32, 0.f);
+  for (int64_t kb0 = 0, g = 0; kb0 < nkb; kb0 += scale.group_blocks, ++g) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    const int64_t kb1 = std::min(nkb, kb0 + scale.group_blocks);
+    for (int64_t kb = kb0; kb < kb1; ++kb) {
+      const uint16_t* bt = b + kb * KB * PANEL * 2;
+      _tile_loadd(6, bt, PANEL * 4);
+      _tile_loadd(7, bt + 32, PANEL * 4);
+      _tile_loadd(4, a + m0 * lda + kb * KB * 2, lda * 2);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (alo) {
+        _tile_loadd(4, alo + m0 * lda + kb * KB * 2, lda * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (two) {
+        _tile_loadd(5, a + (m0 + 16) * lda + kb * KB * 2, lda * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+        if (alo) {
+          _tile_loadd(5, alo + (m0 + 16) * lda + kb * KB * 2, lda * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+    }
+    _tile_stored(0, ctile, 64);
+    _tile_stored(1, ctile + 256, 64);
+    if (two) {
+      _tile_stored(2, ctile + 512, 64);
+      _tile_stored(3, ctile + 768, 64);
+    }
+    const __m512 s0 = scale.get(p, g, 0), s1 = scale.get(p, g, 1);
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* c = ctile + (i >= 16 ? 512 : 0) + (i & 15) * 16;
+      float* ai = acc + i * 32;
+      _mm512_storeu_ps(ai, _mm512_fmadd_ps(_mm512_loadu_ps(c), s0, _mm512_loadu_ps(ai)));
+      _mm512_storeu_ps(ai + 16, _mm512_fmadd_ps(_mm512_loadu_ps(c + 256), s1, _mm512_loadu_ps(ai + 16)));
+    }
+  }
+}
+
+// The GEMM: x in bf16 row blocks padded to 16 rows and K2p pairs, panels split over threads
+// (gemm_driver.h), each thread widening one panel at a time into its scratch.  A float32 x is
+// split into two bf16 planes, x = hi + lo (hi = x rounded to bf16, lo = the rest rounded to
+// bf16), each multiplied into the same sums: x is then kept to 2^-17 of each value, as the
+// AVX-512 kernels keep float32 activations, not rounded to bf16's 2^-9.  A bf16 x (bf16 and
+// quantized models) has no lo plane.
+template <typename Panels, typename Scale>
+at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panels, int64_t n, const Panels& src,
+                      const Scale& scale, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu(), "tokenloom_amx runs on CPU");
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(panels * PANEL >= n, "n exceeds the packed panels");
+  const at::Tensor x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0);
+  const int64_t lda = K2p * 2;
+  at::Tensor a = at::zeros({(M + 15) / 16 * 16, lda}, x.options().dtype(at::kBFloat16));
+  a.narrow(0, 0, M).narrow(1, 0, K).copy_(x2);
+  at::Tensor alo_t;
+  if (x.scalar_type() != at::kBFloat16) {
+    alo_t = at::zeros_like(a);
+    alo_t.narrow(0, 0, M).narrow(1, 0, K).copy_(x2.to(at::kFloat) - a.narrow(0, 0, M).narrow(1, 0, K).to(at::kFloat));
+  }
+  const uint16_t* alo = alo_t.defined() ? reinterpret_cast<const uint16_t*>(alo_t.data_ptr<at::BFloat16>()) : nullptr;
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = n;
+  at::Tensor y = at::empty({M, n}, x.options().dtype(at::kFloat));
+  at::Tensor bias_f;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_f.numel() >= n, "bias shorter than n");
+    bp = bias_f.data_ptr<float>();
+  }
+  const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  const int64_t nkb = K2p / KB;
+  tokenloom::for_panel_runs(panels, [&](int64_t p0, int64_t p1) {
+    begin_tiles();
+    std::vector<uint16_t> buf(K2p * PANEL * 2 + 32);
+    alignas(64) float acc[32 * 32];
+    alignas(64) float ctile[4 * 256];
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint16_t* b = src.panel(p, buf.data());
+      const int64_t ncols = std::min<int64_t>(PANEL, n - p * PANEL);
+      const __mmask16 m0k = static_cast<__mmask16>(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1);
+      const __mmask16 m1k = static_cast<__mmask16>(ncols >= 32 ? 0xFFFF : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0);
+      const __m512 b0 = bp ? _mm512_maskz_loadu_ps(m0k, bp + p * PANEL) : _mm512_setzero_ps();
+      const __m512 b1 = bp ? _mm512_maskz_loadu_ps(m1k, bp + p * PANEL + 16) : _mm512_setzero_ps();
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        panel_rows(ap, alo, lda, M, m0, b, nkb, scale, p, acc, ctile);
+        for (int64_t i = 0; i < std::min<int64_t>(32, M - m0); ++i) {
+          float* yi = yp + (m0 + i) * n + p * PANEL;
+          _mm512_mask_storeu_ps(yi, m0k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32), b0));
+          if (m1k) _mm512_mask_storeu_ps(yi + 16, m1k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32 + 16), b1));
+        }
+      }
+    }
+    _tile_release();
+  });
+  return y.view(out_sizes).to(x.scalar_type());
+}
+
+int64_t pad_pairs(int64_t k2) { return (k2 + KB - 1) / KB * KB; }
+
+// bf16 weights in `pack_pairs` panels [P, K2, 32, 2].
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, int64_t n, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 4 && w.size(2) == PANEL && w.size(3) == 2 &&
+              w.is_contiguous(), "tokenloom_amx::linear_bf16 takes pack_pairs panels");
+  const int64_t K = x.size(-1), K2 = w.size(1);
+  TORCH_CHECK((K + 1) / 2 == K2, "x has ", K, " features, the packed weight ", K2, " pairs");
+  const Bf16Panels src{reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), K2, pad_pairs(K2)};
+  return amx_linear(x, K, src.K2p, w.size(0), n, src, NoScale{src.K2p / KB}, bias);
+}
+
+// int8 weights in k-quad panels [P, K4, 32, 4], float32 column scales [P * 32].
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 4 && q.size(2) == PANEL && q.size(3) == 4 &&
+              q.is_contiguous(), "tokenloom_amx::linear_int8 takes k-quad int8 panels");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() >= q.size(0) * PANEL && scales.is_contiguous(),
+              "int8 scales: float32, one per padded column");
+  const int64_t K = x.size(-1), K4 = q.size(1);
+  TORCH_CHECK((K + 3) / 4 == K4, "x has ", K, " features, the packed weight ", K4, " quads");
+  const Int8Panels src{q.data_ptr<int8_t>(), K4, pad_pairs(2 * K4)};
+  return amx_linear(x, K, src.K2p, q.size(0), n, src, ColScale{scales.data_ptr<float>(), src.K2p / KB}, bias);
+}
+
+// int4 weights in panels [P, Kp, 16] uint8, group scales [P, Kp / G, 32] bf16 or float16; G a
+// multiple of 32.
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n, int64_t group,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 3 && q.size(2) == 16 && q.is_contiguous(),
+              "tokenloom_amx::linear_int4 takes int4 panels");
+  TORCH_CHECK(group % (KB * 2) == 0, "tokenloom_amx::linear_int4 needs groups of a multiple of 32, not ", group);
+  TORCH_CHECK((scales.scalar_type() == at::kBFloat16 || scales.scalar_type() == at::kHalf) && scales.dim() == 3 &&
+              scales.is_contiguous() && scales.size(0) == q.size(0) && scales.size(2) == PANEL,
+              "int4 scales: [P, groups, 32] bfloat16 or float16");
+  const int64_t K = x.size(-1), Kp = q.size(1);
+  TORCH_CHECK(Kp % group == 0 && K <= Kp && Kp - K < group, "x has ", K, " features, the packed weight ", Kp);
+  const Int4Panels src{q.data_ptr<uint8_t>(), Kp, Kp / 2};
+  const GroupScale sc{reinterpret_cast<const uint16_t*>(scales.data_ptr()), scales.size(1), group / (KB * 2),
+                      scales.scalar_type() == at::kHalf};
+  return amx_linear(x, K, src.K2p, q.size(0), n, src, sc, bias);
+}
+
+// int8 weights multiplied as bytes by AMX int8 tiles (TDPBSSD: [16 x 64] int8 x [64 x 16] int8
+// into int32), straight from the k-quad panels, which are AMX's int8 B-tile layout (a tile is
+// 16 k-quads of one 16-column half, rows 128 bytes apart): nothing is widened.  Each activation
+// row is split into two int8 planes: hi = round(x / s) with s = max|x| / 127, and lo = the
+// remainder in steps of s / 254, so x = s * hi + (s / 254) * lo to within s / 508 (2^-15.9 of
+// the row's largest value; bf16 rounding is 2^-9 of each value).  Two multiplies per tile pair.
+struct SplitRows {
+  at::Tensor hi, lo;      // [M rounded up to 16, Kq] int8, K zero-padded to Kq
+  std::vector<float> s;   // per row: s (hi's step); lo's is s / 254
+};
+
+SplitRows split_rows(const at::Tensor& x2, int64_t Kq) {
+  const int64_t M = x2.size(0), K = x2.size(1);
+  const at::Tensor xf = x2.to(at::kFloat).contiguous();
+  SplitRows r;
+  const int64_t Mp = (M + 15) / 16 * 16;
+  r.hi = at::zeros({Mp, Kq}, x2.options().dtype(at::kChar));
+  r.lo = at::zeros({Mp, Kq}, x2.options().dtype(at::kChar));
+  r.s.assign(Mp, 0.f);
+  const float* xp = xf.data_ptr<float>();
+  int8_t* hp = r.hi.data_ptr<int8_t>();
+  int8_t* lp = r.lo.data_ptr<int8_t>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* row = xp + m * K;
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+      const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s, inv_lo = 254.f / s;
+      r.s[m] = s;
+      for (int64_t k = 0; k < K; ++k) {
+        const float h = std::nearbyint(row[k] * inv);
+        hp[m * Kq + k] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, h)));
+        const float rest = row[k] - h * s;
+        lp[m * Kq + k] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(rest * inv_lo))));
+      }
+    }
+  });
+  return r;
+}
+
+at::Tensor linear_int8_tiles(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n,
+                             const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu(), "tokenloom_amx runs on CPU");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 4 && q.size(2) == PANEL && q.size(3) == 4 &&
+              q.is_contiguous(), "tokenloom_amx::linear_int8_tiles takes k-quad int8 panels");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() >= q.size(0) * PANEL && scales.is_contiguous(),
+              "int8 scales: float32, one per padded column");
+  const int64_t K = x.size(-1), K4 = q.size(1), panels = q.size(0);
+  TORCH_CHECK((K + 3) / 4 == K4, "x has ", K, " features, the packed weight ", K4, " quads");
+  TORCH_CHECK(panels * PANEL >= n, "n exceeds the packed panels");
+  const int64_t K4p = (K4 + 15) / 16 * 16, Kq = K4p * 4, nkb = K4p / 16;
+  const at::Tensor x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0);
+  const SplitRows a = split_rows(x2, Kq);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = n;
+  at::Tensor y = at::empty({M, n}, x.options().dtype(at::kFloat));
+  at::Tensor bias_f;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias_f.numel() >= n, "bias shorter than n");
+    bp = bias_f.data_ptr<float>();
+  }
+  const int8_t* wp = q.data_ptr<int8_t>();
+  const int8_t* hp = a.hi.data_ptr<int8_t>();
+  const int8_t* lp = a.lo.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  tokenloom::for_panel_runs(panels, [&](int64_t p0, int64_t p1) {
+    begin_tiles();
+    std::vector<int8_t> buf(K4 == K4p ? 0 : K4p * PANEL * 4);
+    alignas(64) int32_t ct[4 * 256];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int8_t* b = wp + p * K4 * PANEL * 4;
+      if (K4 != K4p) {
+        std::memcpy(buf.data(), b, K4 * PANEL * 4);
+        std::memset(buf.data() + K4 * PANEL * 4, 0, (K4p - K4) * PANEL * 4);
+        b = buf.data();
+      }
+      const int64_t ncols = std::min<int64_t>(PANEL, n - p * PANEL);
+      const __mmask16 mk[2] = {static_cast<__mmask16>(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1),
+                               static_cast<__mmask16>(ncols >= 32   ? 0xFFFF
+                                                      : ncols > 16 ? (1u << (ncols - 16)) - 1
+                                                                   : 0)};
+      __m512 cs[2], bs[2];
+      for (int h = 0; h < 2; ++h) {
+        cs[h] = _mm512_loadu_ps(sp + p * PANEL + h * 16);
+        bs[h] = bp ? _mm512_maskz_loadu_ps(mk[h], bp + p * PANEL + h * 16) : _mm512_setzero_ps();
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < nkb; ++kb) {
+          const int8_t* bt = b + kb * 16 * PANEL * 4;
+          _tile_loadd(6, bt, PANEL * 4);
+          _tile_loadd(7, bt + 64, PANEL * 4);
+          _tile_loadd(4, hp + m0 * Kq + kb * 64, Kq);
+          _tile_loadd(5, lp + m0 * Kq + kb * 64, Kq);
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbssd(1, 4, 7);
+          _tile_dpbssd(2, 5, 6);
+          _tile_dpbssd(3, 5, 7);
+        }
+        _tile_stored(0, ct, 64);
+        _tile_stored(1, ct + 256, 64);
+        _tile_stored(2, ct + 512, 64);
+        _tile_stored(3, ct + 768, 64);
+        for (int64_t i = 0; i < std::min<int64_t>(16, M - m0); ++i) {
+          const __m512 sh = _mm512_set1_ps(a.s[m0 + i]), sl = _mm512_set1_ps(a.s[m0 + i] / 254.f);
+          float* yi = yp + (m0 + i) * n + p * PANEL;
+          for (int h = 0; h < 2; ++h) {
+            if (!mk[h]) continue;
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_loadu_si512(ct + h * 256 + i * 16));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_loadu_si512(ct + 512 + h * 256 + i * 16));
+            const __m512 v = _mm512_fmadd_ps(_mm512_fmadd_ps(hi, sh, _mm512_mul_ps(lo, sl)), cs[h], bs[h]);
+            _mm512_mask_storeu_ps(yi + h * 16, mk[h], v);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+  return y.view(out_sizes).to(x.scalar_type());
+}
+
+// One int8 and one bf16 tile multiply on known values, checked against plain loops:
+// [permission granted, int8 correct, bf16 correct].  Traps (SIGILL) where the CPU or VM does
+// not run tile instructions: kernels/amx_probe.py calls it only in a child process.
+at::Tensor probe() {
+  at::Tensor out = at::zeros({3}, at::kLong);
+  auto o = out.data_ptr<int64_t>();
+  o[0] = request_tiles();
+  if (!o[0]) return out;
+  _tile_loadconfig(&kConfig);
+  alignas(64) int8_t a8[16 * 64], b8[16 * 64];
+  alignas(64) int32_t c32[16 * 16];
+  alignas(64) uint16_t a16[16 * 32], b16[16 * 32];
+  alignas(64) float cf[16 * 16];
+  for (int i = 0; i < 16 * 64; ++i) {
+    a8[i] = static_cast<int8_t>((i * 7) % 23 - 11);
+    b8[i] = static_cast<int8_t>((i * 5) % 19 - 9);
+  }
+  for (int i = 0; i < 16 * 32; ++i) {
+    const float fa = static_cast<float>((i * 3) % 17 - 8), fb = static_cast<float>((i * 11) % 13 - 6);
+    uint32_t ua, ub;
+    std::memcpy(&ua, &fa, 4);
+    std::memcpy(&ub, &fb, 4);
+    a16[i] = static_cast<uint16_t>(ua >> 16);
+    b16[i] = static_cast<uint16_t>(ub >> 16);
+  }
+  _tile_zero(0);
+  _tile_loadd(4, a8, 64);
+  _tile_loadd(6, b8, 64);
+  _tile_dpbssd(0, 4, 6);
+  _tile_stored(0, c32, 64);
+  _tile_zero(1);
+  _tile_loadd(5, a16, 64);
+  _tile_loadd(7, b16, 64);
+  _tile_dpbf16ps(1, 5, 7);
+  _tile_stored(1, cf, 64);
+  _tile_release();
+  bool ok8 = true, ok16 = true;
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 16; ++j) {
+      int32_t s = 0;
+      float f = 0;
+      for (int k = 0; k < 64; ++k) s += a8[i * 64 + k] * b8[(k / 4) * 64 + j * 4 + k % 4];
+      for (int k = 0; k < 32; ++k)
+        f += static_cast<float>((i * 32 + k) * 3 % 17 - 8) *
+             static_cast<float>(((k / 2) * 32 + j * 2 + k % 2) * 11 % 13 - 6);
+      ok8 = ok8 && s == c32[i * 16 + j];
+      ok16 = ok16 && f == cf[i * 16 + j];
+    }
+  o[1] = ok8;
+  o[2] = ok16;
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenloom_amx, m) {
+  m.def("linear_bf16(Tensor x, Tensor weight_packed, int n, Tensor? bias) -> Tensor");
+  m.def("linear_int8(Tensor x, Tensor qweight, Tensor scales, int n, Tensor? bias) -> Tensor");
+  m.def("linear_int8_tiles(Tensor x, Tensor qweight, Tensor scales, int n, Tensor? bias) -> Tensor");
+  m.def("linear_int4(Tensor x, Tensor qweight, Tensor scales, int n, int group, Tensor? bias) -> Tensor");
+  m.def("probe() -> Tensor", &probe);
+}
+
+TORCH_LIBRARY_IMPL(tokenloom_amx, CPU, m) {
+  m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_int8", &linear_int8);
+  m.impl("linear_int8_tiles", &linear_int8_tiles);
+  m.impl("linear_int4", &linear_int4);
+}
