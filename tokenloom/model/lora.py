@@ -218,7 +218,14 @@ def apply_for(name: str | None, device: torch.device, dtype: torch.dtype) -> App
         op = cpu_kernels.lora_op(device, dtype)
         if op is None:
             raise ValueError("the LoRA backend 'cpu' needs our CPU kernels built, on a CPU, in float32 or bfloat16")
-        return op
+
+        def apply_cpu(y, x, a, bt, subs, rank, rows) -> None:
+            if y.stride(1) != 1 or y.dtype != x.dtype:  # an output the kernel does not take: PyTorch's
+                apply_torch(y, x, a, bt, subs, rank, rows)
+            else:
+                op(y, x, a, bt, subs, rank, rows)
+
+        return apply_cpu
     return apply_torch
 
 
