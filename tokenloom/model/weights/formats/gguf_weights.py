@@ -83,7 +83,7 @@ def _row_order(arch: str, hf: str, a: ModelArgs) -> torch.Tensor | None:
 # The loader's placement of a checkpoint name: (our parameter, which part of a fused one) or None,
 # and a fused parameter's rows of part i (model/weights/loader.py `_target`, `_shard_bounds`).
 Place = Callable[[str, ModelArgs], "tuple[str, int | None] | None"]
-Bounds = Callable[[str, int, ModelArgs], "tuple[int, int]"]
+Bounds = Callable[[str, int, ModelArgs, int], "tuple[int, int]"]  # (name, part, args, rows in all)
 
 
 def load_gguf_weights(path: Path, model: CausalLM, a: ModelArgs, params: dict[str, torch.nn.Parameter],
@@ -138,7 +138,7 @@ def _fill_dense(p: torch.nn.Parameter, pname: str, idx: int | None, t: GGUFTenso
             raise ValueError(f"GGUF tensor {t.name}: shape {tuple(w.shape)} != expected {tuple(p.shape)}")
         p.data = w.to(device)
         return
-    lo, hi = bounds(pname, idx, a)
+    lo, hi = bounds(pname, idx, a, p.shape[0])
     if tuple(w.shape) != (hi - lo, *p.shape[1:]):
         raise ValueError(f"GGUF tensor {t.name}: shape {tuple(w.shape)} != expected {(hi - lo, *p.shape[1:])}")
     if p.dtype != dtype:
