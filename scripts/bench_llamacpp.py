@@ -1,14 +1,18 @@
-"""Batch-1 decode step: llama.cpp (F32, BF16, Q8_0, Q4_0) against tokenloom (fp32, bf16, int8, int4).
+"""Decode step: llama.cpp (F32, BF16, Q8_0, Q4_0) against tokenloom (fp32, bf16, int8, int4), or
+one GGUF file in both engines.
 
     python scripts/bench_llamacpp.py [--model DIR] [--context 128] [--rounds 5] [--steps 8]
                                      [--threads 2] [--work DIR] [--json OUT.json]
                                      [--llama-variants F32,BF16,Q8_0,Q4_0] [--ours fp32,bf16,int8,int4]
+    python scripts/bench_llamacpp.py --same-gguf [Q4_0 | FILE.gguf] [--batch-sizes 1,16] [--pure] ...
 
 Not part of CI and not imported by the tests. What it does, each step skipped when already done:
 
-1. Installs llama.cpp's Python bindings if `import llama_cpp` fails: `pip install llama-cpp-python`
-   from its source distribution, which compiles llama.cpp with cmake; CMAKE_ARGS asks for a
-   native CPU build (takes several minutes on two cores).
+1. Installs llama.cpp's Python bindings if `import llama_cpp` fails: `pip install --target
+   WORK/site llama-cpp-python` from its source distribution, which compiles llama.cpp with
+   cmake (takes several minutes on two cores); CMAKE_ARGS names this CPU's features one by one,
+   AMX off (`cmake_args`).  WORK/site, not the running environment, receives it (and the
+   converter's sentencepiece), and goes on sys.path.
 2. Converts the checkpoint to GGUF with llama.cpp's own converter (`convert_hf_to_gguf.py` from
    the bindings' source distribution, `vendor/llama.cpp`, fetched with `pip download`): F32 and
    BF16 directly, Q8_0 and Q4_0 with llama.cpp's quantizer (`llama_cpp.llama_model_quantize`,
@@ -31,6 +35,19 @@ tokenloom at the same batch sizes, rounds alternating, and reports both builds.
 
 Without --model a random-weight Qwen2.5-0.5B-shaped checkpoint is made once (bf16,
 `make-model`, as bench_quant.py does).
+
+--same-gguf: one GGUF file, decoded by both engines -- tokenloom loading it itself
+(model/weights/formats/gguf.py: Q4_0 and Q8_0 blocks kept in our int4 / grouped-int8 kernels;
+activations and KV cache in bfloat16, `--gguf-dtype`), llama.cpp through its C API
+(`llama_decode` of one batch holding one new token of each of B sequences, as continuous
+batching feeds it; `LlamaBatchDecoder`).  The file is the checkpoint quantized by llama.cpp's
+quantizer to the type named (default Q4_0: every matrix Q4_0 except the tied embedding /
+output matrix, which llama.cpp keeps at more bits, Q8_0 where its rows are not whole 256-weight
+super-blocks; `--pure`: that one Q4_0 too), or a .gguf path.  For each batch size
+(--batch-sizes), both engines prefill B prompts of `context` tokens, then rounds alternate
+between them; per round each decodes `steps` steps and keeps its median step.  Printed: the
+median over rounds, tokens/s (B / step) and the ratio llama.cpp time / ours (above 1:
+tokenloom faster).
 """
 
 from __future__ import annotations
@@ -76,26 +93,42 @@ def cmake_args() -> str:
     return f"-DGGML_NATIVE=OFF {on} -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF {_COMMON_CMAKE}"
 
 
-def ensure_bindings() -> None:
-    """Import llama_cpp, building it from source with pip first if it is missing."""
+def site_dir(work: Path) -> Path:
+    """Where the bindings and the converter's extra packages are installed: WORK/site (on
+    sys.path from here on), never the running environment."""
+    site = work / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    if str(site) not in sys.path:
+        sys.path.insert(0, str(site))
+    return site
+
+
+def ensure_bindings(work: Path) -> None:
+    """Import llama_cpp, building it from source with pip (into `site_dir`) first if it is missing."""
+    site = site_dir(work)
     try:
         import llama_cpp  # noqa: F401
         return
-    except ImportError:
-        pass
+    except ImportError as e:
+        if e.name == "diskcache":  # built by an earlier run of this script that installed no dependencies
+            subprocess.run([sys.executable, "-m", "pip", "install", "--target", str(site), "--no-deps", "diskcache"],
+                           check=True)
+            import llama_cpp  # noqa: F401
+            return
     env = dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS") or cmake_args(),
                CMAKE_BUILD_PARALLEL_LEVEL=os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2)))
     print(f"building llama-cpp-python from source (CMAKE_ARGS={env['CMAKE_ARGS']!r}); this takes minutes", flush=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-binary", "llama-cpp-python", "llama-cpp-python"],
-                   env=env, check=True)
+    # --no-deps: its numpy and jinja2 are the environment's; diskcache, pure Python, goes beside it
+    subprocess.run([sys.executable, "-m", "pip", "install", "--target", str(site), "--no-deps", "--no-binary",
+                    "llama-cpp-python", "llama-cpp-python==0.3.36", "diskcache"], env=env, check=True)
     import llama_cpp  # noqa: F401
 
 
-def ensure_converter_deps() -> None:
+def ensure_converter_deps(work: Path) -> None:
     """The converter imports sentencepiece (even for BPE tokenizers) and reads safetensors."""
     missing = [m for m in ("sentencepiece", "safetensors") if importlib.util.find_spec(m) is None]
     if missing:
-        subprocess.run([sys.executable, "-m", "pip", "install", *missing], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--target", str(site_dir(work)), *missing], check=True)
 
 
 def llama_cpp_source(work: Path) -> Path:
@@ -149,9 +182,12 @@ conv.main()
 """
 
 
-def convert(model: Path, src: Path, out: Path, outtype: str) -> None:
+def convert(model: Path, src: Path, out: Path, outtype: str, site: Path | None = None) -> None:
+    """llama.cpp's converter on `model`; `site`: where `ensure_converter_deps` put its packages."""
+    paths = (str(site) if site else None, os.environ.get("PYTHONPATH"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     subprocess.run([sys.executable, "-c", _CONVERT, str(src), str(model), "--outfile", str(out),
-                    "--outtype", outtype], check=True)
+                    "--outtype", outtype], check=True, env=env)
 
 
 def quantize(inp: Path, out: Path, ftype_name: str, threads: int, pure: bool) -> None:
@@ -172,7 +208,7 @@ def quantize(inp: Path, out: Path, ftype_name: str, threads: int, pure: bool) ->
 def gguf_files(model: Path, work: Path, variants: list[str], threads: int, pure: bool) -> dict[str, Path]:
     """GGUF file per llama.cpp variant, converted once per checkpoint directory."""
     src = llama_cpp_source(work)
-    ensure_converter_deps()
+    ensure_converter_deps(work)
     out_dir = work / "gguf" / model.resolve().name
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {v: out_dir / f"model-{v}{'-pure' if pure and v not in ('F32', 'BF16') else ''}.gguf" for v in variants}
@@ -181,10 +217,10 @@ def gguf_files(model: Path, work: Path, variants: list[str], threads: int, pure:
         if files[v].exists():
             continue
         if v in ("F32", "BF16"):
-            convert(model, src, files[v], v.lower())
+            convert(model, src, files[v], v.lower(), site_dir(work))
         else:  # quantized by llama.cpp's own quantizer, from full precision
             if not f32.exists():
-                convert(model, src, f32, "f32")
+                convert(model, src, f32, "f32", site_dir(work))
             quantize(f32, files[v], v, threads, pure)
         print(f"wrote {files[v]} ({files[v].stat().st_size / 1e6:.0f} MB)", flush=True)
     return files
@@ -216,6 +252,126 @@ class LlamaDecoder:
 
     def time_steps(self, steps: int) -> float:
         return statistics.median(self.decode_one() for _ in range(steps))
+
+
+_QUIET = []
+
+
+def _quiet_log():
+    """A llama.cpp log callback that drops every line (kept alive here: C holds only its pointer)."""
+    import llama_cpp as L
+
+    if not _QUIET:
+        _QUIET.append(L.llama_log_callback(lambda level, text, user_data: None))
+    return _QUIET[0]
+
+
+class LlamaBatchDecoder:
+    """One llama.cpp context decoding `batch` sequences greedily, through the C API: each step is
+    one `llama_decode` of a batch holding the next token of every sequence (the step timed), then
+    each sequence's argmax (not timed).  Prompts are prefilled one sequence per call, untimed."""
+
+    def __init__(self, path: Path, prompts: list[list[int]], n_ctx_seq: int, threads: int) -> None:
+        import llama_cpp as L
+        import numpy as np
+
+        self.L, self._np, self.n = L, np, len(prompts)
+        L.llama_log_set(_quiet_log(), ctypes.c_void_p(0))  # as Llama(verbose=False): no load chatter
+        L.llama_backend_init()
+        self.model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        cp = L.llama_context_default_params()
+        cp.n_ctx = n_ctx_seq * self.n
+        cp.n_batch = cp.n_ubatch = max(512, max(map(len, prompts)))
+        cp.n_seq_max = self.n
+        cp.n_threads = cp.n_threads_batch = threads
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError("llama_init_from_model failed")
+        self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.batch = L.llama_batch_init(cp.n_batch, 0, self.n)
+        self.pos = [0] * self.n
+        self.next = [0] * self.n
+        for i, p in enumerate(prompts):
+            self._fill([(i, t, j == len(p) - 1) for j, t in enumerate(p)])
+            self._decode()
+            self.next[i] = self._argmax(len(p) - 1)
+        self.decode_one()  # the first batched step warms up
+
+    def _fill(self, items: list[tuple[int, int, bool]]) -> None:
+        b = self.batch
+        b.n_tokens = len(items)
+        for k, (seq, tok, logits) in enumerate(items):
+            b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = tok, self.pos[seq], 1, logits
+            b.seq_id[k][0] = seq
+            self.pos[seq] += 1
+
+    def _decode(self) -> None:
+        rc = self.L.llama_decode(self.ctx, self.batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def _argmax(self, k: int) -> int:
+        logits = self._np.ctypeslib.as_array(self.L.llama_get_logits_ith(self.ctx, k), shape=(self.vocab,))
+        return int(logits.argmax())
+
+    def decode_one(self) -> float:
+        self._fill([(i, self.next[i], True) for i in range(self.n)])
+        t0 = time.perf_counter()
+        self._decode()
+        dt = time.perf_counter() - t0
+        self.next = [self._argmax(i) for i in range(self.n)]
+        return dt
+
+    def time_steps(self, steps: int) -> float:
+        return statistics.median(self.decode_one() for _ in range(steps))
+
+    def close(self) -> None:
+        self.L.llama_batch_free(self.batch)
+        self.L.llama_free(self.ctx)
+        self.L.llama_model_free(self.model)
+
+
+def same_gguf(path: Path, batches: list[int], context: int, rounds: int, steps: int, threads: int,
+              dtype: str) -> dict:
+    """One GGUF file in both engines, batch by batch, rounds alternating (see the module doc)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    total = rounds * steps + 8
+    out: dict = {"gguf": str(path), "gguf_mb": path.stat().st_size / 1e6, "context": context, "rounds": rounds,
+                 "steps": steps, "threads": threads, "tokenloom_dtype": dtype, "batches": {}}
+    for b in batches:
+        prompts = [[5 + (i * 7 + j * 13) % 3000 for j in range(context)] for i in range(b)]  # bench_quant.prefilled's
+        theirs = LlamaBatchDecoder(path, prompts, context + total + 16, threads)
+        ours = bench_quant.prefilled(path, b, context, total, dtype=dtype)
+        times: dict[str, list[float]] = {"llama.cpp": [], "tokenloom": []}
+        for r in range(rounds):
+            time.sleep(0.05)
+            times["llama.cpp"].append(theirs.time_steps(steps))
+            time.sleep(0.05)
+            times["tokenloom"].append(bench_quant.time_steps(ours, steps))
+            print(f"batch {b} round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in times.items()),
+                  flush=True)
+        theirs.close()
+        del ours
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        out["batches"][str(b)] = {"median_ms": med, "rounds_ms": {k: [x * 1e3 for x in v] for k, v in times.items()},
+                                  "tokens_per_s": {k: b / (v / 1e3) for k, v in med.items()},
+                                  "llama_over_tokenloom": med["llama.cpp"] / med["tokenloom"]}
+    return out
+
+
+def print_same_gguf(res: dict) -> None:
+    print(f"\n{res['gguf']} ({res['gguf_mb']:.0f} MB), context ~{res['context']}, {res['threads']} threads, "
+          f"median decode step over {res['rounds']} alternating rounds of {res['steps']} steps")
+    print("| batch | llama.cpp ms (tok/s) | tokenloom ms (tok/s) | llama.cpp / tokenloom |\n|---|---|---|---|")
+    for b, r in res["batches"].items():
+        m, tps = r["median_ms"], r["tokens_per_s"]
+        print(f"| {b} | {m['llama.cpp']:.1f} ({tps['llama.cpp']:.0f}) | {m['tokenloom']:.1f} ({tps['tokenloom']:.0f}) "
+              f"| {r['llama_over_tokenloom']:.2f}x |")
+    print("(ratio > 1: tokenloom's step is faster)")
 
 
 def run(model: Path, work: Path, llama_variants: list[str], ours: list[str], context: int, rounds: int,
@@ -347,11 +503,14 @@ def main() -> None:
     ap.add_argument("--ours", default="fp32,bf16,int8,int4")
     ap.add_argument("--pure", action="store_true", help="llama.cpp's quantizer keeps no tensor at more bits")
     ap.add_argument("--json", default=None, help="result file (default: WORK/result.json)")
+    ap.add_argument("--same-gguf", default=None, metavar="TYPE|FILE",
+                    help="one GGUF file in both engines: the checkpoint quantized to TYPE (e.g. Q4_0), or FILE.gguf")
+    ap.add_argument("--gguf-dtype", default="bfloat16", help="with --same-gguf: tokenloom's --dtype")
     ap.add_argument("--native", default=None, metavar="LLAMA_CPP_SOURCE",
                     help="build llama.cpp's own binaries from this source tree (noamx and amx builds) "
                          "instead of the Python bindings; batch sizes from --batch-sizes")
     ap.add_argument("--builds", default="noamx,amx", help="with --native: which builds")
-    ap.add_argument("--batch-sizes", default="1,16", help="with --native: decode batch sizes")
+    ap.add_argument("--batch-sizes", default="1,16", help="with --native or --same-gguf: decode batch sizes")
     a = ap.parse_args()
     if a.native:
         work = Path(a.work)
@@ -364,12 +523,21 @@ def main() -> None:
         out.write_text(json.dumps(res, indent=2))
         print(f"wrote {out}")
         return
-    ensure_bindings()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    res = run(bench_quant.model_dir(a.model), work, a.llama_variants.split(","), a.ours.split(","), a.context,
-              a.rounds, a.steps, a.threads, a.pure)
-    print_table(res)
+    ensure_bindings(work)
+    if a.same_gguf:
+        if a.same_gguf.endswith(".gguf"):
+            path = Path(a.same_gguf)
+        else:
+            path = gguf_files(bench_quant.model_dir(a.model), work, [a.same_gguf], a.threads, a.pure)[a.same_gguf]
+        res = same_gguf(path, [int(b) for b in a.batch_sizes.split(",")], a.context, a.rounds, a.steps, a.threads,
+                        a.gguf_dtype)
+        print_same_gguf(res)
+    else:
+        res = run(bench_quant.model_dir(a.model), work, a.llama_variants.split(","), a.ours.split(","), a.context,
+                  a.rounds, a.steps, a.threads, a.pure)
+        print_table(res)
     out = Path(a.json) if a.json else work / "result.json"
     out.write_text(json.dumps(res, indent=2))
     print(f"wrote {out}")

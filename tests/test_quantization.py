@@ -68,11 +68,11 @@ def test_kernel_builds_where_the_cpu_has_the_instructions(monkeypatch):
     monkeypatch.delenv("TOKENLOOM_CPU_QUANT", raising=False)
     cpu_kernels.quant_ops.cache_clear()
     ops = cpu_kernels.quant_ops()
-    if {"avx2", "fma"} | VNNI <= flags:
+    if {"avx2", "fma", "f16c"} | VNNI <= flags:
         assert ops is torch.ops.tokenloom_q512v
-    elif {"avx2", "fma"} | AVX512 <= flags:
+    elif {"avx2", "fma", "f16c"} | AVX512 <= flags:
         assert ops is torch.ops.tokenloom_q512
-    elif {"avx2", "fma"} <= flags:
+    elif {"avx2", "fma", "f16c"} <= flags:
         assert ops is torch.ops.tokenloom_q256
     else:
         assert ops is None
@@ -203,10 +203,10 @@ def test_tied_head_rows_read_back_from_the_panels(kernel_build, name):
 # ---------------------------------------------------------------- the engine
 
 
-def _fake_quantized_hf(path, name: str):
-    """transformers' model with each matmul weight replaced by its dequantized quantization
-    (the tied embedding too; an untied input embedding is only gathered and stays as is)."""
-    hf = _hf(path)
+def _fake_quantized_hf(path, name: str, load=_hf):
+    """transformers' model (`load(path)`) with each matmul weight replaced by its dequantized
+    quantization (the tied embedding too; an untied input embedding is only gathered and stays as is)."""
+    hf = load(path)
     scheme = parse_scheme(name)
     with torch.no_grad():
         for mod in hf.modules():

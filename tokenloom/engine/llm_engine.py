@@ -60,8 +60,8 @@ from tokenloom.engine.request_kinds import beam_search_group, check_beam_search,
 from tokenloom.model.hf_config import model_args_fields
 from tokenloom.model.backends import plan_for_args
 from tokenloom.model.weights.formats import describe_prequantized
-from tokenloom.model.weights.loader import (load_config, load_eos_token_ids, load_model, resolve_device,
-                                            resolve_dtype, resolve_model_path)
+from tokenloom.model.weights.loader import (load_config, load_eos_token_ids, load_model, load_tokenizer,
+                                            resolve_device, resolve_dtype, resolve_model_path)
 from tokenloom.model.lora import LoRAAdapter, LoRASlots
 from tokenloom.model.pooling_config import PoolingConfig, read_pooling_config
 from tokenloom.model.registry import is_headless, resolve_architecture
@@ -182,9 +182,7 @@ class LLMEngine:
         self.max_model_len = c.max_model_len
         self.scheduler_config = c.scheduler
 
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(c.tokenizer, revision=c.revision)
+        self.tokenizer = load_tokenizer(c.tokenizer, revision=c.revision)  # a GGUF file's from its metadata
         if c.chat_template:
             tpl = c.chat_template
             if os.path.exists(tpl):

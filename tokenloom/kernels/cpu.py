@@ -51,6 +51,7 @@ from __future__ import annotations
 import functools
 import os
 
+import numpy as np
 import torch
 
 from tokenloom.kernels import hugepages
@@ -171,7 +172,7 @@ def quant_ops():
     builds or `TOKENLOOM_CPU_QUANT=0`."""
     choice = os.environ.get("TOKENLOOM_CPU_QUANT", "auto")
     flags = _cpu_flags()
-    if choice == "0" or not {"avx2", "fma"} <= flags:
+    if choice == "0" or not {"avx2", "fma", "f16c"} <= flags:  # F16C: float16 group scales (GGUF)
         return None
     avx512 = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]
     if choice == "auto" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"} <= flags:
@@ -180,7 +181,7 @@ def quant_ops():
     if choice in ("auto", "avx512") and {"avx512f", "avx512bw", "avx512vl"} <= flags:
         if _build("tokenloom_cpu_quant512", ["cpu_gemm_quant.cpp"], avx512):
             return _register_fake_quant("tokenloom_q512")
-    if _build("tokenloom_cpu_quant256", ["cpu_gemm_quant.cpp"], ["-mavx2", "-mfma"]):
+    if _build("tokenloom_cpu_quant256", ["cpu_gemm_quant.cpp"], ["-mavx2", "-mfma", "-mf16c"]):
         return _register_fake_quant("tokenloom_q256")
     return None
 
@@ -191,6 +192,10 @@ def _register_fake_quant(ns: str):
         return x.new_empty((*x.shape[:-1], n))
 
     @torch.library.register_fake(f"{ns}::linear_int4")
+    def _(x, qweight, scales, n, group, bias):
+        return x.new_empty((*x.shape[:-1], n))
+
+    @torch.library.register_fake(f"{ns}::linear_int8_group")
     def _(x, qweight, scales, n, group, bias):
         return x.new_empty((*x.shape[:-1], n))
 
@@ -223,9 +228,10 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor, quads: bool = False) -> tupl
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int4 values q [N, Kp] (int8 in -8..7) and scales [N, Kp/G] -> ([P, Kp, 16] uint8, byte c
-    of panel p at k = (q[32p + c, k] + 8) | (q[32p + 16 + c, k] + 8) << 4; scales [P, Kp/G, 32] in
-    their own dtype: bf16 ours), P = ceil(N/32).  Padded columns are 0 with scale 0."""
+    """int4 values q [N, Kp] (int8 in -8..7) and bf16 or fp16 scales [N, Kp/G] -> ([P, Kp, 16] uint8,
+    byte c of panel p at k = (q[32p + c, k] + 8) | (q[32p + 16 + c, k] + 8) << 4; scales
+    [P, Kp/G, 32] in their dtype: `pack_group_scales`), P = ceil(N/32).  Padded columns are 0
+    with scale 0."""
     n, kp = q.shape
     p = -(-n // WIDE)
     u = torch.full((p * WIDE, kp), 8, dtype=torch.uint8)
@@ -233,9 +239,38 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch
     u = u.view(p, 2, WIDE // 2, kp)
     nib = (u[:, 0] | (u[:, 1] << 4)).transpose(1, 2)  # [P, Kp, 16]
     packed = hugepages.empty((p, kp, WIDE // 2), torch.uint8).copy_(nib)
-    s = torch.zeros((p * WIDE, scale.shape[1]), dtype=scale.dtype)
-    s[:n] = scale
-    return packed, s.view(p, WIDE, -1).transpose(1, 2).contiguous()
+    return packed, pack_group_scales(scale)
+
+
+def pack_int4_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """int4 weights [N, K] given as blocks of 32 along K, uint8 [N, K/32, 16] -- byte j of a block
+    holds element j in its low nibble and element j + 16 in its high one, each q + 8 (a GGUF Q4_0
+    block without its scale) -> the panels `pack_int4` makes of the same values, [ceil(N/32), K, 16],
+    by a few byte operations on the blocks (no int8 copy of the weights on the way; in numpy,
+    whose byte operations on these strided views ran 20x faster than PyTorch's here)."""
+    n, nb, _ = blocks.shape
+    p = -(-n // WIDE)
+    if p * WIDE != n:  # padded columns: q = 0 (0x88: both nibbles 8)
+        blocks = torch.cat([blocks, blocks.new_full((p * WIDE - n, nb, 16), 0x88)])
+    b = blocks.contiguous().numpy().reshape(p, 2, WIDE // 2, nb, 16)
+    x, y = b[:, 0], b[:, 1]  # columns c and c + 16 of each panel: [P, 16 (c), nb, 16 (j)]
+    out = hugepages.empty((p, nb * 32, WIDE // 2), torch.uint8)
+    halves = out.numpy().reshape(p, nb, 2, 16, WIDE // 2)  # k = 32 block + 16 half + j; shares out's memory
+    halves[:, :, 0] = ((x & 15) | ((y & 15) << 4)).transpose(0, 2, 3, 1)  # elements j: low nibbles
+    halves[:, :, 1] = ((x >> 4) | (y & 0xF0)).transpose(0, 2, 3, 1)  # elements j + 16: high nibbles
+    return out
+
+
+def pack_group_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Group scales [N, Kp/G] (bfloat16 or float16, kept as they are) -> [ceil(N/32), Kp/G, 32]:
+    a panel's 32 columns of one group side by side, the layout the grouped kernels load."""
+    n, groups = scale.shape
+    p = -(-n // WIDE)
+    bits = scale.contiguous().view(torch.int16).numpy()  # numpy has no bfloat16: move the 16 bits
+    out = np.zeros((p * WIDE, groups), dtype=np.int16)
+    out[:n] = bits
+    packed = np.ascontiguousarray(out.reshape(p, WIDE, groups).transpose(0, 2, 1))
+    return torch.from_numpy(packed).view(scale.dtype)
 
 
 def preferred(device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,5 +1,6 @@
 // Weight-only quantized GEMM for x86 CPUs: y[M, N] = x[M, K] * dequant(W)[N, K]^T (+ bias),
-// W in int8 (one scale per output column) or int4 (one scale per group of G k per column).
+// W in int8 (one scale per output column, or one per group of G k per column) or int4 (one scale
+// per group of G k per column).
 //
 // Decode at small batch is bound by the bytes of weights it reads (the seed: each step reads
 // the whole model), so storing 8 or 4 bits per weight instead of 16 is what makes it faster;
@@ -10,7 +11,13 @@
 //   int8  [P, K, 32] int8; scales [P * 32] float32:  w[32p + c, k] = q[p, k, c] * s[32p + c]
 //         (the VNNI build: [P, K / 4, 32, 4] k-quads,  w[32p + c, k] = q[p, k / 4, c, k % 4] * s)
 //   int4  [P, Kp, 16] uint8, low nibble column c, high nibble column c + 16 (biased by 8);
-//         scales [P, Kp / G, 32] bfloat16:           w[32p + c, k] = (nib - 8) * s[p, k / G, c]
+//         scales [P, Kp / G, 32] bfloat16 or float16: w[32p + c, k] = (nib - 8) * s[p, k / G, c]
+//   int8 in groups (`linear_int8_group`): the int8 panels above, scales as int4's:
+//                                                     w[32p + c, k] = q[.., k, c] * s[p, k / G, c]
+//
+// Group scales come in bfloat16 (our own int4) or float16 (GGUF's Q4_0 and Q8_0 blocks, kept
+// exactly as the file stores them: float16 has three more mantissa bits than bfloat16); either
+// is widened to float32 as it is loaded, so both cost the same 16 bits per group.
 //
 // Two ways through a panel, chosen by the row count:
 // * few rows (decode): each k's 32 weights are widened to float32 in registers and used at
@@ -69,6 +76,8 @@ inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vload_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+// float16 -> float32 of 16 scales.
+inline vf vload_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 // 32 int8 weights of one k -> 2 vectors of their integer values.
 inline void widen_int8(const int8_t* src, vf* out) {
   out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)src)));
@@ -97,6 +106,7 @@ inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vload_bf16(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
+inline vf vload_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }  // F16C
 inline __m128i load8(const void* p) { return _mm_loadl_epi64((const __m128i*)p); }
 inline void widen_int8(const int8_t* src, vf* out) {
   for (int j = 0; j < 4; ++j) out[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(src + 8 * j)));
@@ -113,6 +123,13 @@ inline void widen_int4(const uint8_t* src, vf* out) {
 #endif
 
 constexpr int NV = W / VL;  // vectors per k of a panel
+
+// One group's scales of VL columns, float16 (`F16`) or bfloat16, as float32.
+template <bool F16>
+inline vf vload_scales(const uint16_t* p) {
+  if constexpr (F16) return vload_f16(p);
+  else return vload_bf16(p);
+}
 
 // Weight sources: `get(k, out)` gives the 32 weights of block offset k as float32, times the
 // scales unless the source defers them (`kScale`): 0 = none, 1 = per column (applied to the
@@ -133,17 +150,11 @@ struct BufSource {
   }
 };
 
-// int8 weights of one panel from k0 on: q as float32; the column scales come after the sum.
+// int8 weights of one panel from k0 on: q as float32.
 // In k-quads on the VNNI build ([.., 32, 4]: the layout its integer path reads), else k-major
 // ([.., 32]); 32 bytes a k either way.
-struct Int8Source {
-  static constexpr int kScale = 1;
+struct Int8Stream {
   const int8_t* q;  // panel's k0 row (k0 a multiple of 4 in quads)
-  vf s[NV];
-  Int8Source(const int8_t* q_, const float* scales) : q(q_) {
-    for (int j = 0; j < NV; ++j) s[j] = vload(scales + j * VL);
-  }
-  void group(int64_t) {}
   // The stream ahead of the weights of k .. k + n - 1 (panel_linear.h).
   void prefetch(int64_t k, int64_t n) const { tokenloom::prefetch_stream(q + k * W, n * W); }
 #ifdef TOKENLOOM_QUANT_VNNI
@@ -161,8 +172,34 @@ struct Int8Source {
 #endif
 };
 
+// int8 with one scale per column: the column scales come after the sum.
+struct Int8Source : Int8Stream {
+  static constexpr int kScale = 1;
+  vf s[NV];
+  Int8Source(const int8_t* q_, const float* scales) : Int8Stream{q_} {
+    for (int j = 0; j < NV; ++j) s[j] = vload(scales + j * VL);
+  }
+  void group(int64_t) {}
+};
+
+// int8 with one scale per group of G k per column (float16 or bfloat16, k0 a multiple of G):
+// the group's scales multiply each group's sums.
+template <bool F16>
+struct Int8GroupSource : Int8Stream {
+  static constexpr int kScale = 2;
+  const uint16_t* sc;  // panel's scales from k0's group: [.., 32]
+  int64_t G;
+  vf s[NV];
+  Int8GroupSource(const int8_t* q_, const uint16_t* sc_, int64_t G_) : Int8Stream{q_}, sc(sc_), G(G_) {}
+  void group(int64_t k) {
+    const uint16_t* g = sc + (k / G) * W;
+    for (int j = 0; j < NV; ++j) s[j] = vload_scales<F16>(g + j * VL);
+  }
+};
+
 // int4 weights of one panel from k0 on (k0 a multiple of G): nib - 8; the group's scales
-// multiply each group's sums.
+// (float16 or bfloat16) multiply each group's sums.
+template <bool F16>
 struct Int4Source {
   static constexpr int kScale = 2;
   const uint8_t* q;      // panel's k0 row: [.., 16]
@@ -171,7 +208,7 @@ struct Int4Source {
   vf s[NV];
   void group(int64_t k) {
     const uint16_t* g = sc + (k / G) * W;
-    for (int j = 0; j < NV; ++j) s[j] = vload_bf16(g + j * VL);
+    for (int j = 0; j < NV; ++j) s[j] = vload_scales<F16>(g + j * VL);
   }
   void prefetch(int64_t k, int64_t n) const { tokenloom::prefetch_stream(q + k * (W / 2), n * (W / 2)); }
   void get(int64_t k, vf* out) const { widen_int4(q + k * (W / 2), out); }
@@ -270,22 +307,30 @@ void dequant_block(Src& src, int64_t kc, int64_t G, float* buf) {
 }
 
 #ifdef TOKENLOOM_QUANT_VNNI
-// int8 k-quads (kc a multiple of 4): one load gives four k of 16 columns, each k's byte shifted
-// to the top of its lane and back down by immediate shifts (a shift by a register count costs
-// two instructions; `Int8Source::get` pays it once per k).
-inline void dequant_block(Int8Source& src, int64_t kc, int64_t, float* buf) {
-  for (int64_t k = 0; k < kc; k += 4) {
-    src.prefetch(k, 4);
-    for (int j = 0; j < NV; ++j) {
-      const __m512i v = _mm512_loadu_si512(src.q + k * W + 64 * j);
-      float* b = buf + k * W + j * VL;
-      vstore(b, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24)));
-      vstore(b + W, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24)));
-      vstore(b + 2 * W, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 8), 24)));
-      vstore(b + 3 * W, _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24)));
+// int8 k-quads (kc and G multiples of 4): one load gives four k of 16 columns, each k's byte
+// shifted to the top of its lane and back down by immediate shifts (a shift by a register count
+// costs two instructions; `Int8Stream::get` pays it once per k); group scales (kScale 2) applied.
+template <typename Src>
+inline void dequant_quads(Src& src, int64_t kc, int64_t G, float* buf) {
+  for (int64_t g0 = 0; g0 < kc; g0 += G) {
+    src.group(g0);
+    for (int64_t k = g0; k < std::min(kc, g0 + G); k += 4) {
+      src.prefetch(k, 4);
+      for (int j = 0; j < NV; ++j) {
+        const __m512i v = _mm512_loadu_si512(src.q + k * W + 64 * j);
+        float* b = buf + k * W + j * VL;
+        vf w[4] = {_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24)),
+                   _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24)),
+                   _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 8), 24)),
+                   _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24))};
+        for (int t = 0; t < 4; ++t) vstore(b + t * W, Src::kScale == 2 ? vmul(w[t], src.s[j]) : w[t]);
+      }
     }
   }
 }
+inline void dequant_block(Int8Source& src, int64_t kc, int64_t, float* buf) { dequant_quads(src, kc, kc, buf); }
+template <bool F16>
+inline void dequant_block(Int8GroupSource<F16>& src, int64_t kc, int64_t G, float* buf) { dequant_quads(src, kc, G, buf); }
 #endif
 
 // The GEMM over panels; `make(p, k0)` is a weight source for panel p from k0 on.  y is
@@ -405,8 +450,8 @@ c10::optional<at::Tensor> decode_vnni(const at::Tensor& x, int64_t Kp, int64_t P
 }
 #endif
 
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t n,
-                       const c10::optional<at::Tensor>& bias) {
+// The int8 panels' K (padded to whole quads on the VNNI build) and count, after checking their layout.
+std::pair<int64_t, int64_t> int8_panels(const at::Tensor& x, const at::Tensor& qweight) {
   TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "quantized linear runs on CPU");
 #ifdef TOKENLOOM_QUANT_VNNI
   TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 4 && qweight.size(2) == W &&
@@ -420,6 +465,24 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t P = qweight.size(0), K = qweight.size(1);
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
 #endif
+  return {K, P};
+}
+
+// Group scales [P, Kp / group, 32] in float16 or bfloat16: whether float16.
+bool check_group_scales(const at::Tensor& scales, int64_t P, int64_t Kp, int64_t group) {
+  TORCH_CHECK(group > 0 && KC % group == 0, "group must divide ", KC);
+  TORCH_CHECK(Kp % group == 0, "packed k must be a multiple of the group");
+  TORCH_CHECK((scales.scalar_type() == at::kBFloat16 || scales.scalar_type() == at::kHalf) && scales.dim() == 3 &&
+                  scales.size(0) == P && scales.size(1) == Kp / group && scales.size(2) == W,
+              "group scales: bfloat16 or float16 [P, Kp / group, 32]");
+  return scales.scalar_type() == at::kHalf;
+}
+
+const uint16_t* scale_bits(const at::Tensor& s) { return reinterpret_cast<const uint16_t*>(s.data_ptr()); }
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t n,
+                       const c10::optional<at::Tensor>& bias) {
+  const auto [K, P] = int8_panels(x, qweight);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == P * W, "int8 scales: float32 [P * 32]");
   TORCH_CHECK(P * W >= n, "n exceeds the packed panels");
   const auto q = qweight.contiguous();
@@ -429,8 +492,8 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
 #ifdef TOKENLOOM_QUANT_VNNI
   auto y = decode_vnni(x, K, P, n, bias, [&](int64_t p, const tokenloom::vnni::Limbs& xl, int64_t M, auto* yp,
                                             int64_t ldy, int64_t ncols, const float* bp) {
-    tokenloom::vnni::panel(xl, M, tokenloom::vnni::Int8Quad(qp + p * K * W), K, K, sp + p * W, nullptr, yp, ldy,
-                           ncols, bp);
+    tokenloom::vnni::panel<false>(xl, M, tokenloom::vnni::Int8Quad(qp + p * K * W), K, K, sp + p * W, nullptr, yp,
+                                  ldy, ncols, bp);
   });
   if (y.has_value()) return *y;
 #endif
@@ -442,36 +505,59 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
   return finish(c, x, n);
 }
 
-at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t n,
-                       int64_t group, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "quantized linear runs on CPU");
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 3 && qweight.size(2) == W / 2,
-              "int4 weight must be packed as [P, Kp, 16] uint8");
-  TORCH_CHECK(group > 0 && KC % group == 0, "int4 group must divide ", KC);
-  const int64_t P = qweight.size(0), Kp = qweight.size(1);
-  TORCH_CHECK(Kp % group == 0, "packed k must be a multiple of the group");
-  TORCH_CHECK(x.size(-1) <= Kp && x.size(-1) > Kp - group, "x has ", x.size(-1), " features, the weight ", Kp);
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == P &&
-                  scales.size(1) == Kp / group && scales.size(2) == W,
-              "int4 scales: bfloat16 [P, Kp / group, 32]");
+template <bool F16>
+at::Tensor int8_group(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t K, int64_t P, int64_t n,
+                      int64_t group, const c10::optional<at::Tensor>& bias) {
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const uint16_t* sp = scale_bits(s);
+  const int64_t ng = K / group;
+#ifdef TOKENLOOM_QUANT_VNNI
+  auto y = decode_vnni(x, K, P, n, bias, [&](int64_t p, const tokenloom::vnni::Limbs& xl, int64_t M, auto* yp,
+                                            int64_t ldy, int64_t ncols, const float* bp) {
+    tokenloom::vnni::panel<F16>(xl, M, tokenloom::vnni::Int8Quad(qp + p * K * W), K, group, nullptr,
+                                sp + p * ng * W, yp, ldy, ncols, bp);
+  });
+  if (y.has_value()) return *y;
+#endif
+  Call c = begin(x, K, P, bias);
+  if (c.M > 0) {
+    gemm(c.x2.data_ptr<float>(), c.M, K, P, group, c.bias_ptr, c.y.data_ptr<float>(), [&](int64_t p, int64_t k0) {
+      return Int8GroupSource<F16>(qp + (p * K + k0) * W, sp + (p * ng + k0 / group) * W, group);
+    });
+  }
+  return finish(c, x, n);
+}
+
+// int8 weights with one scale per group of `group` k per column (GGUF's Q8_0 blocks).
+at::Tensor linear_int8_group(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t n,
+                             int64_t group, const c10::optional<at::Tensor>& bias) {
+  const auto [K, P] = int8_panels(x, qweight);
+  TORCH_CHECK(x.size(-1) == K, "grouped int8: x has ", x.size(-1), " features, the weight ", K);
+  const bool f16 = check_group_scales(scales, P, K, group);
   TORCH_CHECK(P * W >= n, "n exceeds the packed panels");
   const auto q = qweight.contiguous();
   const auto s = scales.contiguous();
+  return f16 ? int8_group<true>(x, q, s, K, P, n, group, bias) : int8_group<false>(x, q, s, K, P, n, group, bias);
+}
+
+template <bool F16>
+at::Tensor int4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t Kp, int64_t P, int64_t n,
+                int64_t group, const c10::optional<at::Tensor>& bias) {
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>());
+  const uint16_t* sp = scale_bits(s);
   const int64_t ng = Kp / group;
 #ifdef TOKENLOOM_QUANT_VNNI
   auto y = decode_vnni(x, Kp, P, n, bias, [&](int64_t p, const tokenloom::vnni::Limbs& xl, int64_t M, auto* yp,
                                              int64_t ldy, int64_t ncols, const float* bp) {
-    tokenloom::vnni::panel(xl, M, tokenloom::vnni::Int4Quad(qp + p * Kp * (W / 2)), Kp, group, nullptr,
-                           sp + p * ng * W, yp, ldy, ncols, bp);
+    tokenloom::vnni::panel<F16>(xl, M, tokenloom::vnni::Int4Quad(qp + p * Kp * (W / 2)), Kp, group, nullptr,
+                                sp + p * ng * W, yp, ldy, ncols, bp);
   });
   if (y.has_value()) return *y;
 #endif
   Call c = begin(x, Kp, P, bias);
   if (c.M > 0) {
     gemm(c.x2.data_ptr<float>(), c.M, Kp, P, group, c.bias_ptr, c.y.data_ptr<float>(), [&](int64_t p, int64_t k0) {
-      Int4Source src;
+      Int4Source<F16> src;
       src.q = qp + (p * Kp + k0) * (W / 2);
       src.sc = sp + (p * ng + k0 / group) * W;
       src.G = group;
@@ -479,6 +565,20 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
     });
   }
   return finish(c, x, n);
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t n,
+                       int64_t group, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "quantized linear runs on CPU");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 3 && qweight.size(2) == W / 2,
+              "int4 weight must be packed as [P, Kp, 16] uint8");
+  const int64_t P = qweight.size(0), Kp = qweight.size(1);
+  const bool f16 = check_group_scales(scales, P, Kp, group);
+  TORCH_CHECK(x.size(-1) <= Kp && x.size(-1) > Kp - group, "x has ", x.size(-1), " features, the weight ", Kp);
+  TORCH_CHECK(P * W >= n, "n exceeds the packed panels");
+  const auto q = qweight.contiguous();
+  const auto s = scales.contiguous();
+  return f16 ? int4<true>(x, q, s, Kp, P, n, group, bias) : int4<false>(x, q, s, Kp, P, n, group, bias);
 }
 
 }  // namespace
@@ -496,9 +596,11 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
 TOKENLOOM_LIB(TOKENLOOM_QNS, m) {
   m.def("linear_int8(Tensor x, Tensor qweight, Tensor scales, int n, Tensor? bias) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor qweight, Tensor scales, int n, int group, Tensor? bias) -> Tensor");
+  m.def("linear_int8_group(Tensor x, Tensor qweight, Tensor scales, int n, int group, Tensor? bias) -> Tensor");
 }
 
 TOKENLOOM_LIB_IMPL(TOKENLOOM_QNS, CPU, m) {
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
+  m.impl("linear_int8_group", &linear_int8_group);
 }

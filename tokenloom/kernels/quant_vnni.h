@@ -165,10 +165,18 @@ struct Int4Quad {
   }
 };
 
+// 16 group scales as float32: float16 (`F16`, GGUF's blocks) or bfloat16.
+template <bool F16>
+inline __m512 load_scales16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (F16) return _mm512_cvtph_ps(h);
+  else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // y[row0 .. row0+R, one panel] = x . panel over all K (+ bias).  Weight scales: `col_scales`
-// (int8: one per column, applied at the end) or `group_scales` (int4: bfloat16 [K / G, 32],
-// applied to each group's sums).
-template <int R, typename Quad, typename Out>
+// (int8: one per column, applied at the end) or `group_scales` (int4, grouped int8: bfloat16
+// or, with `F16`, float16 [K / G, 32], applied to each group's sums).
+template <int R, bool F16, typename Quad, typename Out>
 inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int64_t G, const float* col_scales,
                   const uint16_t* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
   const __m512 c1 = _mm512_set1_ps(1.0f / 128), c2 = _mm512_set1_ps(1.0f / 16384);
@@ -213,8 +221,7 @@ inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int
     if (group_scales) {
       const uint16_t* gs = group_scales + (g0 / G) * kPanel;
       for (int j = 0; j < 2; ++j) {
-        const __m512 s = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gs + 16 * j))), 16));
+        const __m512 s = load_scales16<F16>(gs + 16 * j);
         for (int i = 0; i < R; ++i) tot[i][j] = _mm512_fmadd_ps(gacc[i][j], s, tot[i][j]);
       }
     } else {
@@ -234,15 +241,15 @@ inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int
 // weights; each pass over the panel's weights loads and permutes them again, so fewer passes is
 // faster: a 5-row verifying step as 4 + 1 rows, not 2 + 2 + 1), then the 1-3 left:
 // y[0:M, 0:ncols] with row stride ldy.
-template <typename Quad, typename Out>
+template <bool F16, typename Quad, typename Out>
 inline void panel(const Limbs& xl, int64_t M, const Quad& src, int64_t K, int64_t G, const float* col_scales,
                   const uint16_t* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) micro<4>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
+  for (; m + 4 <= M; m += 4) micro<4, F16>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
   switch (M - m) {
-    case 3: return micro<3>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
-    case 2: return micro<2>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
-    case 1: return micro<1>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
+    case 3: return micro<3, F16>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
+    case 2: return micro<2, F16>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
+    case 1: return micro<1, F16>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
     default: return;
   }
 }

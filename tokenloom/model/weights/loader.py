@@ -6,6 +6,10 @@ and fuses q/k/v and gate/up projections while copying, so each decode step reads
 weight matrix exactly once (decode at small batch is bound by weight bytes read).  Phi-3
 checkpoints store them fused already (`qkv_proj`, `gate_up_proj`, in the same order) and
 load as they are; Gemma's RMSNorm weights are stored as offsets from 1 and load as 1 + w.
+
+A GGUF file (or a directory holding one and no config.json) is the other kind of model path:
+its metadata stands in for config.json and the tokenizer files, and its tensors load through
+model/weights/formats/gguf_weights.py (Q4_0 / Q8_0 blocks kept in our kernels' layouts).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from safetensors import safe_open
 from tokenloom.config import BackendPlan
 from tokenloom.model.llama import CausalLM, ModelArgs
 from tokenloom.model.weights.formats import describe_prequantized, open_reader
+from tokenloom.model.weights.formats.gguf import gguf_path
 from tokenloom.model.weights.parallel import TPGroup, shard_model
 from tokenloom.model.registry import is_headless, resolve_architecture
 from tokenloom.kernels import glibc_heap
@@ -34,14 +39,18 @@ _DTYPES = {
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> Path:
-    """A local directory as is; anything else is treated as a hub id and downloaded."""
+    """A local directory as is, a GGUF file (or a directory holding one GGUF file and no
+    config.json) as that file; anything else is treated as a hub id and downloaded."""
     p = Path(model).expanduser()
+    gguf = gguf_path(p)
+    if gguf is not None:
+        return gguf
     if p.is_dir():
         if not (p / "config.json").exists():
-            raise FileNotFoundError(f"{p} has no config.json; is it a Hugging Face model directory?")
+            raise FileNotFoundError(f"{p} has no config.json (nor a .gguf file); is it a Hugging Face model directory?")
         return p
     if p.exists() or model.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model path {model!r} is not a directory")
+        raise FileNotFoundError(f"model path {model!r} is not a directory nor a .gguf file")
     from huggingface_hub import snapshot_download  # only needed for hub ids
 
     local = snapshot_download(
@@ -53,8 +62,25 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
 
 
 def load_config(path: Path) -> dict:
+    if gguf_path(path) is not None:
+        from tokenloom.model.weights.formats.gguf import read_config
+
+        return read_config(gguf_path(path))
     with open(path / "config.json") as f:
         return json.load(f)
+
+
+def load_tokenizer(name: str, revision: str | None = None):
+    """transformers' tokenizer for a model directory, hub id or tokenizer directory -- for a
+    GGUF file, the one it describes in its metadata."""
+    gguf = gguf_path(Path(name).expanduser())
+    if gguf is not None:
+        from tokenloom.model.weights.formats.gguf import load_tokenizer as gguf_tokenizer
+
+        return gguf_tokenizer(gguf)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name, revision=revision)
 
 
 def resolve_dtype(dtype: str, cfg: dict, device: torch.device) -> torch.dtype:
@@ -236,7 +262,8 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
                                 tensor_parallel_size=tp.size if tp is not None else 1,
                                 prequantized=describe_prequantized(cfg))
     tdtype = getattr(torch, plan.dtype)
-    files = _weight_files(path)
+    gguf = gguf_path(path)
+    files = [] if gguf is not None else _weight_files(path)
     with torch.device("meta"):
         model = CausalLM(a, max_positions)
     # a checkpoint quantized by GPTQ / AWQ / compressed-tensors: its quantized layers (formats/)
@@ -251,6 +278,15 @@ def load_model(path: Path, dtype: str, device: torch.device, max_positions: int,
     filled: dict[str, int] = {}  # checkpoint tensors copied into each parameter of ours
     whole: set[str] = set()  # our linears the checkpoint stores fused already (Phi-3): one tensor each
     with torch.no_grad():
+        if gguf is not None:
+            if tp is not None and tp.size > 1:
+                raise ValueError("--tensor-parallel-size > 1 does not load GGUF checkpoints yet")
+            from tokenloom.model.weights.formats.gguf_weights import load_gguf_weights
+            from tokenloom.model.weights.quantization import kernels_available
+
+            load_gguf_weights(gguf, model, a, params, filled, tdtype, device,
+                              kernels=plan.linear != "torch" and kernels_available(device), place=_target,
+                              bounds=_shard_bounds)
         for f in files:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 names = list(sf.keys())

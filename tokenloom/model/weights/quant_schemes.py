@@ -6,6 +6,8 @@ model's bytes the same way the engine stores them (model/weights/quantization.py
 * `int8`: one int8 per weight, one float32 scale per output row.
 * `int4`: 4 bits per weight, one bfloat16 scale per group of 32 along K (K padded to whole
   groups): 4.5 bits per weight.  `int4-g128`: groups of 128, 4.125 bits.
+* int8 with a group (GGUF's Q8_0, read from the file, never a `--quantization` choice): one
+  int8 per weight and one 16-bit scale per group of 32 along K, 8.5 bits per weight.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ class QuantScheme:
 
     def matrix_bytes(self, n: int, k: int) -> int:
         """Bytes of an [n, k] weight matrix, scales included."""
-        if self.bits == 8:
+        if self.bits == 8 and not self.group:
             return n * k + 4 * n
         groups = -(-k // self.group)
-        return n * groups * (self.group // 2 + 2)
+        return n * groups * (self.group * self.bits // 8 + 2)
 
     def bytes_per_weight(self, k: int) -> float:
         """Storage per weight of a row of `k` inputs, scales included."""

@@ -23,6 +23,11 @@ Two ways to multiply, chosen once at load (model/weights/loader.py):
 
 A tied embedding / LM head is quantized once and shared: the head streams it, the embedding
 lookup dequantizes only the rows it gathers (`QuantEmbedding`).  Figures: docs/quantization.md.
+
+Weights that arrive already quantized (a GGUF file's Q4_0 / Q8_0 blocks: model/weights/formats/)
+enter through `from_quantized` with their own integers and scales, which are never rounded again:
+int4 in groups of 32 with float16 scales, and int8 in groups of 32 with float16 scales (an int8
+`QuantScheme` with a group), both run by the same kernel.
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def dequantize_int8(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] from int8 q [N, K] and scales: one per row [N], or one per group [N, K / G]."""
+    if s.dim() == 2:
+        n, k = q.shape
+        return (q.float().view(n, s.shape[1], -1) * s.float()[..., None]).view(n, k)
     return q.float() * s.float()[:, None]
 
 
@@ -116,18 +125,28 @@ class QuantizedMatrix(nn.Module):
         return next(self.buffers()).device
 
 
+def quantize(weight: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our own quantization of a float weight: (q, scales) as `QuantizedMatrix.from_quantized` takes them."""
+    if scheme.bits == 8:
+        if scheme.group:
+            raise ValueError(f"{scheme.name}: grouped int8 is read from a checkpoint, not computed at load")
+        return quantize_int8(weight)
+    return quantize_int4(weight, scheme.group)
+
+
 class TorchQuantized(QuantizedMatrix):
     """The generic path: int8 [N, K] or nibbles [N, Kp / 2], dequantized by PyTorch ops each call."""
 
     def __init__(self, weight: torch.Tensor, scheme: QuantScheme):
         super().__init__()
-        q, s = quantize_int8(weight) if scheme.bits == 8 else quantize_int4(weight, scheme.group)
+        q, s = quantize(weight, scheme)
         self._store(q.to(weight.device), s.to(weight.device), scheme, weight.shape[1])
 
     @classmethod
     def from_quantized(cls, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme, in_features: int) -> "TorchQuantized":
         """An already quantized matrix (a checkpoint's, model/weights/formats/): q and s as
-        `quantize_int8` / `quantize_int4` return them; int4 scales in any float dtype."""
+        `quantize_int8` / `quantize_int4` return them -- or, for an int8 scheme with a group (GGUF's
+        Q8_0), scales [N, K / G] -- kept as they are; group scales in any float dtype."""
         m = cls.__new__(cls)
         QuantizedMatrix.__init__(m)
         m._store(q, s, scheme, in_features)
@@ -157,20 +176,36 @@ class TorchQuantized(QuantizedMatrix):
 
 
 class PanelQuantized(QuantizedMatrix):
-    """Our CPU kernel's layout (kernels/cpu.py `pack_int8` / `pack_int4`)."""
+    """Our CPU kernel's layout (kernels/cpu.py `pack_int8` / `pack_int4` / `pack_group_scales`)."""
 
     def __init__(self, weight: torch.Tensor, scheme: QuantScheme):
         super().__init__()
-        q, s = quantize_int8(weight) if scheme.bits == 8 else quantize_int4(weight, scheme.group)
+        q, s = quantize(weight, scheme)
         self._store(q, s, scheme, weight.shape[1])
 
     @classmethod
     def from_quantized(cls, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme, in_features: int) -> "PanelQuantized":
-        """An already quantized matrix (a checkpoint's, model/weights/formats/): q and s as
-        `quantize_int8` / `quantize_int4` return them (int4 scales in a dtype the kernel takes)."""
+        """An already quantized matrix (a checkpoint's, model/weights/formats/): as
+        `TorchQuantized.from_quantized`, group scales in bfloat16 or float16 (what the kernel takes)."""
         m = cls.__new__(cls)
         QuantizedMatrix.__init__(m)
         m._store(q, s, scheme, in_features)
+        return m
+
+    @classmethod
+    def from_int4_blocks(cls, blocks: torch.Tensor, s: torch.Tensor, scheme: QuantScheme) -> "PanelQuantized":
+        """int4 with group-32 scales s [N, K / 32], the integers given as blocks of 32 nibbles
+        (kernels/cpu.py `pack_int4_blocks`: GGUF's Q4_0 layout), packed from the bytes directly."""
+        from tokenloom.kernels import amx as amx_kernels
+        from tokenloom.kernels import cpu as cpu_kernels
+
+        assert scheme.bits == 4 and scheme.group == 32, scheme
+        m = cls.__new__(cls)
+        QuantizedMatrix.__init__(m)
+        m.out_features, m.in_features, m.scheme = blocks.shape[0], blocks.shape[1] * 32, scheme
+        m._op = amx_kernels.with_amx("int4", cpu_kernels.quant_ops().linear_int4)  # float16 scales: AMX reads them
+        m.register_buffer("qweight", cpu_kernels.pack_int4_blocks(blocks), persistent=False)
+        m.register_buffer("scales", cpu_kernels.pack_group_scales(s), persistent=False)
         return m
 
     def _store(self, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme, in_features: int) -> None:
@@ -181,9 +216,13 @@ class PanelQuantized(QuantizedMatrix):
         self.scheme = scheme
         ops = cpu_kernels.quant_ops()
         assert ops is not None, "our quantized CPU kernel is not available here"
-        if scheme.bits == 8:
+        if scheme.bits == 8 and not scheme.group:
             packed, s = cpu_kernels.pack_int8(q, s, quads=cpu_kernels.int8_quads())
             self._op = amx_kernels.with_amx("int8", ops.linear_int8)
+        elif scheme.bits == 8:  # groups (GGUF's Q8_0): our kernel alone, no AMX kernel reads them
+            packed, _ = cpu_kernels.pack_int8(q, torch.zeros(q.shape[0]), quads=cpu_kernels.int8_quads())
+            s = cpu_kernels.pack_group_scales(s)
+            self._op = ops.linear_int8_group
         else:
             packed, s = cpu_kernels.pack_int4(q, s)
             amx_ok = scheme.group % 32 == 0 and s.dtype in (torch.bfloat16, torch.float16)
@@ -192,13 +231,11 @@ class PanelQuantized(QuantizedMatrix):
         self.register_buffer("scales", s, persistent=False)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.scheme.bits == 8:
-            return self._op(x, self.qweight, self.scales, self.out_features, bias)
-        return self._op(x, self.qweight, self.scales, self.out_features, self.scheme.group, bias)
+        return self.matmul_function(bias)(x)
 
     def matmul_function(self, bias: torch.Tensor | None):
         op, q, s, n, g = self._op, self.qweight, self.scales, self.out_features, self.scheme.group
-        if self.scheme.bits == 8:
+        if self.scheme.bits == 8 and not g:
             return lambda x: op(x, q, s, n, bias)
         return lambda x: op(x, q, s, n, g, bias)
 
@@ -207,8 +244,11 @@ class PanelQuantized(QuantizedMatrix):
         p, c = ids // w, ids % w
         if self.scheme.bits == 8:
             q = self.qweight[p, :, c]  # [..., K] k-major, or [..., K / 4, 4] in k-quads
-            q = q.reshape(*ids.shape, -1)[..., : self.in_features]
-            return q.float() * self.scales[ids].float()[..., None]
+            q = q.reshape(*ids.shape, -1)[..., : self.in_features].float()
+            if not self.scheme.group:
+                return q * self.scales[ids].float()[..., None]
+            s = self.scales[p, :, c].float()  # [..., K / G]
+            return (q.unflatten(-1, (s.shape[-1], -1)) * s[..., None]).flatten(-2)
         b = self.qweight[p, :, c % (w // 2)]  # [..., Kp]
         nib = torch.where((c >= w // 2)[..., None], b >> 4, b & 15).to(torch.int8) - 8
         s = self.scales[p, :, c].float()  # [..., Kp / G]
