@@ -212,6 +212,8 @@ def _runtime_rules_hold(srv: ThreadedServer, label: str, body: object) -> bool:
     max_tokens = body.get("max_completion_tokens") if chat else None
     if max_tokens is None:
         max_tokens = body.get("max_tokens", None if chat else 16)
+    if chat and (body.get("tools") or body.get("tool_choice") not in (None, "none")):
+        return False  # the tools' rules (a function's shape, unique names, forced calls): tests/test_tool_calls.py
     if not chat and max_tokens == 0 and not body.get("echo"):
         return False
     if not chat and body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
