@@ -20,6 +20,25 @@ def make_tiny_model(out: Path) -> Path:
     return make_model("tiny-llama", out)
 
 
+def make_tiny_adapter(base: Path, out: Path, seed: int = 0, rank: int = 4) -> Path:
+    """A LoRA adapter of `base` made and saved by peft, on every projection, lora_B drawn
+    non-zero (peft starts it at zero) so that it changes what the model says."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    return out
+
+
 def copy_without_chat_template(src: Path, dst: Path) -> Path:
     """The same model with the chat template removed from tokenizer_config.json."""
     shutil.copytree(src, dst)

@@ -9,8 +9,9 @@ limit the server enforces is in the document (openapi_doc / openapi_limits, per 
 vocabulary, max_model_len, --max-n, ...).  What no JSON Schema can state is the short list of
 runtime rules the document itself carries (`openapi_limits.RUNTIME_RULES`): valid requests
 are generated to respect them, each rule checked here by its own oracle (the tokenizer, the
-grammar compiler, the chat template), never by asking the route under test.  The server runs
-with a short context and small `n`, so a fuzzed generation request stays cheap.  A second
+grammar compiler, the chat template, the LoRA adapter reader), never by asking the route under
+test.  The server runs with a short context and small `n`, so a fuzzed generation request stays
+cheap, and with LoRA on (one adapter served), so the adapter routes are fuzzed too.  A second
 server runs `--runner pooling` on a sentence-transformers model (matryoshka, so `dimensions`
 has values to take): its document lists /v1/embeddings instead of the generation routes, and
 is held to what it accepts the same way.
@@ -36,7 +37,7 @@ schemathesis = pytest.importorskip("schemathesis")  # a test extra; CI installs 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 
-from server_fixtures import ThreadedServer, make_tiny_model, metric, wait_until  # noqa: E402
+from server_fixtures import ThreadedServer, make_tiny_adapter, make_tiny_model, metric, wait_until  # noqa: E402
 from st_models import make_st_model  # noqa: E402
 from tokenloom.bench.launcher import free_port  # noqa: E402
 
@@ -47,9 +48,11 @@ MAX_MODEL_LEN = 64
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = make_tiny_model(tmp_path_factory.mktemp("fuzz") / "tiny")
+    adapter = make_tiny_adapter(model, tmp_path_factory.mktemp("fuzz-lora") / "tiny-lora")
     srv = ThreadedServer([str(model), "--port", str(free_port()), "--max-model-len", str(MAX_MODEL_LEN),
                           "--num-kv-blocks", "96", "--max-num-seqs", "16", "--max-n", "2", "--seed", "0",
-                          "--served-model-name", "tiny", "--log-level", "critical", "--disable-access-log"]).start()
+                          "--served-model-name", "tiny", "--log-level", "critical", "--disable-access-log",
+                          "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"tiny-lora={adapter}"]).start()
     yield srv
     srv.stop()
 
@@ -126,6 +129,23 @@ def _prompt_lengths(srv: ThreadedServer, body: dict) -> list[int] | None:
     return [len(tok.encode(p, add_special_tokens=special)) if isinstance(p, str) else len(p) for p in prompts]
 
 
+def _adapter_runs(srv: ThreadedServer, body: object) -> bool:
+    """Runtime rule of POST /v1/load_lora_adapter (its schema's description): an adapter found
+    at lora_path must be one this server runs -- asked of the adapter reader, not the route.
+    (No adapter there is a 404 and a taken name a 409, both statuses a valid request may get.)"""
+    from tokenloom.model.weights.peft_lora import CONFIG_FILE
+    from tokenloom.request import LoRARequest
+
+    path = body.get("lora_path") if isinstance(body, dict) else None
+    try:
+        if not isinstance(path, str) or not (Path(path).expanduser() / CONFIG_FILE).is_file():
+            return True
+        srv.engine.engine.load_lora(LoRARequest("oracle", 1, path))
+    except (RuntimeError, ValueError, OSError):
+        return False
+    return True
+
+
 def _responses_messages(body: dict) -> list[dict] | None:
     """The chat messages a Responses body stands for, as docs/responses.md maps them (the
     oracle for the prompt-length rule): None where the input holds no message."""
@@ -176,6 +196,8 @@ def _responses_rules_hold(srv: ThreadedServer, body: dict) -> bool:
 def _runtime_rules_hold(srv: ThreadedServer, label: str, body: object) -> bool:
     """Whether a schema-valid body also keeps `openapi_limits.RUNTIME_RULES` (which the
     document states but JSON Schema cannot): only such bodies must be accepted."""
+    if label == "POST /v1/load_lora_adapter":
+        return _adapter_runs(srv, body)
     if label == "POST /v1/embeddings" and isinstance(body, dict):  # EMBEDDING_RULES: every input fits
         inputs = body["input"]
         inputs = [inputs] if isinstance(inputs, str) or (inputs and isinstance(inputs[0], (int, float))) else inputs
@@ -190,6 +212,8 @@ def _runtime_rules_hold(srv: ThreadedServer, label: str, body: object) -> bool:
     max_tokens = body.get("max_completion_tokens") if chat else None
     if max_tokens is None:
         max_tokens = body.get("max_tokens", None if chat else 16)
+    if chat and (body.get("tools") or body.get("tool_choice") not in (None, "none")):
+        return False  # the tools' rules (a function's shape, unique names, forced calls): tests/test_tool_calls.py
     if not chat and max_tokens == 0 and not body.get("echo"):
         return False
     if not chat and body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
@@ -205,7 +229,8 @@ def _runtime_rules_hold(srv: ThreadedServer, label: str, body: object) -> bool:
 def test_openapi_document_is_what_the_server_accepts(server):
     _fuzz(server, {"POST /v1/completions", "POST /v1/chat/completions", "GET /health", "GET /v1/models/{model_id}",
                    "GET /tokenizer_info", "POST /v1/responses", "GET /v1/responses/{response_id}",
-                   "DELETE /v1/responses/{response_id}"}, absent={"POST /v1/embeddings"})
+                   "DELETE /v1/responses/{response_id}", "POST /v1/load_lora_adapter",
+                   "POST /v1/unload_lora_adapter"}, absent={"POST /v1/embeddings"})
 
 
 def test_pooling_server_document_is_what_it_accepts(pooling_server):

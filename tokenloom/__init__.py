@@ -29,6 +29,7 @@ _EXPORTS = {
     "StepEvent": "tokenloom.core.events",
     "StepEntry": "tokenloom.core.events",
     "LLMEngine": "tokenloom.engine.llm_engine",
+    "LoRARequest": "tokenloom.request",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -48,4 +49,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from tokenloom.outputs import (BeamSearchOutput, CompletionOutput, EmbeddingRequestOutput, Logprob,
                                    RequestMetrics, RequestOutput)
     from tokenloom.pooling_params import PoolingParams
+    from tokenloom.request import LoRARequest
     from tokenloom.sampling_params import BeamSearchParams, SamplingParams

@@ -66,6 +66,10 @@ class EngineArgs:
     speculative_config: dict | str | None = None
     tensor_parallel_size: int = 1  # ranks that each hold 1/N of every layer (model/weights/parallel.py)
     distributed_init_port: int | None = None  # the group's rendezvous port (default: a free one)
+    # LoRA adapters (docs/lora.md): requests pick one (LoRARequest) and share steps with the base
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters one step may mix (their weight slots)
+    max_lora_rank: int = 16  # the largest adapter rank the slots take
     num_threads: int | None = None
     chat_template: str | None = None
     revision: str | None = None
@@ -115,6 +119,13 @@ class EngineArgs:
                        help="split every layer over N processes (torch.distributed: gloo on CPU, NCCL on GPUs)")
         g.add_argument("--distributed-init-port", type=int, default=None,
                        help="rendezvous port of the tensor-parallel group (default: a free one)")
+        g.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters (peft's format) beside the base model: requests pick one by "
+                            "name, and requests on different adapters share steps (docs/lora.md)")
+        g.add_argument("--max-loras", type=int, default=1,
+                       help="how many different adapters one step may run (each takes a weight slot)")
+        g.add_argument("--max-lora-rank", type=int, default=16,
+                       help="the largest adapter rank accepted; every slot is this wide")
         g.add_argument("--enforce-eager", action="store_true",
                        help="run decode steps eagerly (no CUDA graphs)")
         g.add_argument("--async-scheduling", action="store_true",
@@ -174,12 +185,15 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    max_loras: int = 0  # distinct LoRA adapters the running requests may use at once (0: no LoRA, no limit)
     # A request that grows past this many tokens is recomputed from scratch once, at that
     # step: the model rotates whole sequences differently beyond it (Phi-3's LongRoPE), so
     # the K/V cached before no longer hold.  None: never.
     recompute_past: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_loras < 0:
+            raise ValueError("--max-loras must not be negative")
         if self.max_num_seqs < 1:
             raise ValueError("--max-num-seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
@@ -199,6 +213,25 @@ def default_max_num_batched_tokens(max_model_len: int, enable_chunked_prefill: b
     if enable_chunked_prefill:
         return 2048
     return max(max_model_len, 2048)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA serving (`--enable-lora`): `max_loras` adapters may run in one step, each in a
+    preallocated weight slot `max_lora_rank` wide (model/lora.py)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        for flag, v in (("--max-loras", self.max_loras), ("--max-lora-rank", self.max_lora_rank)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{flag} must be an integer >= 1, got {v!r}")
+
+    @classmethod
+    def from_args(cls, args: "EngineArgs") -> "LoRAConfig | None":
+        """The LoRA settings of `args`, None without --enable-lora."""
+        return cls(args.max_loras, args.max_lora_rank) if args.enable_lora else None
 
 
 # ---------------------------------------------------------------- resolving the settings
@@ -282,6 +315,7 @@ class BackendPlan:
     compile: bool  # torch.compile the forward
     cuda_graphs: bool  # decode-only steps replay CUDA graphs (runner/cuda_graphs.py)
     cuda_graphs_off: str | None = None  # why not, when not
+    lora: str | None = None  # cpu | torch: how LoRA adapters' deltas run (model/lora.py); None: no LoRA
     # layers whose attention the backend cannot run and the torch reference runs instead, and why
     attention_fallback: str | None = None
     # the checkpoint's own quantization (GPTQ, AWQ, compressed-tensors: model/weights/formats/), in words
@@ -298,7 +332,7 @@ class BackendPlan:
                 f"ops backend {self.ops}"
                 f"{', fused rotary + KV write' if self.fused_kv_write else ''}"
                 f"{', flat calls' if self.flat_calls else ''}{', torch.compile' if self.compile else ''}, "
-                f"{graphs}")
+                f"{graphs}{f', LoRA by {self.lora} ops' if self.lora else ''}")
 
 
 @dataclass(frozen=True)
@@ -332,6 +366,7 @@ class EngineConfig:
     # engine; None where nothing runs a model (sim, bench).  Not compared: two configs of the
     # same settings are equal whether or not a machine resolved them.
     backends: BackendPlan | None = dataclasses.field(default=None, compare=False)
+    lora: LoRAConfig | None = None  # --enable-lora: adapter slots and their width; None: no LoRA
 
     @property
     def max_num_seqs(self) -> int:
@@ -362,6 +397,7 @@ class EngineConfig:
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
         max_model_len = resolve_max_model_len(args.max_model_len, shape.max_position_embeddings)
+        lora = LoRAConfig.from_args(args)
         block_size = args.block_size
         if block_size < 1:
             raise ValueError("--block-size must be >= 1")
@@ -388,6 +424,7 @@ class EngineConfig:
             max_model_len=max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
             scheduling_policy=args.scheduling_policy,
+            max_loras=lora.max_loras if lora is not None else 0,
             # LongRoPE's second rotation only where a request can grow past its first one
             recompute_past=(shape.rope_long_from if shape.rope_long_from is not None
                             and shape.rope_long_from < max_model_len else None),
@@ -399,7 +436,7 @@ class EngineConfig:
             kv_blocks_from=source, scheduler=scheduler, enable_prefix_caching=args.enable_prefix_caching,
             attention_backend=args.attention_backend, ops_backend=args.ops_backend, compile=args.compile,
             enforce_eager=args.enforce_eager, num_threads=args.num_threads, chat_template=args.chat_template,
-            backends=backends,
+            backends=backends, lora=lora,
         )
 
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenloom.request import LoRARequest
+
+
 # One position's logprobs: token id -> Logprob (the sampled token is always included).
 @dataclass
 class Logprob:
@@ -71,6 +74,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine refused the request (LLM.generate keeps going)
+    lora_request: LoRARequest | None = None  # the LoRA adapter it ran with (None: the base model)
 
 
 # ---- embeddings (vLLM's EmbeddingRequestOutput shape) -------------------------------------

@@ -17,6 +17,31 @@ from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter to run a request with (vLLM's `LoRARequest(name, int_id, path)`).
+
+    `lora_name` is how clients know it (a server request's `model`); `lora_int_id`, a
+    positive id, is what the engine keys it by -- its prefix-cache chain and its weight
+    slot -- so one id must always mean one adapter; `lora_path` is the directory `peft`
+    saved (adapter_config.json + adapter_model.safetensors)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    base_model_name: str | None = None  # the model it adapts, as a server lists it (`parent`)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) \
+                or not 1 <= self.lora_int_id < 2**63:
+            raise ValueError(f"lora_int_id must be a positive 64-bit integer (0 means the base model), "
+                             f"got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise ValueError(f"lora_path must be the adapter's directory, got {self.lora_path!r}")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -44,6 +69,9 @@ class Request:
     priority: int = 0
     cache_salt: str | None = None
     grammar: Any = None  # structured output: its tokenloom.structured.GrammarState (None: unconstrained)
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
+    # that adapter's loaded weights (model/lora.py `LoRAAdapter`), set by the engine
+    lora_adapter: Any = field(default=None, repr=False)
     # An embedding request: prefill only; the runner pools its hidden states and it ends
     # when its prompt is computed (no token is sampled).
     pooling: PoolingParams | None = None
@@ -76,6 +104,11 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id; 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def samples_tokens(self) -> bool:

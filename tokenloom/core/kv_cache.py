@@ -8,7 +8,7 @@ needs a new block every `block_size` steps, and memory is never fragmented.
 
 Prefix caching: a *full* block is named by a key: a SHA-256 digest chained over
 (parent block key, its token ids), where the first block's parent is a root digest of
-the request's extra keys (its `cache_salt`).  One key therefore names the whole token
+the request's extra keys (its `cache_salt` and its LoRA adapter).  One key therefore names the whole token
 prefix up to the end of its block, so a lookup by key alone is exact: serving another
 prompt's KV would need a SHA-256 collision, not merely equal Python `hash()` values
 (which collide on demand: `hash(-1) == hash(-2)`, and are per-process under hash
@@ -59,16 +59,21 @@ class KVBlock:
     block_hash: BlockKey | None = None  # set once the block is full and computed
 
 
-def root_key(cache_salt: str | None, regime: int = 0) -> BlockKey:
+def root_key(cache_salt: str | None, regime: int = 0, lora_int_id: int = 0) -> BlockKey:
     """The parent key of a request's first block: a digest of its extra keys.
 
     Requests with different salts get unrelated chains, so they never share a block;
     no salt and the empty salt are kept apart by a one-byte tag.  `regime` (non-zero: a
     request long enough for the model's long-context rotation, whose K/V differ for the
-    same tokens) comes first under its own tag, so no salt can imitate it."""
+    same tokens) comes first under its own tag, so no salt can imitate it.  So does the
+    request's LoRA adapter (`lora_int_id`, 0: the base model): the same tokens under
+    another adapter have other K/V, every layer's projections differ.  The base model's
+    keys are those of an engine without LoRA."""
     h = hashlib.sha256(_KEY_DOMAIN)
     if regime:
         h.update(b"\x02" + regime.to_bytes(4, "little"))
+    if lora_int_id:
+        h.update(b"\x03" + lora_int_id.to_bytes(8, "little", signed=True))
     if cache_salt is not None:
         h.update(b"\x01" + cache_salt.encode("utf-8", "surrogatepass"))
     return h.digest()
@@ -211,7 +216,8 @@ class KVCacheManager:
         full = num_tokens // bs
         while len(req.block_hashes) < full:
             i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if req.block_hashes else root_key(req.cache_salt, self._regime(req))
+            parent = req.block_hashes[-1] if req.block_hashes else root_key(req.cache_salt, self._regime(req),
+                                                                            req.lora_int_id)
             req.block_hashes.append(hash_block(parent, req.token_slice(i * bs, (i + 1) * bs)))
 
     def _regime(self, req: Request) -> int:

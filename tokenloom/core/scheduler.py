@@ -272,11 +272,40 @@ class Scheduler:
         return True
 
     def _seat_resumed(self) -> None:
-        """Resumed requests that kept their blocks rejoin the batch while seats remain."""
+        """Resumed requests that kept their blocks rejoin the batch while seats remain (and
+        their LoRA adapter fits beside the running ones')."""
+        if not self.resumed:
+            return
         taken = self._seats_taken()
+        active = self._active_loras()
+        skipped: deque[Request] = deque()
         while self.resumed and taken + self.resumed[0].seats <= self.num_seats:
-            taken += self.resumed[0].seats
-            self.running.append(self.resumed.popleft())
+            req = self.resumed.popleft()
+            if not self._lora_fits(req, active):
+                skipped.append(req)
+                continue
+            taken += req.seats
+            self.running.append(req)
+        self.resumed.extendleft(reversed(skipped))
+
+    # ---- LoRA adapters -------------------------------------------------
+    def _active_loras(self) -> set[int]:
+        """The adapters the running requests use (none tracked without a --max-loras bound)."""
+        if not self.config.max_loras:
+            return set()
+        return {r.lora_int_id for r in self.running if r.lora_int_id}
+
+    def _lora_fits(self, req: Request, active: set[int]) -> bool:
+        """Whether `req` may join the running requests without more than --max-loras different
+        adapters among them (a step runs each adapter from one of that many weight slots);
+        adds its adapter to `active` when it may.  The base model takes no slot."""
+        lid = req.lora_int_id
+        if not lid or not self.config.max_loras or lid in active:
+            return True
+        if len(active) >= self.config.max_loras:
+            return False
+        active.add(lid)
+        return True
 
     def _seats_taken(self) -> int:
         """Seats the running requests hold (a beam search's unforked first beam holds several)."""
@@ -393,10 +422,17 @@ class Scheduler:
 
         # 2) waiting requests, in queue order, while budget and seats remain.
         #    Not in a step that had to preempt: memory is short, admitting more would thrash.
+        #    A request whose LoRA adapter would be one too many for --max-loras keeps its
+        #    place in the queue and is passed over until a running adapter is done.
         if not preempted:
             seats = self._seats_taken()
+            active = self._active_loras()
+            skipped: deque[Request] = deque()
             while self.waiting and budget > 0 and seats + self.waiting[0].seats <= self.num_seats:
                 req = self.waiting[0]
+                if not self._lora_fits(req, active):
+                    skipped.append(self.waiting.popleft())
+                    continue
                 hit = self.kv.find_cached_prefix(req)
                 cached_tokens = hit.num_tokens(self.kv.block_size)
                 remaining = req.num_tokens - cached_tokens
@@ -418,6 +454,7 @@ class Scheduler:
                 seats += req.seats
                 scheduled.append(self._make(req, cached_tokens, num_new))
                 budget -= num_new
+            self.waiting.extendleft(reversed(skipped))
 
         self.step_counter += 1
         return SchedulerOutput(

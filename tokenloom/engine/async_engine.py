@@ -54,6 +54,7 @@ from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.engine.metrics_observer import EngineMetrics
 from tokenloom.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenloom.pooling_params import PoolingParams
+from tokenloom.request import LoRARequest
 from tokenloom.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("tokenloom.async")
@@ -175,6 +176,8 @@ class _Add:
     priority: int
     cache_salt: str | None
     stream: RequestStream
+    lora_request: LoRARequest | None = None
+    lora_adapter: Any = None  # its weights, taken when the request was queued
 
 
 DEFAULT_MAX_FAILED_STEPS = 3
@@ -289,9 +292,16 @@ class AsyncLLMEngine:
     def add_request(self, request_id: str, prompt_text: str | None, prompt_ids: list[int],
                     params: SamplingParams | BeamSearchParams | PoolingParams,
                     *, arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> RequestStream:
-        """Queue an already validated request; returns its stream."""
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
+        """Queue an already validated request (on `lora_request`'s adapter, which must be
+        added to the engine: ValueError if it is not); returns its stream."""
         prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
+        adapter = None
+        if lora_request is not None:  # its weights now: an unload before the engine thread takes it fails nothing
+            held = self.engine.loras.get(lora_request.lora_int_id)
+            if held is None:
+                raise ValueError(f"LoRA adapter {lora_request.lora_name!r} is not loaded")
+            adapter = held[1]
         with self._inbox_lock:
             if not self.is_running:
                 raise EngineDeadError(self.dead_reason or "the engine is not running")
@@ -300,7 +310,7 @@ class AsyncLLMEngine:
             self._adds_submitted += 1
             self._inbox.put(_Add(request_id, prompt, params,
                                  time.perf_counter() if arrival_time is None else arrival_time,
-                                 priority, cache_salt, stream))
+                                 priority, cache_salt, stream, lora_request, adapter))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -437,7 +447,8 @@ class AsyncLLMEngine:
     def _apply_add(self, cmd: _Add) -> None:
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
-                                    priority=cmd.priority, cache_salt=cmd.cache_salt)
+                                    priority=cmd.priority, cache_salt=cmd.cache_salt,
+                                    lora_request=cmd.lora_request, lora_adapter=cmd.lora_adapter)
         except Exception as e:  # validated already, so a bug or a duplicate id: fail this request only
             if not isinstance(e, ValueError):
                 logger.exception("add_request(%s) failed", cmd.request_id)

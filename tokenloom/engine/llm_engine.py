@@ -46,7 +46,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from tokenloom.config import EngineArgs, EngineConfig, ModelShape, resolve_max_model_len, resolve_runner
+from tokenloom.config import (EngineArgs, EngineConfig, LoRAConfig, ModelShape, resolve_max_model_len,
+                              resolve_runner)
 from tokenloom.core.events import StepEvent
 from tokenloom.core.kv_cache import KVCacheManager
 from tokenloom.core.lookahead import schedule_ahead
@@ -61,11 +62,13 @@ from tokenloom.model.backends import plan_for_args
 from tokenloom.model.weights.formats import describe_prequantized
 from tokenloom.model.weights.loader import (load_config, load_eos_token_ids, load_model, load_tokenizer,
                                             resolve_device, resolve_dtype, resolve_model_path)
+from tokenloom.model.lora import LoRAAdapter, LoRASlots
 from tokenloom.model.pooling_config import PoolingConfig, read_pooling_config
 from tokenloom.model.registry import is_headless, resolve_architecture
+from tokenloom.model.weights.peft_lora import load_peft_adapter
 from tokenloom.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenloom.pooling_params import PoolingParams
-from tokenloom.request import Request, RequestStatus
+from tokenloom.request import LoRARequest, Request, RequestStatus
 from tokenloom.runner.model_runner import LaunchedStep, ModelRunner, RunnerOutput
 from tokenloom.runner.tp_worker import TPLauncher, launched_by_torchrun, run_worker, worker_spec
 from tokenloom.model.weights.parallel import check_split
@@ -110,6 +113,9 @@ class LLMEngine:
         # checked before anything loads: a bad speculative_config is a quick, clear error
         self.speculative_config = SpeculativeConfig.parse(args.speculative_config)
         check_async_scheduling(args, self.speculative_config)
+        self.lora_config = LoRAConfig.from_args(args)  # --enable-lora: adapter slots (same: checked first)
+        # loaded adapters by id: what requests run with (`add_lora`, or loaded on first use)
+        self.loras: dict[int, tuple[LoRARequest, LoRAAdapter]] = {}
         if args.model is None:
             from tokenloom.bundled import BUNDLED_MODEL_DIR, BUNDLED_MODEL_NAME
 
@@ -162,6 +168,10 @@ class LLMEngine:
         """Everything after the tensor-parallel group exists: the model, the config, the runner."""
         self.loaded = load_model(path, args.dtype, self.device, max_positions=max_positions, tp=tp, plan=self.backends)
         device = self.device
+        lora_slots = None
+        if self.lora_config is not None:  # allocated before the KV cache is sized from what memory is left
+            lc = self.lora_config
+            lora_slots = LoRASlots(self.loaded.args, lc.max_loras, lc.max_lora_rank, self.loaded.dtype, device)
         # Every default decided once (config.py); on CUDA the KV cache takes what the weights left free.
         self.config = EngineConfig.resolve(
             args, shape, model=str(path), model_name=str(self.model_name), device=str(device),
@@ -194,6 +204,7 @@ class LLMEngine:
         if self.tp_launcher:
             self.tp_launcher.send_runner_spec(c.num_kv_blocks, c.block_size, **runner_kwargs)
         self.runner = ModelRunner(self.loaded, c.num_kv_blocks, c.block_size, tp=tp, pooling=self.pooling_config,
+                                  lora_slots=lora_slots,
                                   **runner_kwargs)
         self.processor = OutputProcessor(self.tokenizer)
         self.paused_requests: set[str] = set()  # ids of requests out of the schedule (pause_request)
@@ -255,6 +266,57 @@ class LLMEngine:
 
     def remove_observer(self, fn: Callable[[StepEvent], None]) -> None:
         self.observers.remove(fn)
+
+    # ---- LoRA adapters ------------------------------------------------
+    def load_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Read and check the adapter `lora_request` names, for this model (touches no engine
+        state: a server runs it off the engine thread).  FileNotFoundError: no adapter at its
+        path; ValueError: one this engine cannot run (the message names the setting)."""
+        if self.lora_config is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True (--enable-lora)")
+        return load_peft_adapter(lora_request.lora_path, self.loaded.args, self.lora_config.max_lora_rank,
+                                 self.loaded.dtype, name=lora_request.lora_name)
+
+    def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter | None = None) -> bool:
+        """Make an adapter available to requests (`adapter`: already read by `load_lora`).
+        False if its id is loaded already; ValueError if that id is another adapter's."""
+        held = self.loras.get(lora_request.lora_int_id)
+        if held is not None:
+            self._check_same(held[0], lora_request)
+            return False
+        if adapter is None:
+            adapter = self.load_lora(lora_request)
+        self.loras[lora_request.lora_int_id] = (lora_request, adapter)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: new requests cannot use it; running ones finish with it (they
+        hold its weights).  False if it was not loaded."""
+        return self.loras.pop(lora_int_id, None) is not None
+
+    def list_loras(self) -> set[int]:
+        return set(self.loras)
+
+    @staticmethod
+    def _check_same(held: LoRARequest, asked: LoRARequest) -> None:
+        if held.lora_path != asked.lora_path:
+            raise ValueError(f"lora_int_id {asked.lora_int_id} is already adapter {held.lora_name!r} from "
+                             f"{held.lora_path!r}; one id must always name one adapter (give {asked.lora_path!r} "
+                             f"another id)")
+
+    def _adapter_for(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
+        """The weights a request on `lora_request` runs with, read now if not loaded yet;
+        ValueError without --enable-lora."""
+        if lora_request is None:
+            return None
+        if self.lora_config is None:
+            raise ValueError("lora_request needs an engine started with enable_lora=True (--enable-lora)")
+        held = self.loras.get(lora_request.lora_int_id)
+        if held is None:
+            self.add_lora(lora_request)
+            held = self.loras[lora_request.lora_int_id]
+        self._check_same(held[0], lora_request)
+        return held[1]
 
     # ---- requests -----------------------------------------------------
     def process_prompt(self, prompt: PromptType, room: int = 1) -> tuple[str | None, list[int]]:
@@ -345,16 +407,23 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+        lora_adapter: LoRAAdapter | None = None,
     ) -> None:
+        """Queue a request; with `lora_request` it runs with that adapter: `lora_adapter`, its
+        weights as the caller holds them (a server takes them when it admits the request, so an
+        unload meanwhile does not fail it), else the loaded ones (read now if not loaded yet)."""
         params = params or SamplingParams()
         if self.processor.owns(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.validate(prompt, params)
+        adapter = self._adapter_for(lora_request) if lora_adapter is None else lora_adapter
+        lora = dict(lora_request=lora_request, lora_adapter=adapter) if lora_request is not None else {}
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         if isinstance(params, PoolingParams):
-            return self._add_embedding(request_id, text, ids, params, arrival, priority, cache_salt)
+            return self._add_embedding(request_id, text, ids, params, arrival, priority, cache_salt, lora)
         if isinstance(params, BeamSearchParams):
-            return self._add_beam_search(request_id, text, ids, params, arrival, priority, cache_salt)
+            return self._add_beam_search(request_id, text, ids, params, arrival, priority, cache_salt, lora)
         max_tokens = self.resolve_max_tokens(params, len(ids))
         samples: list[Sample] = []
         for i in range(params.n):
@@ -377,6 +446,7 @@ class LLMEngine:
                 # with reasoning tags, the grammar holds only the answer after the thinking
                 grammar=gate_grammar(self.grammars.new_state(params.structured_outputs), params.reasoning_tags, ids)
                 if params.structured_outputs else None,
+                **lora,
             )
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                            params.stop, params.include_stop_str_in_output)
@@ -398,21 +468,22 @@ class LLMEngine:
             self.scheduler.add_request(s.req)
 
     def _add_embedding(self, request_id: str, text: str | None, ids: list[int], params: PoolingParams,
-                       arrival: float, priority: int, cache_salt: str | None) -> None:
-        """An embedding request: its prompt is computed (chunked like any prefill) and pooled."""
-        group = embedding_group(request_id, text, ids, params, arrival, priority, cache_salt)
+                       arrival: float, priority: int, cache_salt: str | None, lora: dict) -> None:
+        """An embedding request: its prompt is computed (chunked like any prefill) and pooled
+        (`lora`: its LoRA adapter's Request fields, if any)."""
+        group = embedding_group(request_id, text, ids, params, arrival, priority, cache_salt, **lora)
         self.processor.add(group)
         self.scheduler.add_request(group.samples[0].req)
 
     def _add_beam_search(self, request_id: str, text: str | None, ids: list[int], params: BeamSearchParams,
-                         arrival: float, priority: int, cache_salt: str | None) -> None:
+                         arrival: float, priority: int, cache_salt: str | None, lora: dict) -> None:
         """A beam search: one beam computes the prompt, then forks into `beam_width` beams."""
         max_tokens = self._check_beams(params, len(ids))
         for i in range(params.beam_width):
             if self.processor.owns(f"{request_id}-beam{i}"):
                 raise ValueError(f"request id {request_id!r} collides with the beams of another request")
         group = beam_search_group(request_id, text, ids, params, max_tokens, self.eos_token_ids, arrival, priority,
-                                  cache_salt)
+                                  cache_salt, **lora)
         self.processor.add(group)
         self.scheduler.add_request(group.samples[0].req)
 

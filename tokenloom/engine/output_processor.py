@@ -416,6 +416,7 @@ class OutputProcessor:
             finished=g.finished,
             metrics=g.metrics(),
             num_cached_tokens=max(g.samples[0].req.num_cached_tokens, 0),
+            lora_request=g.samples[0].req.lora_request,
         )
         out.error = g.error
         return out

@@ -11,6 +11,7 @@ its candidates fit the vocabulary, its beams one step's seats and the KV cache.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from tokenloom.engine.beam_search import BeamGroup, beam_request
 from tokenloom.engine.output_processor import Group, Sample
@@ -42,23 +43,25 @@ def check_beam_search(params: BeamSearchParams, prompt_len: int, max_tokens: int
 
 
 def embedding_group(request_id: str, text: str | None, ids: list[int], params: PoolingParams, arrival: float,
-                    priority: int, cache_salt: str | None) -> Group:
-    """An embedding request and its group (the one request is `samples[0].req`)."""
+                    priority: int, cache_salt: str | None, **lora: Any) -> Group:
+    """An embedding request and its group (the one request is `samples[0].req`); `lora`: its
+    LoRA adapter's fields of `Request` (lora_request, lora_adapter), if it runs on one."""
     sp = SamplingParams(max_tokens=1, detokenize=False)
     req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=sp, arrival_time=arrival,
-                  max_tokens=1, priority=priority, cache_salt=cache_salt, pooling=params)
+                  max_tokens=1, priority=priority, cache_salt=cache_salt, pooling=params, **lora)
     return Group(request_id=request_id, prompt=text, prompt_token_ids=ids, params=sp, samples=[Sample(req, None, None)],
                  pending=[], arrival_time=arrival, pooling=params)
 
 
 def beam_search_group(request_id: str, text: str | None, ids: list[int], params: BeamSearchParams, max_tokens: int,
-                      eos_token_ids: frozenset[int], arrival: float, priority: int, cache_salt: str | None) -> Group:
+                      eos_token_ids: frozenset[int], arrival: float, priority: int, cache_salt: str | None,
+                      **lora: Any) -> Group:
     """A beam search's group; its first beam (`samples[0].req`) is what enters the scheduler.
-    Beam i is the request `<request_id>-beam<i>`."""
+    Beam i is the request `<request_id>-beam<i>` (each on the LoRA adapter of `lora`, if any)."""
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=params.ignore_eos)
     template = Request(request_id=f"{request_id}-beam0", prompt_token_ids=ids, sampling_params=sp,
                        arrival_time=arrival, eos_token_ids=eos_token_ids, max_tokens=max_tokens, priority=priority,
-                       cache_salt=cache_salt)
+                       cache_salt=cache_salt, **lora)
     width, topk = params.beam_width, beam_topk(params, eos_token_ids)
     beams = BeamGroup(dataclasses.replace(params, max_tokens=max_tokens), eos_token_ids,
                       lambda i: beam_request(template, i, width, topk))

@@ -99,6 +99,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="read the model's own tool calls for tool_choice \"auto\": hermes (Hermes, Qwen2.5 "
                         "<tool_call> JSON) or llama3_json (Llama 3.1 JSON); default: chosen by the chat "
                         "template's family, and with none that fits \"auto\" answers in text")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (peft directories) to serve from the start, each as name=path or "
+                        "'{\"name\": ..., \"path\": ...}'; requests pick one by name as their model "
+                        "(needs --enable-lora; docs/lora.md)")
     g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="split a thinking model's <think>...</think> from its answer: chat messages and deltas "
                         "carry it as reasoning_content, /v1/responses as a reasoning item; structured output "

@@ -19,6 +19,7 @@ from tokenloom.engine.llm_engine import LLMEngine, PromptType
 from tokenloom.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, EmbeddingOutput,
                                EmbeddingRequestOutput, RequestOutput)
 from tokenloom.pooling_params import PoolingParams
+from tokenloom.request import LoRARequest
 from tokenloom.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -50,8 +51,14 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         cache_salt: str | Sequence[str | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order.
+
+        `lora_request`: the LoRA adapter every prompt runs with, or one per prompt (None: the
+        base model); needs `LLM(..., enable_lora=True)`.  Each adapter is read when first
+        used (a missing or unsupported one raises here, before any prompt runs); prompts on
+        different adapters and on the base model share the same steps.
 
         A failed request does not stop the others, and nothing is raised for it: its
         RequestOutput has finish_reason "error" and the reason in `RequestOutput.error`
@@ -72,7 +79,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         self.llm_engine.grammars.precompile(sp.structured_outputs for sp in params)  # off the step loop, in parallel
-        return self._run(prompts, params, use_tqdm, priority, cache_salt, _error_output)
+        return self._run(prompts, params, use_tqdm, priority, cache_salt, _error_output, lora_request)
 
     def embed(
         self,
@@ -80,11 +87,13 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One vector per prompt (`out.outputs.embedding`), pooled as the model's
         sentence-transformers config says (docs/embeddings.md); needs `runner="pooling"`
         (the default for a checkpoint without an LM head).  A prompt the engine refuses
-        comes back with `error` set and an empty embedding, as in `generate`."""
+        comes back with `error` set and an empty embedding, as in `generate`.  `lora_request`
+        as `generate` takes it."""
         self._require("pooling", "embed")
         prompts = _as_list(prompts)
         if pooling_params is None:
@@ -93,23 +102,24 @@ class LLM:
                   else [pooling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} pooling params for {len(prompts)} prompts")
-        return self._run(prompts, params, use_tqdm, priority, None, _error_embedding)
+        return self._run(prompts, params, use_tqdm, priority, None, _error_embedding, lora_request)
 
     def beam_search(
         self,
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search of each prompt (transformers' scoring: docs/beam-search.md); the
         `beam_width` best sequences of each, best first.  As in vLLM, a sequence's `tokens`
         and `text` include the prompt (`output_token_ids` / `output_text`: the generated
         part).  A prompt or setting the engine refuses raises ValueError (nothing of the call
         keeps running); a search that fails while it runs raises RuntimeError once the
-        others are done."""
+        others are done.  `lora_request` as `generate` takes it."""
         self._require("generate", "beam_search")
         prompts = _as_list(prompts)
-        outs = self._run(prompts, [params] * len(prompts), use_tqdm, None, None, _raise_refusal)
+        outs = self._run(prompts, [params] * len(prompts), use_tqdm, None, None, _raise_refusal, lora_request)
         tok = self.get_tokenizer()
         results = []
         for out in outs:
@@ -131,11 +141,21 @@ class LLM:
             raise ValueError(f"LLM.{method} needs runner={runner!r}; this LLM was built with runner={have!r}")
 
     def _run(self, prompts: list[PromptType], params: list, use_tqdm: bool, priority: Sequence[int] | None,
-             cache_salt: str | Sequence[str | None] | None, on_refused: Callable) -> list:
+             cache_salt: str | Sequence[str | None] | None, on_refused: Callable,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list:
         """Submit every prompt, step the engine until all are done; outputs in input order.
-        `on_refused(request_id, prompt, message)`: the output of a prompt the engine refuses."""
+        `on_refused(request_id, prompt, message)`: the output of a prompt the engine refuses.
+        `lora_request`: one adapter for all, or one (or None) per prompt; each is loaded first,
+        so a missing or unsupported adapter raises before any prompt runs."""
         salts = list(cache_salt) if isinstance(cache_salt, (list, tuple)) else [cache_salt] * len(prompts)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
         engine = self.llm_engine
+        for lr in dict.fromkeys(lr for lr in loras if lr is not None):
+            if not isinstance(lr, LoRARequest):
+                raise TypeError(f"lora_request must be a LoRARequest (or a list of them), got {type(lr).__name__}")
+            engine.add_lora(lr)
         ids: list[str] = []
         results: dict[str, Any] = {}
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
@@ -144,7 +164,8 @@ class LLM:
                 rid = str(next(self._counter))
                 ids.append(rid)
                 try:
-                    engine.add_request(rid, p, sp, priority=priority[i] if priority else 0, cache_salt=salts[i])
+                    engine.add_request(rid, p, sp, priority=priority[i] if priority else 0, cache_salt=salts[i],
+                                       lora_request=loras[i])
                 except ValueError as e:
                     results[rid] = on_refused(rid, p, e)
             bar.update(len(results))
@@ -165,11 +186,13 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Chat through the tokenizer's chat template (one conversation or a list of them)."""
+        """Chat through the tokenizer's chat template (one conversation or a list of them),
+        on a LoRA adapter as `generate` takes it."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": render_chat(self.get_tokenizer(), c, chat_template, add_generation_prompt)} for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
 
 def render_chat(tokenizer, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True) -> list[int]:

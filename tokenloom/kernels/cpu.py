@@ -455,3 +455,37 @@ def packed_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor
     return packed[ids // width, :, ids % width]
 
 
+
+
+def lora_op(device: torch.device, dtype: torch.dtype):
+    """Our batched LoRA shrink/expand (kernels/cpu_lora.cpp: one call per linear, every
+    segment of a step), or None where it cannot run or TOKENLOOM_CPU_LORA=0 turns it off
+    (then PyTorch's matmuls do it: model/lora.py `apply_torch`).  Read at each call: a
+    benchmark times both in one process."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if os.environ.get("TOKENLOOM_CPU_LORA", "1") == "0" or not lora_loaded():
+        return None
+    return apply_lora
+
+
+@functools.cache
+def lora_loaded() -> bool:
+    """Compile and load the LoRA kernel once per process (AVX2 + FMA)."""
+    if not {"avx2", "fma"} <= _cpu_flags() or not _build("tokenloom_cpu_lora", ["cpu_lora.cpp"], ["-mavx2", "-mfma"]):
+        return False
+
+    @torch.library.register_fake("tokenloom_lora::lora_apply_")
+    def _(y, x, a, bt, segments, subs, rank):
+        return y
+
+    return True
+
+
+def apply_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+               subs: tuple[tuple[int, int], ...], rank: int, rows) -> None:
+    """model/lora.py's `ApplyFn` through our kernel: y += each segment's delta, in place."""
+    if y.stride(1) != 1 or y.dtype != x.dtype:
+        raise ValueError("the LoRA kernel needs the base linear's output in rows of its input's dtype")
+    torch.ops.tokenloom_lora.lora_apply_(y, x if x.stride(1) == 1 else x.contiguous(), a, bt, rows.table,
+                                         [c for sub in subs for c in sub], rank)

@@ -7,6 +7,7 @@
     ops        torch | cpu | triton       norms, rotary, SwiGLU (model/ops.py)
     flat       on | off                   layers call linears as plain functions (model/layers.py `bound_linear`)
     graphs     on | off (why)             decode steps replay CUDA graphs (runner/cuda_graphs.py)
+    lora       cpu | torch | none         LoRA adapters' shrink/expand (model/lora.py), with --enable-lora
 
 `resolve_backends` is the one place an "auto" becomes a name and an explicit choice that
 cannot run here becomes an error (not a silent fallback).  It runs right after the
@@ -32,7 +33,7 @@ OPS_BACKENDS = ("auto", "torch", "cpu", "triton")
 def resolve_backends(device: torch.device, dtype: torch.dtype, fields: Mapping[str, Any], *, linear: str = "auto",
                      attention: str = "auto", ops: str = "auto", quantization: str | None = None,
                      compile: bool = False, enforce_eager: bool = False, tensor_parallel_size: int = 1,
-                     pack_weights: bool = True, prequantized: str | None = None) -> BackendPlan:
+                     pack_weights: bool = True, prequantized: str | None = None, lora: bool = False) -> BackendPlan:
     """The plan for a model whose parsed config is `fields` (`model/hf_config.model_args_fields`:
     head_dim and attn_softcap are read) on `device` in `dtype`, from the user's
     choices (each "auto" or a name).  `prequantized`: the checkpoint's own quantization, in
@@ -50,13 +51,14 @@ def resolve_backends(device: torch.device, dtype: torch.dtype, fields: Mapping[s
     # Linears called as plain functions, without nn.Module's dispatch; torch.compile traces
     # the modules (their custom ops), so there they keep module calls.
     flat = not compile
-    graphs_off = _graphs_off(device, enforce_eager, tp, compile, attention_name, fallback,
-                             moe=bool(fields.get("num_experts")))
+    moe = bool(fields.get("num_experts"))
+    lora_name = _lora(device, dtype, tp, compile, moe) if lora else None
+    graphs_off = _graphs_off(device, enforce_eager, tp, compile, attention_name, fallback, moe=moe, lora=lora)
     return BackendPlan(device=device.type, dtype=str(dtype).removeprefix("torch."), linear=linear_name,
                        quantization=quantization, attention=attention_name, ops=ops_name,
                        fused_kv_write=fused_kv_write, flat_calls=flat, compile=compile,
                        cuda_graphs=graphs_off is None, cuda_graphs_off=graphs_off, prequantized=prequantized,
-                       attention_fallback=fallback)
+                       attention_fallback=fallback, lora=lora_name)
 
 
 def plan_for_args(args, device: torch.device, dtype: torch.dtype, fields: Mapping[str, Any],
@@ -65,7 +67,7 @@ def plan_for_args(args, device: torch.device, dtype: torch.dtype, fields: Mappin
     return resolve_backends(device, dtype, fields, linear=args.linear_backend, attention=args.attention_backend,
                             ops=args.ops_backend, quantization=args.quantization, compile=args.compile,
                             enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-                            prequantized=prequantized)
+                            prequantized=prequantized, lora=args.enable_lora)
 
 
 def torch_dtype(plan: BackendPlan) -> torch.dtype:
@@ -182,6 +184,21 @@ def _ops(name: str, device: torch.device, dtype: torch.dtype, attention: str) ->
     return name
 
 
+def _lora(device: torch.device, dtype: torch.dtype, tp: bool, compile: bool, moe: bool = False) -> str:
+    """How LoRA deltas run with --enable-lora: our C++ shrink/expand on CPUs where it builds,
+    PyTorch's matmuls elsewhere.  ValueError where adapters cannot run yet."""
+    from tokenloom.kernels import cpu as cpu_kernels
+
+    if moe:
+        raise ValueError("--enable-lora is not supported for mixture-of-experts models yet")
+    if tp:
+        raise ValueError("--enable-lora is not supported with --tensor-parallel-size > 1 yet")
+    if compile:
+        raise ValueError("--enable-lora is not supported with --compile yet (each step's adapter rows are Python "
+                         "data the compiled graph would guard on)")
+    return "cpu" if cpu_kernels.lora_op(device, dtype) is not None else "torch"
+
+
 def _attention_fallback(attention: str, softcap: float | None) -> str | None:
     """Which layers the torch reference attends for instead of `attention`, and why; None
     where the backend runs every layer.  A model's kind of attention a backend's kernels
@@ -194,7 +211,7 @@ def _attention_fallback(attention: str, softcap: float | None) -> str | None:
 
 
 def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bool, attention: str,
-                fallback: str | None = None, moe: bool = False) -> str | None:
+                fallback: str | None = None, moe: bool = False, lora: bool = False) -> str | None:
     """Why decode steps do not replay CUDA graphs, or None where they do."""
     if device.type != "cuda":
         return "not on a CUDA device"
@@ -204,6 +221,8 @@ def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bo
         return "tensor parallel"
     if compile:
         return "--compile"
+    if lora:
+        return "--enable-lora (each step's adapter rows change the work)"
     if attention != "triton":
         return f"the {attention} attention backend cannot be captured (use triton)"
     if fallback is not None:

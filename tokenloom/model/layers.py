@@ -83,10 +83,13 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
-    def bind(self, ops: Ops, flat: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-        """h -> down(act(gate) * up), its linears called as `bound_linear` makes them and the
+    def bind(self, ops: Ops, flat: bool, wrap: "WrapLinear | None" = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """h -> down(act(gate) * up), its linears called as `bound_linear` makes them (then
+        through `wrap`, if given: `wrap("gate_up", fn)`, `wrap("down", fn)`) and the
         activation from `ops` (chosen here, once)."""
         gate_up, down = bound_linear(self.gate_up_proj, flat), bound_linear(self.down_proj, flat)
+        if wrap is not None:
+            gate_up, down = wrap("gate_up", gate_up), wrap("down", down)
         act_and_mul = ops.act_and_mul(self.act)
 
         def mlp(h):
@@ -97,6 +100,9 @@ class GatedMLP(nn.Module):
 
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+# What may wrap a layer's bound linears (by name: qkv, o, gate_up, down), e.g. LoRA's deltas
+# beside them (model/lora.py `lora_wrapper`, which adds the layer's index)
+WrapLinear = Callable[[str, Linear], Linear]
 
 
 def bound_linear(m: nn.Module, flat: bool) -> Linear:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tokenloom.model.attention import AttentionBackend, AttentionMetadata, LayerAttention, attention_kinds
-from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, bound_linear
+from tokenloom.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, WrapLinear, bound_linear
 from tokenloom.model.moe import SparseMoE
 from tokenloom.model.ops import Ops, rotate
 
@@ -178,16 +178,20 @@ class DecoderLayer(nn.Module):
         self.kind, self.rope_index = 0, 0
 
     def bind(self, ops: Ops, ropes: tuple[RotaryEmbedding, ...], backend: AttentionBackend,
-             flat: bool) -> "LayerStep":
+             flat: bool, wrap: WrapLinear | None = None) -> "LayerStep":
         attn = self.self_attn
         call = functools.partial(bound_linear, flat=flat)
+        qkv, o = call(attn.qkv_proj), call(attn.o_proj)
+        if wrap is not None:  # e.g. LoRA adapters' deltas beside the linears (model/lora.py)
+            qkv, o = wrap("qkv", qkv), wrap("o", o)
         sandwich = hasattr(self, "pre_feedforward_layernorm")
         attn_out_norm = self.post_attention_layernorm.weight if sandwich else None
         ffn_norm = (self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm).weight
         ffn_out_norm = self.post_feedforward_layernorm.weight if sandwich else None
         rope_kv = attn.bind_rope_kv(ops, ropes[self.rope_index], self.rope_index, backend)
         return LayerStep(self.input_layernorm.weight, attn_out_norm, ffn_norm, ffn_out_norm, self.input_layernorm.eps,
-                         call(attn.qkv_proj), call(attn.o_proj), self.mlp.bind(ops, flat), rope_kv, self.kind,
+                         qkv, o, self.mlp.bind(ops, flat, wrap) if isinstance(self.mlp, GatedMLP)
+                         else self.mlp.bind(ops, flat), rope_kv, self.kind,
                          attn.q_size, attn.scale, ops)
 
 
@@ -274,13 +278,15 @@ class CausalLM(nn.Module):
     def ropes(self) -> tuple[RotaryEmbedding, ...]:
         return (self.rope,) if self.local_rope is None else (self.rope, self.local_rope)
 
-    def bind(self, ops: Ops, backend: AttentionBackend, flat: bool = True) -> None:
+    def bind(self, ops: Ops, backend: AttentionBackend, flat: bool = True,
+             wrap: Callable[[int, str, Linear], Linear] | None = None) -> None:
         """Bind every layer for running, as the backend plan chose (model/backends.py): its
         small ops through `ops` (model/ops.py), its KV writes and attention through `backend`
         (built for `self.attention_kinds`), its linears as plain functions where `flat` (no
         nn.Module dispatch per call: a batch-1 CPU decode step is weights streamed with little
         else, and the module machinery around a dozen calls a layer shows), else through their
-        modules (torch.compile traces those).  Called once the weights are in their final form
+        modules (torch.compile traces those), each then through `wrap(layer index, name, fn)`
+        where given (LoRA: model/lora.py).  Called once the weights are in their final form
         (loaded, sharded, packed)."""
         if backend.kinds != self.attention_kinds:
             raise ValueError(f"the attention backend serves kinds {backend.kinds}, the model's layers "
@@ -290,7 +296,8 @@ class CausalLM(nn.Module):
             if hasattr(m, "ops"):
                 m.ops = ops
         ropes = self.ropes
-        self.steps = [layer.bind(ops, ropes, backend, flat) for layer in self.layers]
+        self.steps = [layer.bind(ops, ropes, backend, flat, functools.partial(wrap, i) if wrap else None)
+                      for i, layer in enumerate(self.layers)]
         embed = self.embed_tokens.forward if flat else self.embed_tokens
         if self.args.embed_scale is not None:
             # Gemma: times sqrt(hidden) rounded to the model's dtype, as the reference rounds it

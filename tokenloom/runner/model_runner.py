@@ -37,7 +37,9 @@ from tokenloom.model.ops import build_ops
 from tokenloom.model.weights.parallel import TPGroup
 from tokenloom.model.weights.loader import LoadedModel
 from tokenloom.kernels import glibc_heap
+from tokenloom.model.lora import LoRARows, LoRASlots, apply_for, lora_wrapper
 from tokenloom.runner.logprobs import logprob_rows
+from tokenloom.runner.lora_step import LoRAStep, by_adapter
 from tokenloom.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from tokenloom.runner.pooler import Pooler
 from tokenloom.runner.tp_comm import recv_step, send_step
@@ -151,10 +153,12 @@ def _sample_or_blame(logits: torch.Tensor, rows: list[SamplingRow], masks: StepM
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, plan: BackendPlan | None = None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, tp: TPGroup | None = None,
-                 pooling: PoolingConfig | None = None):
+                 pooling: PoolingConfig | None = None, lora_slots: LoRASlots | None = None):
         """`plan`: what runs (model/backends.py), as resolved before `loaded` was loaded for it
         (`loaded.plan` when not given); the runner builds what it names and decides nothing.
-        `pooling`: how embedding requests pool (an engine run with `--runner pooling`)."""
+        `pooling`: how embedding requests pool (an engine run with `--runner pooling`).
+        `lora_slots`: with --enable-lora, the adapters' weight slots (allocated by the engine
+        before the KV cache was sized); each step's rows then run their requests' adapters."""
         self.loaded = loaded
         self.model = loaded.model
         self.plan = plan = plan or loaded.plan
@@ -181,7 +185,14 @@ class ModelRunner:
         self.attn = build_backend(plan.attention, self.device, loaded.dtype, a.head_dim, a.num_kv_heads,
                                   self.model.attention_kinds)
         self.ops = build_ops(plan.ops, loaded.dtype, plan.fused_kv_write)
-        self.model.bind(self.ops, self.attn, flat=plan.flat_calls)  # model/llama.py: the layers as they run
+        self.lora: LoRAStep | None = None
+        wrap = None
+        if lora_slots is not None:  # every layer's linears wrapped with the slots' adapters (model/lora.py)
+            rows = LoRARows()
+            wrap = lora_wrapper(lora_slots, rows, apply_for(plan.lora, self.device, loaded.dtype))
+            self.lora = LoRAStep(lora_slots, rows)
+        # model/llama.py: the layers as they run
+        self.model.bind(self.ops, self.attn, flat=plan.flat_calls, wrap=wrap)
         self.max_blocks = -(-(max_model_len or a.max_position_embeddings) // block_size)
         # LongRoPE: a request longer than `long_from` tokens rotates with the second table,
         # `long_offset` rows on (model/layers.py RotaryEmbedding); the scheduler recomputes a
@@ -213,7 +224,11 @@ class ModelRunner:
         graphs = (f"; CUDA graphs for decode batches {g.sizes[0]}..{g.sizes[-1]} ({len(g.graphs)} captured in "
                   f"{g.capture_seconds:.1f} s, {g.graph_memory_bytes / 2**20:.0f} MiB)" if g is not None else "")
         tp = f"tensor parallel over {self.tp.size} ranks, " if self.tp is not None else ""
-        return f"{tp}{self.plan.describe()}{graphs}"
+        lora = ""
+        if self.lora is not None:
+            sl = self.lora.slots
+            lora = f"; {sl.max_loras} LoRA slot(s) of rank {sl.max_rank} ({sl.nbytes / 2**20:.0f} MiB)"
+        return f"{tp}{self.plan.describe()}{graphs}{lora}"
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -261,6 +276,11 @@ class ModelRunner:
         bs = self.block_size
         decodes = [s for s in out.scheduled if s.phase == "decode"]
         prefills = [s for s in out.scheduled if s.phase != "decode"]
+        if self.lora is not None and known:
+            # each adapter's rows together: one run per adapter (runner/lora_step.py); not when the
+            # ids arrive from the step before on the device (async scheduling), in the scheduler's
+            # order: the segments then follow that order, more of them, the same deltas
+            decodes, prefills = by_adapter(decodes), by_adapter(prefills)
         order = decodes + prefills
         spec = any(s.spec_token_ids for s in decodes)
         if spec:
@@ -313,6 +333,8 @@ class ModelRunner:
                           prefill_ctx_lens=torch.tensor([s.num_computed_before for s in prefills]))
         # the attention backend adds what it reads besides (masks, split counts): model/attention.py
         meta = self.attn.metadata(torch.tensor(slots, dtype=torch.long), dev, bs, **layout)
+        if self.lora is not None:
+            self.lora.prepare(order, offsets)
         return order, offsets, to(torch.tensor(ids, dtype=torch.long)), to(torch.tensor(pos, dtype=torch.long)), meta
 
     # ---- one step ---------------------------------------------------

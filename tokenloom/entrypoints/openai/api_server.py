@@ -3,7 +3,8 @@
     /v1/completions, /v1/chat/completions   generation (JSON or SSE)      [--api-key applies]
     /v1/responses (+ GET/DELETE /{id})      the Responses API (serving_responses.py) [--api-key applies]
     /v1/embeddings                          embeddings (--runner pooling) [--api-key applies]
-    /v1/models, /v1/models/{id}             what is served                [--api-key applies]
+    /v1/models, /v1/models/{id}             what is served (LoRA adapters too) [--api-key applies]
+    /v1/load_lora_adapter, /v1/unload_lora_adapter   LoRA adapters at run time (--enable-lora) [--api-key applies]
     /tokenize /detokenize /tokenizer_info   the model's tokenizer over HTTP [--api-key applies]
     /health /version /metrics               liveness, version, Prometheus
     /dashboard, /dashboard/events           the live step picture (--api-key applies; --no-dashboard)
@@ -47,12 +48,15 @@ from tokenloom.entrypoints.openai.dashboard_routes import install_dashboard
 from tokenloom.entrypoints.openai.limits import ServerLimits
 from tokenloom.entrypoints.openai.openapi_limits import ServerFacts
 from tokenloom.entrypoints.openai.model_names import default_served_names
-from tokenloom.entrypoints.openai.openapi_doc import (GENERATION_ERRORS, TOKENIZER_ERRORS, describe_api_key,
-                                                      error_responses, generation_ok, install_openapi)
+from tokenloom.entrypoints.openai.lora_models import parse_lora_modules
+from tokenloom.entrypoints.openai.openapi_doc import (GENERATION_ERRORS, LORA_LOAD_ERRORS, LORA_UNLOAD_ERRORS,
+                                                      LORA_WHY, TOKENIZER_ERRORS, describe_api_key, error_responses,
+                                                      generation_ok, install_openapi)
 from tokenloom.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                                    CompletionResponse, DetokenizeRequest, DetokenizeResponse,
-                                                   EmbeddingRequest, EmbeddingResponse, ModelCard, ModelList,
-                                                   TokenizeRequest, TokenizeResponse, TokenizerInfo)
+                                                   EmbeddingRequest, EmbeddingResponse, LoadLoRAAdapterRequest,
+                                                   ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                                                   TokenizerInfo, UnloadLoRAAdapterRequest)
 from tokenloom.entrypoints.openai.serving_chat import create_chat_completion, render_messages
 from tokenloom.entrypoints.openai.serving_common import ServingContext, encode_text, off_loop, tokenize_limit
 from tokenloom.entrypoints.openai.serving_completion import create_completion
@@ -155,19 +159,41 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None, dashboard: boo
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     def card(name: str) -> ModelCard:
+        lora = ctx.loras.get(name)
+        if lora is not None:  # an adapter: its own directory, the base model as parent
+            return ModelCard(id=name, created=ctx.created, root=lora.lora_path, parent=lora.base_model_name,
+                             max_model_len=engine.max_model_len)
         return ModelCard(id=name, created=ctx.created, root=str(engine.engine.model_path),
                          max_model_len=engine.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(*guarded))
     async def models() -> ModelList:
-        return ModelList(data=[card(name) for name in ctx.served_model_names])
+        """The base model's names, then each LoRA adapter (with the base model as `parent`)."""
+        return ModelList(data=[card(name) for name in [*ctx.served_model_names, *ctx.loras.by_name]])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(*guarded, 404))
     async def model(model_id: str) -> ModelCard:
-        """One served model (the openai client's `models.retrieve`); 404 for any other name."""
+        """One served model or adapter (the openai client's `models.retrieve`); 404 for any other name."""
         if model_id not in ctx.served_model_names:
-            ctx.check_model(model_id)  # raises the OpenAI-shaped 404
+            ctx.check_model(model_id)  # raises the OpenAI-shaped 404 unless it names an adapter
         return card(model_id)
+
+    if ctx.loras.enabled:
+        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+                  responses=error_responses(*guarded, *LORA_LOAD_ERRORS, why=LORA_WHY))
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            """Serve the peft adapter at `lora_path` (a directory on the server) as `lora_name`."""
+            lora = await ctx.loras.load(body.lora_name, body.lora_path)
+            logger.info("LoRA adapter %r loaded from %s", lora.lora_name, lora.lora_path)
+            return PlainTextResponse(f"Success: LoRA adapter {lora.lora_name!r} added successfully.")
+
+        @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+                  responses=error_responses(*guarded, *LORA_UNLOAD_ERRORS, why=LORA_WHY))
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            """Stop serving the adapter `lora_name` (requests running on it finish first)."""
+            lora = ctx.loras.unload(body.lora_name)
+            logger.info("LoRA adapter %r unloaded", lora.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter {lora.lora_name!r} removed successfully.")
 
     runner = engine.engine.runner_type
     generating, pooling = runner == "generate", runner == "pooling"
@@ -310,6 +336,9 @@ def build_server(args: argparse.Namespace) -> tuple[_Server, AsyncLLMEngine]:
     """Load the model and build (but do not start) the uvicorn server for parsed `serve` args."""
     limits = ServerLimits.from_cli_args(args)
     engine_args = EngineArgs.from_cli_args(args)
+    lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))  # a bad flag fails before loading
+    if lora_modules and not engine_args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     engine = AsyncLLMEngine.from_engine_args(engine_args, max_failed_steps=getattr(args, "max_failed_steps", 3))
     # One encode now settles the fast tokenizer's truncation/padding state, so the worker
     # threads that tokenize requests concurrently never need to change it (which would fail
@@ -322,6 +351,8 @@ def build_server(args: argparse.Namespace) -> tuple[_Server, AsyncLLMEngine]:
     ctx = ServingContext(engine, names, limits, tool_call_parser=getattr(args, "tool_call_parser", None),
                          model_aliases=aliases, reasoning_parser=getattr(args, "reasoning_parser", None),
                          max_stored_responses=getattr(args, "max_stored_responses", 1024))
+    for name, path in lora_modules:
+        ctx.loras.load_now(name, path)
     app = build_app(ctx, api_key=args.api_key, dashboard=getattr(args, "dashboard", True))
     grace = max(0.0, args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -23,6 +23,7 @@ _WHY = {
     400: "The request is invalid; `error.param` names the field.",
     401: "The API key is missing or wrong.",
     404: "The model is not served here.",
+    409: "The name is taken: the base model or another adapter is served under it.",
     413: "The request body is larger than --max-request-body-bytes.",
     429: "The waiting queue is full (--max-queued-requests); retry later.",
     500: "The server failed (details only in its log).",
@@ -38,8 +39,16 @@ def describe_api_key(enabled: bool) -> tuple[int, ...]:
     return (401,) if enabled else ()
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    return {s: {"model": ErrorResponse, "description": _WHY[s]} for s in sorted(set(statuses))}
+def error_responses(*statuses: int, why: dict[int, str] | None = None) -> dict[int | str, dict[str, Any]]:
+    """The error statuses a route answers, each with its reason (`why` overrides the usual one)."""
+    reasons = {**_WHY, **(why or {})}
+    return {s: {"model": ErrorResponse, "description": reasons[s]} for s in sorted(set(statuses))}
+
+
+LORA_LOAD_ERRORS = (400, 404, 409, 413)
+LORA_UNLOAD_ERRORS = (400, 404, 413)
+LORA_WHY = {400: "The request is invalid, or the adapter cannot run on this model; `error.param` names the field.",
+            404: "No LoRA adapter at `lora_path` (load), or none loaded under `lora_name` (unload)."}
 
 
 SSE_EVENT = {"type": "object", "description": "one server-sent event: `data` is a JSON chunk, or `[DONE]`",

@@ -26,7 +26,10 @@ RUNTIME_RULES = (
     "max_tokens is 0 without echo; best_of differs from n; more than one output constraint is given "
     "(response_format, structured_outputs, guided_*), or its JSON schema, regex or grammar does not compile; "
     "the chat template cannot render the messages; a string prompt has no tokens; with use_beam_search, its n "
-    "beams do not fit the batch (--max-num-seqs) or the KV cache.")
+    "beams do not fit the batch (--max-num-seqs) or the KV cache; a tool is not {\"type\": \"function\", "
+    "\"function\": {\"name\", \"parameters\"}}, two tools share a name, tool_choice is given without tools or "
+    "names a function not in them, or a forced call's parameters do not compile or its call does not finish "
+    "within max_tokens.")
 
 EMBEDDING_RULES = (
     "Beyond this schema, a request is refused (400, `error.param` naming the field) when an input's tokens do not "

@@ -365,6 +365,23 @@ class ModelCard(_Response):
     max_model_len: int
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """POST /v1/load_lora_adapter (vLLM's): serve the peft adapter at `lora_path` (a directory on
+    the server) as `lora_name`.  Beyond this schema: 404 when no adapter is there
+    (adapter_config.json), 400 naming lora_path when the adapter cannot run on this model (an
+    unsupported LoRA variant or target, another model's shapes, a rank above --max-lora-rank),
+    409 when lora_name is already served."""
+
+    lora_name: NonEmptyStr
+    lora_path: NonEmptyStr
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """POST /v1/unload_lora_adapter (vLLM's): stop serving the adapter `lora_name`."""
+
+    lora_name: NonEmptyStr
+
+
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]

@@ -213,7 +213,7 @@ def _note_auto_as_text(template: str) -> None:
 
 async def _prepare(ctx: ServingContext, req: ChatCompletionRequest,
                    raw: Request) -> tuple[_Prepared, list[RequestStream]]:
-    check_request(ctx, req)
+    lora = check_request(ctx, req)
     check_chat_template_request(ctx, req.chat_template, req.chat_template_kwargs)
     parser_name = tool_call_parser(ctx, req.chat_template) if req.tools else None
     plan = plan_tools(req.tools, req.tool_choice, parser_name, req.parallel_tool_calls)
@@ -239,7 +239,8 @@ async def _prepare(ctx: ServingContext, req: ChatCompletionRequest,
     tools_param = ("tools" if _have_xgrammar() else "tool_choice") if plan.constraint is not None else None
     await compile_grammar(ctx, req, params, raw, param=tools_param)
     rid = new_id("chatcmpl")
-    streams = add_requests(ctx, rid, [(None, ids)], params, priority=req.priority, cache_salt=req.cache_salt)
+    streams = add_requests(ctx, rid, [(None, ids)], params, priority=req.priority, cache_salt=req.cache_salt,
+                           lora_request=lora)
     return _Prepared(rid, req.model or ctx.model_name, req, top_n, ctx.engine.tokenizer, plan, parser_name,
                      ctx.reasoning, ctx.reasoning.starts_inside(ids) if ctx.reasoning is not None else None), streams
 

@@ -34,9 +34,11 @@ from tokenloom.engine.prompt_bound import prompt_bound
 from tokenloom.entrypoints.openai.errors import (OpenAIError, bad_request, context_length_exceeded, grammar_error,
                                                  sse_error)
 from tokenloom.entrypoints.openai.limits import ServerLimits, check_sampling_limits
+from tokenloom.entrypoints.openai.lora_models import LoRAModels
 from tokenloom.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from tokenloom.entrypoints.openai.protocol import LOGIT_BIAS_KEY, PromptTokensDetails, Usage, _SamplingFields
 from tokenloom.outputs import RequestOutput
+from tokenloom.request import LoRARequest
 from tokenloom.sampling_params import SamplingParamError, SamplingParams, StructuredOutputsParams
 from tokenloom.structured import GrammarError
 
@@ -57,8 +59,10 @@ class ServingContext:
     reasoning_parser: str | None = None  # --reasoning-parser: splits <think> ... </think> off the answer
     max_stored_responses: int = 1024  # --max-stored-responses: the Responses API's memory (responses_store.py)
     reasoning: ReasoningParser | None = field(init=False, default=None)
+    loras: LoRAModels = field(init=False)  # LoRA adapters served by name (--enable-lora)
 
     def __post_init__(self) -> None:
+        self.loras = LoRAModels(self.engine, self.served_model_names, self.model_aliases)
         if self.reasoning_parser is not None:  # ValueError naming the flag when the tokenizer lacks the tags
             self.reasoning = get_reasoning_parser(self.reasoning_parser, self.engine.tokenizer)
         # The server compiles grammars in worker processes it can kill (started on the first
@@ -81,11 +85,18 @@ class ServingContext:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names and model not in self.model_aliases:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for a name
+        this server does not serve."""
+        if model is None or model in self.served_model_names or model in self.model_aliases:
+            return None
+        lora = self.loras.get(model)
+        if lora is None:
+            served = [*self.served_model_names, *self.loras.by_name]
             raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
-                                   f"{', '.join(repr(n) for n in self.served_model_names)}",
+                                   f"{', '.join(repr(n) for n in served)}",
                               param="model", code="model_not_found")
+        return lora
 
     def check_capacity(self, num_new: int) -> None:
         """429 (retry later, as OpenAI and vLLM answer overload) when admitting `num_new` more
@@ -122,15 +133,17 @@ async def off_loop(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
-def check_request(ctx: ServingContext, req: _SamplingFields) -> None:
-    """What every generation request must satisfy before any work is done for it."""
-    ctx.check_model(req.model)
+def check_request(ctx: ServingContext, req: _SamplingFields) -> LoRARequest | None:
+    """What every generation request must satisfy before any work is done for it; returns
+    the LoRA adapter its `model` names (None: the base model)."""
+    lora = ctx.check_model(req.model)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
     check_sampling_limits(ctx.limits, n=req.n, stop=req.stop, logit_bias=req.logit_bias,
                           token_lists={"stop_token_ids": req.stop_token_ids,
                                        "allowed_token_ids": req.allowed_token_ids},
                           vocab_size=ctx.engine.engine.vocab_size)
+    return lora
 
 
 def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
@@ -321,20 +334,23 @@ def validate_prompt(ctx: ServingContext, prompt: str | list[int], params: Sampli
 
 
 def add_requests(ctx: ServingContext, base_id: str, prompts: Sequence[tuple[str | None, list[int]]],
-                 params: Any, *, priority: int, cache_salt: str | None) -> list[RequestStream]:
-    """Queue validated prompts (one engine request each); 503 if over capacity.  `params`:
-    one set for every prompt (SamplingParams, BeamSearchParams or PoolingParams), or a list
-    of one per prompt."""
+                 params: Any, *, priority: int, cache_salt: str | None,
+                 lora_request: LoRARequest | None = None) -> list[RequestStream]:
+    """Queue validated prompts (one engine request each, on `lora_request`'s adapter if
+    given); 503 if over capacity.  `params`: one set for every prompt (SamplingParams,
+    BeamSearchParams or PoolingParams), or a list of one per prompt."""
     ctx.check_engine()
     each = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
     ctx.check_capacity(sum(p.n for p in each))
     arrival = time.perf_counter()
     try:
         return [ctx.engine.add_request(f"{base_id}-{i}", text, ids, p, arrival_time=arrival,
-                                       priority=priority, cache_salt=cache_salt)
+                                       priority=priority, cache_salt=cache_salt, lora_request=lora_request)
                 for i, ((text, ids), p) in enumerate(zip(prompts, each))]
     except EngineDeadError as e:
         raise OpenAIError(503, str(e), code="engine_unavailable") from None
+    except ValueError as e:  # its adapter was unloaded since the request named it
+        raise OpenAIError(404, str(e), param="model", code="model_not_found") from None
 
 
 def abort_all(ctx: ServingContext, streams: Sequence[RequestStream]) -> None:

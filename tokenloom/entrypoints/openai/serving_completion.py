@@ -39,6 +39,7 @@ from tokenloom.entrypoints.openai.serving_common import (ChunkFrame, ServingCont
                                                          new_id, off_loop,
                                                          sampling_params, sse_body, validate_prompt)
 from tokenloom.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tokenloom.request import LoRARequest
 from tokenloom.sampling_params import BeamSearchParams, SamplingParamError, SamplingParams
 
 
@@ -154,7 +155,7 @@ def _tokenize_all(ctx: ServingContext, prompts: list[str | list[int]], params: S
 
 async def _prepare(ctx: ServingContext, req: CompletionRequest,
                    raw: Request | None = None) -> tuple[_Prepared, list[RequestStream]]:
-    check_request(ctx, req)
+    lora = check_request(ctx, req)
     if req.suffix:
         raise bad_request("suffix is not supported by this server", param="suffix", code="unsupported")
     if req.best_of is not None and req.best_of != req.n:
@@ -166,7 +167,7 @@ async def _prepare(ctx: ServingContext, req: CompletionRequest,
     single = _split_prompts(req.prompt)
     check_prompt_count(ctx.limits, len(single))
     if req.use_beam_search:
-        return await _prepare_beams(ctx, req, single)
+        return await _prepare_beams(ctx, req, single, lora)
     echo_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
     prompt_lp = req.prompt_logprobs if req.prompt_logprobs is not None else echo_lp
     params = sampling_params(req, max_tokens=1 if score_only else req.max_tokens, logprobs=req.logprobs,
@@ -174,13 +175,15 @@ async def _prepare(ctx: ServingContext, req: CompletionRequest,
     prompts, texts = await off_loop(_tokenize_all, ctx, single, params, req)
     await compile_grammar(ctx, req, params, raw)  # stopped if the client leaves meanwhile
     rid = new_id("cmpl")
-    streams = add_requests(ctx, rid, prompts, params, priority=req.priority, cache_salt=req.cache_salt)
+    streams = add_requests(ctx, rid, prompts, params, priority=req.priority, cache_salt=req.cache_salt,
+                           lora_request=lora)
     return _Prepared(rid, req.model or ctx.model_name, texts, req, ctx.engine.tokenizer, score_only), streams
 
 
-async def _prepare_beams(ctx: ServingContext, req: CompletionRequest,
-                         single: list[str | list[int]]) -> tuple[_Prepared, list[RequestStream]]:
-    """use_beam_search: one beam search per prompt, `n` beams each (see the module docstring)."""
+async def _prepare_beams(ctx: ServingContext, req: CompletionRequest, single: list[str | list[int]],
+                         lora: LoRARequest | None = None) -> tuple[_Prepared, list[RequestStream]]:
+    """use_beam_search: one beam search per prompt, `n` beams each (see the module docstring),
+    on the LoRA adapter the request's model names, if any."""
     for name, default in BEAM_SEARCH_DEFAULTS.items():
         if getattr(req, name) != default or (default is None) != (getattr(req, name) is None):
             raise bad_request(f"{name} cannot be used with use_beam_search", param=name, code="unsupported_value")
@@ -207,7 +210,8 @@ async def _prepare_beams(ctx: ServingContext, req: CompletionRequest,
             e.param = "n"
         raise
     rid = new_id("cmpl")
-    streams = add_requests(ctx, rid, prompts, params, priority=req.priority, cache_salt=req.cache_salt)
+    streams = add_requests(ctx, rid, prompts, params, priority=req.priority, cache_salt=req.cache_salt,
+                           lora_request=lora)
     return _Prepared(rid, req.model or ctx.model_name, [""] * len(prompts), req, ctx.engine.tokenizer), streams
 
 

@@ -78,7 +78,7 @@ def encode_vector(vec: list[float], encoding_format: str) -> list[float] | str:
 
 
 async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, raw: Request) -> Response:
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     inputs = split_inputs(req.input)
     cap = ctx.limits.max_prompts_per_request
     if len(inputs) > cap:
@@ -90,7 +90,7 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, raw: Requ
         raise bad_request(str(e), param=e.param) from None
     prompts = await off_loop(_tokenize_all, ctx, inputs, params, req)
     rid = new_id("embd")
-    streams = add_requests(ctx, rid, prompts, params, priority=req.priority, cache_salt=None)
+    streams = add_requests(ctx, rid, prompts, params, priority=req.priority, cache_salt=None, lora_request=lora)
     finals = await collect_final(ctx, streams, raw)
     if finals is None:  # the client is gone (its requests are aborted); nobody reads this
         return JSONResponse({}, status_code=499)

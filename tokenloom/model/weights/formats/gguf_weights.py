@@ -83,7 +83,7 @@ def _row_order(arch: str, hf: str, a: ModelArgs) -> torch.Tensor | None:
 # The loader's placement of a checkpoint name: (our parameter, which part of a fused one) or None,
 # and a fused parameter's rows of part i (model/weights/loader.py `_target`, `_shard_bounds`).
 Place = Callable[[str, ModelArgs], "tuple[str, int | None] | None"]
-Bounds = Callable[[str, int, ModelArgs, int], "tuple[int, int]"]
+Bounds = Callable[[str, int, ModelArgs, int], "tuple[int, int]"]  # (name, part, args, rows in all)
 
 
 def load_gguf_weights(path: Path, model: CausalLM, a: ModelArgs, params: dict[str, torch.nn.Parameter],
