@@ -104,6 +104,8 @@ CASES = {
 
 def _write(tmp_path: Path, name: str, **kw) -> Path:
     family, tie, types, _ = CASES[name]
+    if family not in gguf.MODEL_ARCH_NAMES.values():  # transformers' GGUF loader maps names through it
+        pytest.skip(f"the installed gguf package does not know {family}, so transformers cannot read it")
     d = tmp_path / name
     d.mkdir()
     return write_gguf(_model(family, tie), _tokenizer_json(), d / f"{name}.gguf", types, **kw)
