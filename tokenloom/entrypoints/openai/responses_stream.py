@@ -15,14 +15,15 @@ import contextlib
 import itertools
 from typing import Any, AsyncIterator, Callable
 
-from tokenloom.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream, StallPolicy
+from tokenloom.engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from tokenloom.entrypoints.openai.errors import OpenAIError
 from tokenloom.entrypoints.openai.responses_output import Answer, ItemIds, finish_answer, status_of, usage_of
 from tokenloom.entrypoints.openai.responses_protocol import (FunctionCallOut, OutputMessage, OutputText,
                                                             ReasoningItemOut, ReasoningTextOut, ResponseError,
                                                             ResponseObject, ResponseUsage)
 from tokenloom.entrypoints.openai.serving_chat import _Prepared
-from tokenloom.entrypoints.openai.serving_common import ServingContext, abort_all, dumps, engine_failure, merge_streams
+from tokenloom.entrypoints.openai.serving_common import (ServingContext, abort_all, dumps, engine_failure, merge_streams,
+                                                        watch_stalls)
 from tokenloom.entrypoints.openai.tool_calls import ToolCall, constrained_calls
 from tokenloom.entrypoints.openai.tool_parsers import get_parser
 from tokenloom.outputs import RequestOutput
@@ -34,11 +35,7 @@ Complete = Callable[[Answer, ItemIds, ResponseUsage], ResponseObject]
 async def framed(ctx: ServingContext, streams: list[RequestStream], events: AsyncIterator[str]) -> AsyncIterator[str]:
     """The event stream, with the stalled-reader policy the other streams have (serving_common.sse_body)
     and the requests aborted however it ends.  No `[DONE]`: Responses streams end with their last event."""
-    limits = ctx.limits
-    if limits.max_unread_stream_tokens > 0:
-        policy = StallPolicy(limits.max_unread_stream_tokens, limits.stalled_stream_timeout)
-        for s in streams:
-            s.watch_unread(policy)
+    watch_stalls(ctx, streams)
     try:
         async with contextlib.aclosing(events):
             async for e in events:

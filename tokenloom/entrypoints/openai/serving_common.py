@@ -494,6 +494,15 @@ class ChunkFrame:
         return sse(dumps({**self.head, "choices": [], "usage": usage.model_dump()}))
 
 
+def watch_stalls(ctx: ServingContext, streams: list[RequestStream]) -> None:
+    """The stalled-reader policy (--max-unread-stream-tokens, --stalled-stream-timeout) on `streams`."""
+    limits = ctx.limits
+    if limits.max_unread_stream_tokens > 0:
+        policy = StallPolicy(limits.max_unread_stream_tokens, limits.stalled_stream_timeout)
+        for s in streams:
+            s.watch_unread(policy)
+
+
 async def sse_body(ctx: ServingContext, streams: Sequence[RequestStream], chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """Frame `chunks` as an SSE stream: `[DONE]` after the last one, an error event first
     if the engine fails mid-stream, and the requests aborted however the stream ends --
@@ -501,11 +510,7 @@ async def sse_body(ctx: ServingContext, streams: Sequence[RequestStream], chunks
 
     A client that stops reading blocks this generator at its send; its requests are then
     paused and, after --stalled-stream-timeout, aborted (`StallPolicy`, engine/async_engine.py)."""
-    limits = ctx.limits
-    if limits.max_unread_stream_tokens > 0:
-        policy = StallPolicy(limits.max_unread_stream_tokens, limits.stalled_stream_timeout)
-        for s in streams:
-            s.watch_unread(policy)
+    watch_stalls(ctx, streams)
     try:
         async with contextlib.aclosing(chunks):
             async for c in chunks:
