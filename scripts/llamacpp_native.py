@@ -55,7 +55,9 @@ def build(source: Path, work: Path, name: str, cmake_flags: list[str], fix_tiles
     """Build `name` from a copy of `source` (patched where asked); the folder of its binaries."""
     tree = work / f"src-{name}"
     if not tree.exists():
-        shutil.copytree(source, tree, ignore=shutil.ignore_patterns("build*", ".git"))
+        # Earlier build folders at the top and .git are left behind; cmake/build-info.cmake is not a build.
+        shutil.copytree(source, tree, ignore=lambda d, names: [n for n in names if n == ".git" or (
+            Path(d) == source and n.startswith("build") and (Path(d) / n).is_dir())])
     patched = patch_tile_config(tree) if fix_tiles else False
     out = work / f"build-{name}"
     bins = out / "bin"

@@ -12,10 +12,13 @@ sources and this module's own; timed on one thread, in CPU time (robust on a bus
 
 Only where the AMX probe (kernels/amx_probe.py, a child process) said yes.  `TOKENLOOM_AMX=0`
 keeps the AVX-512 kernels, `=1` takes AMX (the bf16-tile kernels) at every row count (tests),
-`auto` (default) measures.  int8 weights run in bf16 tiles, widened (exact products);
-`linear_int8_tiles` (int8 tiles, each activation row split in two int8 planes, nothing
-widened) is faster but keeps activations only to 2^-15.9 of the row's largest value, which an
-outlier channel ruins for the rest of the row, so it is not chosen (docs/quantization.md, "AMX").
+`auto` (default) measures.  int8 weights have two AMX kernels: `linear_int8` widens them to
+bf16 tiles (exact products), `linear_int8_limbs` (cpu_gemm_amx_limbs.cpp) multiplies them as
+bytes in int8 tiles against each activation row written as four byte limbs (kept to 2^-28 of
+the row's largest value; nothing widened), and the calibration picks between them per bucket.
+`linear_int8_tiles` (two int8 planes per row, 2^-15.9 of the row's largest, which an outlier
+channel ruins for the rest of the row) is kept for comparison and never chosen
+(docs/quantization.md, "AMX").
 """
 
 from __future__ import annotations
@@ -41,22 +44,24 @@ KINDS = ("bf16", "int8", "int4")
 # verifying steps (up to 8 rows) rely on (docs/quantization.md, "Integer dot products").
 MIN_QUANT_ROWS = 16
 CALIBRATION_SHAPE = (896, 4864)  # (K, N) of the matrices timed: Qwen2.5-0.5B's MLP
-_AMX_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
-              "-mamx-tile", "-mamx-int8", "-mamx-bf16"]
+_AMX_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni",
+              "-mavx512vbmi", "-mamx-tile", "-mamx-int8", "-mamx-bf16"]
 
 
 @functools.cache
 def build() -> bool:
     """Compile and load the AMX extension (no tile instruction runs here)."""
-    if not _build("tokenloom_cpu_amx", ["cpu_gemm_amx.cpp"], _AMX_FLAGS):
+    if not _build("tokenloom_cpu_amx", ["cpu_gemm_amx.cpp", "cpu_gemm_amx_limbs.cpp"], _AMX_FLAGS):
         return False
     for name in ("linear_bf16",):
         torch.library.register_fake(f"tokenloom_amx::{name}")(
             lambda x, weight_packed, n, bias: x.new_empty((*x.shape[:-1], n)))
-    torch.library.register_fake("tokenloom_amx::linear_int8")(
-        lambda x, qweight, scales, n, bias: x.new_empty((*x.shape[:-1], n)))
-    torch.library.register_fake("tokenloom_amx::linear_int4")(
-        lambda x, qweight, scales, n, group, bias: x.new_empty((*x.shape[:-1], n)))
+    for name in ("linear_int8", "linear_int8_limbs"):
+        torch.library.register_fake(f"tokenloom_amx::{name}")(
+            lambda x, qweight, scales, n, bias: x.new_empty((*x.shape[:-1], n)))
+    for name in ("linear_int4",):
+        torch.library.register_fake(f"tokenloom_amx::{name}")(
+            lambda x, qweight, scales, n, group, bias: x.new_empty((*x.shape[:-1], n)))
     return True
 
 
@@ -75,7 +80,8 @@ def _calibration_path() -> Path:
     for part in (amx_probe.cpu_model(), *KINDS, *map(str, BUCKETS)):
         h.update(part.encode() + b"\0")
     here = Path(__file__).parent
-    for f in ("amx.py", "cpu_gemm_amx.cpp", "cpu_gemm_quant.cpp", "quant_vnni.h", "cpu_gemm_bf16.cpp"):
+    for f in ("amx.py", "cpu_gemm_amx.cpp", "cpu_gemm_amx_limbs.cpp", "amx_tiles.h", "cpu_gemm_quant.cpp",
+              "quant_vnni.h", "cpu_gemm_bf16.cpp"):
         h.update((here / f).read_bytes())
     return cache_root() / f"amx_calibration_{h.hexdigest()[:16]}.json"
 
@@ -115,7 +121,8 @@ def _candidates(kind: str):
     if kind == "int8":
         w, s = cpu.pack_int8(q, torch.rand(n, generator=g) / 100, quads=True)
         return [("ours", lambda x: ops.linear_int8(x, w, s, n, None)),
-                ("linear_int8", lambda x: amx.linear_int8(x, w, s, n, None))]
+                ("linear_int8", lambda x: amx.linear_int8(x, w, s, n, None)),
+                ("linear_int8_limbs", lambda x: amx.linear_int8_limbs(x, w, s, n, None))]
     w, s = cpu.pack_int4(q.clamp(-8, 7), (torch.rand(n, k // 32, generator=g) / 100).to(torch.bfloat16))
     return [("ours", lambda x: ops.linear_int4(x, w, s, n, 32, None)),
             ("linear_int4", lambda x: amx.linear_int4(x, w, s, n, 32, None))]

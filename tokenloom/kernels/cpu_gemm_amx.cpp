@@ -19,26 +19,18 @@
 //   exact), and each group's sums are scaled by the group's scale when the group ends (the
 //   group must be a multiple of 32 k: one k-block).
 // bf16 activations are taken as they are; float32 ones as two bf16 planes (`amx_linear`);
-// sums are float32.  AMX int8 tiles
-// (TDPBSSD) would need the activations quantized to int8 too; docs/quantization.md, "AMX",
-// says why this kernel does not.
+// sums are float32.  int8 weights in int8 tiles, nothing widened, are cpu_gemm_amx_limbs.cpp's
+// (activations as four byte limbs per row); `linear_int8_tiles` below, two int8 planes per row,
+// is its imprecise predecessor, kept for comparison (docs/quantization.md, "AMX").
 //
-// Linux hands out tile registers only to a process that asked (arch_prctl
-// ARCH_REQ_XCOMP_PERM): each worker thread asks once, lazily, before its first tile
-// instruction, and loads the tile configuration at every call (other code -- oneDNN -- may have
-// changed it) and releases the tiles after.  `probe` runs one int8 and one bf16 tile multiply
-// and checks them; kernels/amx_probe.py runs it in a child process, so a CPU or VM that traps
-// on tile instructions kills the child, not the server.
-//
-// The tile configuration is a constant in static storage: gcc 12's _tile_loadconfig declares
-// only an 8-byte read, so it may drop the stores filling a configuration built on the stack.
+// Tile permission and configuration: amx_tiles.h.  `probe` runs one int8 and one bf16 tile
+// multiply and checks them; kernels/amx_probe.py runs it in a child process, so a CPU or VM
+// that traps on tile instructions kills the child, not the server.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -46,39 +38,20 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "gemm_driver.h"
 
 namespace {
 
-constexpr int kArchReqXcompPerm = 0x1023;
-constexpr int kXfeatureXtiledata = 18;
 constexpr int64_t KB = 16;     // k-pairs per tile (32 k)
 constexpr int64_t PANEL = 32;  // columns per weight panel (kernels/cpu.py WIDE)
 
-// Palette 1; tiles 0-3: float32 sums [16 x 16]; 4-5: activations [16 x 32 bf16]; 6-7: weights
-// [16 pairs x 32 bf16].  Every tile is 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-constexpr TileConfig make_config() {
-  TileConfig c{};
-  c.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
-  }
-  return c;
-}
-alignas(64) static const TileConfig kConfig = make_config();
+using tokenloom::amx::request_tiles;
+using tokenloom::amx::TileConfig;
 
-// Tile permission for the calling thread's process (asked once per thread; harmless to repeat).
-bool request_tiles() {
-  static thread_local int granted = -1;
-  if (granted < 0) granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0 ? 1 : 0;
-  return granted == 1;
-}
+// Tiles 0-3: float32 sums [16 x 16]; 4-5: activations [16 x 32 bf16]; 6-7: weights [16 pairs x
+// 32 bf16].  Every tile is 16 rows of 64 bytes.
+alignas(64) static const TileConfig kConfig = tokenloom::amx::uniform_config(8, 16, 64);
 
 void begin_tiles() {
   TORCH_CHECK(request_tiles(), "tokenloom_amx: the kernel refused AMX tile permission");
