@@ -402,7 +402,7 @@ def run(model: Path, work: Path, llama_variants: list[str], ours: list[str], con
 
 
 def run_native(model: Path, work: Path, source: Path, builds: list[str], llama_variants: list[str], ours: list[str],
-               batches: list[int], context: int, rounds: int, steps: int, threads: int) -> dict:
+               batches: list[int], context: int, rounds: int, steps: int, threads: int, pure: bool = False) -> dict:
     """--native: llama.cpp's own binaries from `source`, built each way in `builds` (llamacpp_native.py),
     against tokenloom at each batch size; rounds alternate between every engine.  llama.cpp's
     flash attention is timed on and off in the first round and the faster kept per variant."""
@@ -423,7 +423,8 @@ def run_native(model: Path, work: Path, source: Path, builds: list[str], llama_v
                             fix_tiles=b == "amx" and nat.gcc_needs_tile_fix())
     out_dir = work / "gguf" / model.resolve().name
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = {v: out_dir / f"model-{v}.gguf" for v in llama_variants}
+    files = {v: out_dir / f"model-{v}{'-pure' if pure and v not in ('F32', 'BF16') else ''}.gguf"
+             for v in llama_variants}
     for v in llama_variants:
         if not files[v].exists():
             if v in ("F32", "BF16"):
@@ -431,8 +432,9 @@ def run_native(model: Path, work: Path, source: Path, builds: list[str], llama_v
             else:
                 if not (out_dir / "model-F32.gguf").exists():
                     convert(model, source, out_dir / "model-F32.gguf", "f32")
-                nat.quantize(next(iter(bins.values())), out_dir / "model-F32.gguf", files[v], v)
+                nat.quantize(next(iter(bins.values())), out_dir / "model-F32.gguf", files[v], v, pure)
     med: dict[str, float] = {}
+    times_all: dict[str, list[float]] = {}
     flash: dict[str, bool] = {}
     for batch in batches:
         total = rounds * steps + 8
@@ -459,8 +461,19 @@ def run_native(model: Path, work: Path, source: Path, builds: list[str], llama_v
                   flush=True)
         del engines
         med.update({k: statistics.median(v) for k, v in times.items()})
-    return {"model": str(model), "native": builds, "context": context, "rounds": rounds, "steps": steps,
-            "threads": threads, "batches": batches, "median_ms": med, "flash_attention": flash}
+        times_all.update(times)
+    return {"model": str(model), "native": builds, "pure": pure, "context": context, "rounds": rounds,
+            "steps": steps, "threads": threads, "batches": batches, "median_ms": med, "flash_attention": flash,
+            "rounds_ms": times_all, "cpu": _cpu_name()}
+
+
+def _cpu_name() -> str:
+    """This CPU's model name and whether tokenloom's probe found usable AMX tiles."""
+    from tokenloom.kernels import amx_probe
+
+    info = dict(ln.split(":", 1) for ln in Path("/proc/cpuinfo").read_text().splitlines()[:30] if ":" in ln)
+    fam, mod = info.get("cpu family\t", "").strip(), info.get("model\t\t", "").strip()
+    return f"{amx_probe.cpu_model()} (family {fam} model {mod}; AMX usable: {amx_probe.amx_usable()})"
 
 
 def print_native_table(res: dict) -> None:
@@ -517,7 +530,7 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         res = run_native(bench_quant.model_dir(a.model), work, Path(a.native), a.builds.split(","),
                          a.llama_variants.split(","), a.ours.split(","), [int(b) for b in a.batch_sizes.split(",")],
-                         a.context, a.rounds, a.steps, a.threads)
+                         a.context, a.rounds, a.steps, a.threads, a.pure)
         print_native_table(res)
         out = Path(a.json) if a.json else work / "result-native.json"
         out.write_text(json.dumps(res, indent=2))

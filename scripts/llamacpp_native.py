@@ -69,10 +69,11 @@ def build(source: Path, work: Path, name: str, cmake_flags: list[str], fix_tiles
     return bins
 
 
-def quantize(bins: Path, f32: Path, out: Path, ftype: str) -> None:
+def quantize(bins: Path, f32: Path, out: Path, ftype: str, pure: bool = False) -> None:
+    """llama-quantize f32 -> out as `ftype`; `pure`: every tensor in that type (no mixed-bits rules)."""
     if not out.exists():
-        subprocess.run([str(bins / "llama-quantize"), str(f32), str(out), ftype], check=True,
-                       capture_output=True)
+        subprocess.run([str(bins / "llama-quantize"), *(["--pure"] if pure else []), str(f32), str(out), ftype],
+                       check=True, capture_output=True)
 
 
 def batch1_ms(bins: Path, gguf: Path, threads: int, tokens: int, flash: bool) -> float:

@@ -4,7 +4,8 @@ The bf16-tile kernels' products are exact (bf16 x bf16; int8 and int4 values are
 bf16) and their sums float32; a float32 x enters as two bf16 planes (2^-17 of each value).
 Each is compared with float64 x @ W^T, W dequantized, within those bounds (1e-5 of the sum of
 |products| for float32 summation, plus 2^-16 of it for a float32 x).  The int8-tile kernel
-splits each activation row into two int8 planes: its own bound is stated in its test.  Skipped, with the probe's reason,
+splits each activation row into two int8 planes, the limb kernel (cpu_gemm_amx_limbs.cpp) into
+four byte limbs: their own bounds are stated in their tests.  Skipped, with the probe's reason,
 where this machine's AMX is not usable.
 """
 
@@ -113,6 +114,64 @@ def test_amx_int8_tiles_within_the_split_bound(m: int, k: int, n: int, bias: boo
     step = x.abs().amax(dim=1, keepdim=True).double() / (127 * 508)
     bound = step * w.abs().sum(dim=1)[None] * 1.01 + 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-6
     assert ((y.double() - ref).abs() <= bound).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(outlier=st.booleans(), **shapes)
+def test_amx_int8_limbs_within_the_limb_bound(outlier: bool, m: int, k: int, n: int, bias: bool, seed: int) -> None:
+    """int8 tiles against four byte limbs per row (cpu_gemm_amx_limbs.cpp): each activation is
+    off by at most 2^-28 of its row's largest value, so each output by at most that times
+    sum_k |w[n, k]| (plus float32 rounding of the sums) -- with an outlier channel 10^4 times
+    the rest too, where per-row int8 planes (`linear_int8_tiles`) lose the rest of the row."""
+    _amx_or_skip()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 1, k)
+    if outlier:
+        x[:, k // 2] = 1e4
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    s = torch.rand(n, generator=g) + 0.01
+    b = torch.randn(n, generator=g) if bias else None
+    packed, scales = cpu_kernels.pack_int8(q, s, quads=True)
+    w = q.double() * s.double()[:, None]
+    ref = x.double() @ w.t() + (b.double() if b is not None else 0)
+    bound = (x.abs().amax(dim=1, keepdim=True).double() * 2.0**-28 * w.abs().sum(dim=1)[None]
+             + 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-6)
+    for xin in (x, x.to(torch.bfloat16)):  # a bf16 row within 2^20 of its largest: exact limbs
+        y = torch.ops.tokenloom_amx.linear_int8_limbs(xin, packed, scales, n, cpu_kernels.pad_bias(b, n))
+        assert y.dtype == xin.dtype
+        if xin.dtype == torch.float32:
+            assert ((y.double() - ref).abs() <= bound).all()
+        else:  # y rounded to bf16: its own rounding on top of the sums
+            ref16 = xin.double() @ w.t() + (b.double() if b is not None else 0)
+            y32 = torch.ops.tokenloom_amx.linear_int8_limbs(xin.float(), packed, scales, n, cpu_kernels.pad_bias(b, n))
+            assert ((y32.double() - ref16).abs() <= 1e-5 * (xin.double().abs() @ w.abs().t()) + 1e-6).all()
+            assert torch.allclose(y.double(), ref16, rtol=2**-8, atol=1e-3 * (ref16.abs().max().item() + 1))
+
+
+def test_amx_int8_limbs_rows_do_not_depend_on_the_rows_beside_them() -> None:
+    """Each row is split on its own unit and multiplied by its own tile rows: row i of an M-row
+    call is bit for bit the 1-row call, and a row 10^6 times larger beside it changes nothing."""
+    _amx_or_skip()
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (70, 300), generator=g, dtype=torch.int8)
+    packed, scales = cpu_kernels.pack_int8(q, torch.rand(70, generator=g) + 0.01, quads=True)
+    x = torch.randn(20, 300, generator=g)
+    x[7] *= 1e6
+    one = torch.cat([torch.ops.tokenloom_amx.linear_int8_limbs(x[i:i + 1], packed, scales, 70, None) for i in range(20)])
+    assert torch.equal(torch.ops.tokenloom_amx.linear_int8_limbs(x, packed, scales, 70, None), one)
+
+
+def test_amx_int8_limbs_propagate_inf_and_nan() -> None:
+    """A row holding inf or NaN cannot be written as limbs: the call takes the bf16-tile kernel,
+    whose float sums carry it to that row's outputs (the other rows stay finite)."""
+    _amx_or_skip()
+    q = torch.randint(-127, 128, (40, 128), dtype=torch.int8)
+    packed, scales = cpu_kernels.pack_int8(q, torch.rand(40) + 0.01, quads=True)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(17, 128)
+        x[3, 9] = bad
+        y = torch.ops.tokenloom_amx.linear_int8_limbs(x, packed, scales, 40, None)
+        assert not torch.isfinite(y[3]).all() and torch.isfinite(torch.cat([y[:3], y[4:]])).all()
 
 
 def test_amx_rejects_groups_not_a_multiple_of_32() -> None:
