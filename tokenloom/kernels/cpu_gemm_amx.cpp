@@ -40,6 +40,7 @@
 
 #include "amx_tiles.h"
 #include "gemm_driver.h"
+#include "panel_linear.h"
 
 namespace {
 
@@ -231,7 +232,9 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
   const uint16_t* alo = alo_t.defined() ? reinterpret_cast<const uint16_t*>(alo_t.data_ptr<at::BFloat16>()) : nullptr;
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = n;
-  at::Tensor y = at::empty({M, n}, x.options().dtype(at::kFloat));
+  // A bf16 x gets its bf16 y written here, rounded once (no float32 copy to convert after).
+  const bool out16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor y = at::empty({M, n}, x.options().dtype(out16 ? at::kBFloat16 : at::kFloat));
   at::Tensor bias_f;
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -240,7 +243,12 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
     bp = bias_f.data_ptr<float>();
   }
   const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
-  float* yp = y.data_ptr<float>();
+  float* yp = out16 ? nullptr : y.data_ptr<float>();
+  uint16_t* yh = out16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr;
+  auto store = [&](int64_t at, __mmask16 mk, __m512 v) {
+    if (yh) _mm256_mask_storeu_epi16(yh + at, mk, tokenloom::round_to_bf16(v));
+    else _mm512_mask_storeu_ps(yp + at, mk, v);
+  };
   const int64_t nkb = K2p / KB;
   tokenloom::for_panel_runs(panels, [&](int64_t p0, int64_t p1) {
     begin_tiles();
@@ -257,9 +265,9 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         panel_rows(ap, alo, lda, M, m0, b, nkb, scale, p, acc, ctile);
         for (int64_t i = 0; i < std::min<int64_t>(32, M - m0); ++i) {
-          float* yi = yp + (m0 + i) * n + p * PANEL;
-          _mm512_mask_storeu_ps(yi, m0k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32), b0));
-          if (m1k) _mm512_mask_storeu_ps(yi + 16, m1k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32 + 16), b1));
+          const int64_t at = (m0 + i) * n + p * PANEL;
+          store(at, m0k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32), b0));
+          if (m1k) store(at + 16, m1k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32 + 16), b1));
         }
       }
     }
