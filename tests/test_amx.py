@@ -62,6 +62,18 @@ def test_amx_bf16_matches_reference(m: int, k: int, n: int, bias: bool, seed: in
     _check(y, x, w.float(), b)
 
 
+def test_amx_bf16_long_prefill_crosses_row_blocks() -> None:
+    """A prefill-sized call runs its rows in L2-sized blocks (about 1 MiB of x each: 576 rows at
+    896 features): rows on both sides of each block edge, and the last partial block, match."""
+    _amx_or_skip()
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(70, 896, generator=g).to(torch.bfloat16)
+    x = torch.randn(1300, 896, generator=g)
+    b = torch.randn(70, generator=g)
+    y = torch.ops.tokenloom_amx.linear_bf16(x, cpu_kernels.pack_pairs(w), 70, cpu_kernels.pad_bias(b, 70))
+    _check(y, x, w.float(), b)
+
+
 @settings(max_examples=25, deadline=None)
 @given(**shapes)
 def test_amx_int8_matches_reference(m: int, k: int, n: int, bias: bool, seed: int) -> None:

@@ -250,24 +250,32 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
     else _mm512_mask_storeu_ps(yp + at, mk, v);
   };
   const int64_t nkb = K2p / KB;
+  // Rows in blocks of `mb` (a block's activations stay in L2 while the thread's panels pass
+  // by; without it every panel re-read all of a long prefill's x from L3), each panel's rows of
+  // the block in tiles of 32.  Panels are widened again for every row block: mb rows of tile
+  // multiplies amortize it.
+  const int64_t mb = std::max<int64_t>(32, (int64_t{1} << 20) / (lda * 2 * (alo ? 2 : 1)) / 32 * 32);
   tokenloom::for_panel_runs(panels, [&](int64_t p0, int64_t p1) {
     begin_tiles();
     std::vector<uint16_t> buf(K2p * PANEL * 2 + 32);
     alignas(64) float acc[32 * 32];
     alignas(64) float ctile[4 * 256];
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint16_t* b = src.panel(p, buf.data());
-      const int64_t ncols = std::min<int64_t>(PANEL, n - p * PANEL);
-      const __mmask16 m0k = static_cast<__mmask16>(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1);
-      const __mmask16 m1k = static_cast<__mmask16>(ncols >= 32 ? 0xFFFF : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0);
-      const __m512 b0 = bp ? _mm512_maskz_loadu_ps(m0k, bp + p * PANEL) : _mm512_setzero_ps();
-      const __m512 b1 = bp ? _mm512_maskz_loadu_ps(m1k, bp + p * PANEL + 16) : _mm512_setzero_ps();
-      for (int64_t m0 = 0; m0 < M; m0 += 32) {
-        panel_rows(ap, alo, lda, M, m0, b, nkb, scale, p, acc, ctile);
-        for (int64_t i = 0; i < std::min<int64_t>(32, M - m0); ++i) {
-          const int64_t at = (m0 + i) * n + p * PANEL;
-          store(at, m0k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32), b0));
-          if (m1k) store(at + 16, m1k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32 + 16), b1));
+    for (int64_t r0 = 0; r0 < M; r0 += mb) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint16_t* b = src.panel(p, buf.data());
+        const int64_t ncols = std::min<int64_t>(PANEL, n - p * PANEL);
+        const __mmask16 m0k = static_cast<__mmask16>(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1);
+        const __mmask16 m1k =
+            static_cast<__mmask16>(ncols >= 32 ? 0xFFFF : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0);
+        const __m512 b0 = bp ? _mm512_maskz_loadu_ps(m0k, bp + p * PANEL) : _mm512_setzero_ps();
+        const __m512 b1 = bp ? _mm512_maskz_loadu_ps(m1k, bp + p * PANEL + 16) : _mm512_setzero_ps();
+        for (int64_t m0 = r0; m0 < std::min(M, r0 + mb); m0 += 32) {
+          panel_rows(ap, alo, lda, M, m0, b, nkb, scale, p, acc, ctile);
+          for (int64_t i = 0; i < std::min<int64_t>(32, M - m0); ++i) {
+            const int64_t at = (m0 + i) * n + p * PANEL;
+            store(at, m0k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32), b0));
+            if (m1k) store(at + 16, m1k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32 + 16), b1));
+          }
         }
       }
     }
