@@ -31,7 +31,9 @@ Not part of CI and not imported by the tests. What it does, each step skipped wh
 without AMX, and natively with AMX where tokenloom's AMX probe finds the tiles usable, with the
 tile-configuration fix gcc < 13 needs; it times batch 1 (llama-bench) and batch 16
 (llama-batched-bench, --batch-sizes), flash attention on and off (the faster kept), against
-tokenloom at the same batch sizes, rounds alternating, and reports both builds.
+tokenloom at the same batch sizes, rounds alternating, and reports both builds; then each
+step against this machine's read roof (its weights' bytes -- ours as loaded, llama.cpp's GGUF
+file -- over a parallel read's rate, measured after the rounds) and its FLOP rate.
 
 Without --model a random-weight Qwen2.5-0.5B-shaped checkpoint is made once (bf16,
 `make-model`, as bench_quant.py does).
@@ -436,10 +438,13 @@ def run_native(model: Path, work: Path, source: Path, builds: list[str], llama_v
     med: dict[str, float] = {}
     times_all: dict[str, list[float]] = {}
     flash: dict[str, bool] = {}
+    weight_bytes: dict[str, int] = {f"llama.cpp {v}": files[v].stat().st_size for v in llama_variants}
     for batch in batches:
         total = rounds * steps + 8
         engines = {f"tokenloom {v} b{batch}": bench_quant.prefilled(model, batch, context, total,
                                                                      **bench_quant.VARIANTS[v]) for v in ours}
+        for v in ours:  # what one step streams: the weights as stored (a tied embedding once, as the LM head)
+            weight_bytes[f"tokenloom {v}"] = engines[f"tokenloom {v} b{batch}"].llm_engine.loaded.weight_bytes
         times: dict[str, list[float]] = {k: [] for k in engines}
         for r in range(rounds):
             for name, eng in engines.items():
@@ -462,9 +467,14 @@ def run_native(model: Path, work: Path, source: Path, builds: list[str], llama_v
         del engines
         med.update({k: statistics.median(v) for k, v in times.items()})
         times_all.update(times)
+    from tokenloom.specs import microbench
+
+    read_gbs = statistics.median(microbench.measure_bandwidth() for _ in range(3)) / 1e9
+    params = weight_bytes.get("tokenloom bf16", 0) / 2  # for the FLOPs of a step: 2 per weight per token
     return {"model": str(model), "native": builds, "pure": pure, "context": context, "rounds": rounds,
             "steps": steps, "threads": threads, "batches": batches, "median_ms": med, "flash_attention": flash,
-            "rounds_ms": times_all, "cpu": _cpu_name()}
+            "rounds_ms": times_all, "cpu": _cpu_name(), "weight_bytes": weight_bytes,
+            "read_roof_gb_s": read_gbs, "params": params}
 
 
 def _cpu_name() -> str:
@@ -490,6 +500,23 @@ def print_native_table(res: dict) -> None:
                 cells.append(f"{theirs} | {t and f'{t:.1f}' or '-'} | {f'{t / a:.2f}x' if a and t else ''}")
             print(f"| {ours} | {a and f'{a:.1f}' or '-'} | " + " | ".join(cells) + " |")
     print("(ratio = llama.cpp / tokenloom: > 1, tokenloom's step is faster)")
+    roof, params = res.get("read_roof_gb_s"), res.get("params")
+    if not roof:
+        return
+    print(f"\nEach step against the read roof ({roof:.1f} GB/s, measured after the rounds: a parallel read "
+          f"beyond the caches) and its arithmetic rate ({params / 1e6:.0f} M weights, 2 FLOPs each per token):")
+    print("| engine, variant | weights | at the roof | " + " | ".join(f"batch {b}: step, share of roof, GFLOP/s"
+                                                                for b in res["batches"]) + " |")
+    for name, nbytes in res["weight_bytes"].items():
+        roof_ms = nbytes / roof / 1e6
+        cells = []
+        for b in res["batches"]:
+            engine, variant = name.split()
+            keys = [f"{name} b{b}"] if engine == "tokenloom" else [f"llama.cpp {bld} {variant} b{b}"
+                                                                    for bld in ("noamx", "amx")]
+            ms = min((med[k] for k in keys if k in med), default=None)  # llama.cpp: its faster build
+            cells.append(f"{ms:.1f} ms, {roof_ms / ms:.0%}, {2 * params * b / ms / 1e6:.0f}" if ms else "-")
+        print(f"| {name} | {nbytes / 1e6:.0f} MB | {roof_ms:.1f} ms | " + " | ".join(cells) + " |")
 
 
 def print_table(res: dict) -> None:
