@@ -148,7 +148,7 @@ def test_amx_int8_limbs_within_the_limb_bound(outlier: bool, m: int, k: int, n: 
     ref = x.double() @ w.t() + (b.double() if b is not None else 0)
     bound = (x.abs().amax(dim=1, keepdim=True).double() * 2.0**-28 * w.abs().sum(dim=1)[None]
              + 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-6)
-    for xin in (x, x.to(torch.bfloat16)):  # a bf16 row within 2^20 of its largest: exact limbs
+    for xin in (x, x.to(torch.bfloat16)):
         y = torch.ops.tokenloom_amx.linear_int8_limbs(xin, packed, scales, n, cpu_kernels.pad_bias(b, n))
         assert y.dtype == xin.dtype
         if xin.dtype == torch.float32:
@@ -156,7 +156,13 @@ def test_amx_int8_limbs_within_the_limb_bound(outlier: bool, m: int, k: int, n: 
         else:  # y rounded to bf16: its own rounding on top of the sums
             ref16 = xin.double() @ w.t() + (b.double() if b is not None else 0)
             y32 = torch.ops.tokenloom_amx.linear_int8_limbs(xin.float(), packed, scales, n, cpu_kernels.pad_bias(b, n))
-            assert ((y32.double() - ref16).abs() <= 1e-5 * (xin.double().abs() @ w.abs().t()) + 1e-6).all()
+            # A bf16 row whose nonzero values all lie within 2^20 of its largest is written exactly
+            # (only float32 summation is left); a wider row keeps the 2^-28 bound.
+            a16 = xin.double().abs()
+            rowmax = a16.amax(dim=1, keepdim=True)
+            exact = (a16.masked_fill(a16 == 0, float("inf")).amin(dim=1, keepdim=True) >= rowmax * 2.0**-20)
+            limb = torch.where(exact, 0.0, rowmax * 2.0**-28) * w.abs().sum(dim=1)[None]
+            assert ((y32.double() - ref16).abs() <= limb + 1e-5 * (a16 @ w.abs().t()) + 1e-6).all()
             assert torch.allclose(y.double(), ref16, rtol=2**-8, atol=1e-3 * (ref16.abs().max().item() + 1))
 
 
