@@ -9,11 +9,14 @@
 // configuration built on the stack.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstdint>
+
+#include "panel_linear.h"
 
 namespace tokenloom::amx {
 
@@ -44,5 +47,39 @@ inline bool request_tiles() {
   if (granted < 0) granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0 ? 1 : 0;
   return granted == 1;
 }
+
+// An AMX GEMM's output y [M, n] and its bias: a bf16 x gets its bf16 y written directly,
+// rounded once (no float32 copy to convert after); any other x a float32 y.  `store` writes 16
+// sums (plus nothing: the caller adds `bias()`) at element `at` under a column mask.
+class Output {
+ public:
+  Output(const at::Tensor& x, int64_t M, int64_t n, const c10::optional<at::Tensor>& bias)
+      : y_(at::empty({M, n}, x.options().dtype(x.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat))) {
+    if (bias.has_value() && bias->defined()) {
+      bias_ = bias->to(at::kFloat).contiguous();
+      TORCH_CHECK(bias_.numel() >= n, "bias shorter than n");
+      bp_ = bias_.data_ptr<float>();
+    }
+    if (y_.scalar_type() == at::kBFloat16) yh_ = reinterpret_cast<uint16_t*>(y_.data_ptr<at::BFloat16>());
+    else yf_ = y_.data_ptr<float>();
+  }
+  const float* bias() const { return bp_; }
+  void store(int64_t at, __mmask16 mk, __m512 v) const {
+    if (yh_) _mm256_mask_storeu_epi16(yh_ + at, mk, tokenloom::round_to_bf16(v));
+    else _mm512_mask_storeu_ps(yf_ + at, mk, v);
+  }
+  // y shaped as x with n features, in x's dtype.
+  at::Tensor result(const at::Tensor& x, int64_t n) const {
+    auto sizes = x.sizes().vec();
+    sizes.back() = n;
+    return y_.view(sizes).to(x.scalar_type());
+  }
+
+ private:
+  at::Tensor y_, bias_;
+  const float* bp_ = nullptr;
+  float* yf_ = nullptr;
+  uint16_t* yh_ = nullptr;
+};
 
 }  // namespace tokenloom::amx

@@ -230,25 +230,9 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
     alo_t.narrow(0, 0, M).narrow(1, 0, K).copy_(x2.to(at::kFloat) - a.narrow(0, 0, M).narrow(1, 0, K).to(at::kFloat));
   }
   const uint16_t* alo = alo_t.defined() ? reinterpret_cast<const uint16_t*>(alo_t.data_ptr<at::BFloat16>()) : nullptr;
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = n;
-  // A bf16 x gets its bf16 y written here, rounded once (no float32 copy to convert after).
-  const bool out16 = x.scalar_type() == at::kBFloat16;
-  at::Tensor y = at::empty({M, n}, x.options().dtype(out16 ? at::kBFloat16 : at::kFloat));
-  at::Tensor bias_f;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bias_f = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bias_f.numel() >= n, "bias shorter than n");
-    bp = bias_f.data_ptr<float>();
-  }
+  const tokenloom::amx::Output out(x, M, n, bias);
+  const float* bp = out.bias();
   const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
-  float* yp = out16 ? nullptr : y.data_ptr<float>();
-  uint16_t* yh = out16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr;
-  auto store = [&](int64_t at, __mmask16 mk, __m512 v) {
-    if (yh) _mm256_mask_storeu_epi16(yh + at, mk, tokenloom::round_to_bf16(v));
-    else _mm512_mask_storeu_ps(yp + at, mk, v);
-  };
   const int64_t nkb = K2p / KB;
   // Rows in blocks of `mb` (a block's activations stay in L2 while the thread's panels pass
   // by; without it every panel re-read all of a long prefill's x from L3), each panel's rows of
@@ -273,15 +257,15 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
           panel_rows(ap, alo, lda, M, m0, b, nkb, scale, p, acc, ctile);
           for (int64_t i = 0; i < std::min<int64_t>(32, M - m0); ++i) {
             const int64_t at = (m0 + i) * n + p * PANEL;
-            store(at, m0k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32), b0));
-            if (m1k) store(at + 16, m1k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32 + 16), b1));
+            out.store(at, m0k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32), b0));
+            if (m1k) out.store(at + 16, m1k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32 + 16), b1));
           }
         }
       }
     }
     _tile_release();
   });
-  return y.view(out_sizes).to(x.scalar_type());
+  return out.result(x, n);
 }
 
 int64_t pad_pairs(int64_t k2) { return (k2 + KB - 1) / KB * KB; }

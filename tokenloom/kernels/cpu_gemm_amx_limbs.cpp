@@ -142,20 +142,8 @@ at::Tensor limb_linear(const at::Tensor& x, int64_t Kq, int64_t panels, int64_t 
                       : split_rows(x2.to(at::kFloat).contiguous().data_ptr<float>(), M, K, Kq, a);
   if (!ok) return at::Tensor();
   const int64_t nkb = Kq / KBLK;
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = n;
-  // A bf16 x gets its bf16 y written here, rounded once (no float32 copy to convert after).
-  const bool out16 = x2.scalar_type() == at::kBFloat16;
-  at::Tensor y = at::empty({M, n}, x.options().dtype(out16 ? at::kBFloat16 : at::kFloat));
-  at::Tensor bias_f;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bias_f = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bias_f.numel() >= n, "bias shorter than n");
-    bp = bias_f.data_ptr<float>();
-  }
-  float* yf = out16 ? nullptr : y.data_ptr<float>();
-  uint16_t* yh = out16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr;
+  const tokenloom::amx::Output out(x2, M, n, bias);
+  const float* bp = out.bias();
   tokenloom::for_panel_runs(panels, [&](int64_t p0, int64_t p1) {
     TORCH_CHECK(tokenloom::amx::request_tiles(), "tokenloom_amx: the kernel refused AMX tile permission");
     _tile_loadconfig(&kConfig);
@@ -201,16 +189,14 @@ at::Tensor limb_linear(const at::Tensor& x, int64_t Kq, int64_t panels, int64_t 
           for (int64_t i = 0; i < std::min<int64_t>(16, M - m0); ++i) {
             const __m512 v = _mm512_fmadd_ps(
                 _mm512_mul_ps(_mm512_load_ps(acc + i * PANEL + h * 16), _mm512_set1_ps(a.du[m0 + i])), cs, bs);
-            const int64_t at = (m0 + i) * n + p * PANEL + h * 16;
-            if (yh) tokenloom::vnni::store16(yh + at, v, cols);
-            else tokenloom::vnni::store16(yf + at, v, cols);
+            out.store((m0 + i) * n + p * PANEL + h * 16, mk, v);
           }
         }
       }
     }
     _tile_release();
   });
-  return y.view(out_sizes).to(x.scalar_type());  // a no-op for bf16 and float32 x
+  return out.result(x, n);
 }
 
 // int8 weights in k-quad panels [P, K4, 32, 4], float32 column scales [P * 32].  A limb's sums
