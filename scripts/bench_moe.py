@@ -26,13 +26,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from tokenloom import LLM, SamplingParams
-from tokenloom.model.moe import MoEStep
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_quant import prefilled, time_steps  # noqa: E402  (engines past prefill; a median decode step)
+from tokenloom import LLM  # noqa: E402
+from tokenloom.model.moe import MoEStep  # noqa: E402
 
 
 def model_dir(arg: str | None, preset: str, dtype: str) -> Path:
@@ -44,31 +48,6 @@ def model_dir(arg: str | None, preset: str, dtype: str) -> Path:
     if not (out / "config.json").exists():
         make_model(preset, out, dtype=dtype)
     return out
-
-
-def prefilled(path: Path, batch: int, context: int, total_steps: int, **kw) -> LLM:
-    """An engine with `batch` requests of `context` prompt tokens each, all past prefill."""
-    llm = LLM(str(path), max_model_len=context + total_steps + 16, max_num_seqs=batch,
-              num_kv_blocks=batch * ((context + total_steps + 16) // 16 + 1) + 8, **kw)
-    eng = llm.llm_engine
-    for i in range(batch):
-        ids = [5 + (i * 7 + j * 13) % 4000 for j in range(context)]
-        eng.add_request(f"r{i}", {"prompt_token_ids": ids},
-                        SamplingParams(temperature=0, max_tokens=total_steps + 8, ignore_eos=True))
-    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in eng.scheduler.running) or eng.scheduler.waiting:
-        eng.step()
-    eng.step()
-    return llm
-
-
-def time_steps(llm: LLM, steps: int) -> float:
-    eng = llm.llm_engine
-    t = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        eng.step()
-        t.append(time.perf_counter() - t0)
-    return statistics.median(t)
 
 
 def moe_steps(llm: LLM) -> list[MoEStep]:
