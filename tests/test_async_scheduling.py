@@ -5,7 +5,7 @@ check is the logic the GPU relies on: step N+1 is launched from step N's tokens 
 and a request that ends with step N's token (EOS, stop token, stop string, max_tokens, abort)
 never shows the extra token; preemption, n > 1 with prefix caching, logprobs, penalties,
 min_tokens and structured output give the same greedy (or seeded) tokens and finish reasons,
-and every KV block comes back.  Speculative decoding is refused with a clear error.
+and every KV block comes back.  With n-gram speculation: tests/test_spec_decode.py.
 """
 
 from __future__ import annotations
@@ -62,11 +62,6 @@ def _drive(eng: LLMEngine, requests: list[tuple[str, str, SamplingParams]],
 
 def _greedy(max_tokens: int = 24, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
-
-
-def test_speculation_is_refused(tiny_llama):
-    with pytest.raises(ValueError, match="async_scheduling.*speculative"):
-        _engine(tiny_llama, True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
 def test_same_tokens_and_finish_reasons_across_stop_rules(pair):

@@ -272,6 +272,36 @@ def test_speculation_turns_off_above_the_batch_size(hf_checkpoint):
     assert any(ev.num_draft_tokens for ev in events)  # once fewer run, drafting resumes
 
 
+def test_async_scheduling_gives_the_same_tokens(hf_checkpoint):
+    """Speculation with --async-scheduling: a step that drafts is scheduled once the previous
+    step's tokens are in (its drafts are made from them), the others run ahead of them; the
+    same tokens, finish reasons and stop strings as without overlap, drafts accepted and
+    rejected, every block returned."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:5]]
+    # the batch shrinks from 5 (no drafts: steps ahead) to 2 and 1 (drafts: steps after the tokens)
+    params = [SamplingParams(temperature=0, max_tokens=8 + 8 * i, ignore_eos=True) for i in range(5)]
+    ref = LLM(str(hf_checkpoint), max_model_len=200, num_kv_blocks=100).generate(prompts, params, use_tqdm=False)
+    text = ref[4].outputs[0].text
+    cut = next(i for i in range(len(text) * 2 // 3, len(text) - 2) if text.find(text[i:i + 2]) == i)
+    params[4] = SamplingParams(temperature=0, max_tokens=40, stop=[text[cut:cut + 2]])
+    got, events = {}, {False: [], True: []}
+    for on in (False, True):
+        llm = LLM(str(hf_checkpoint), observers=[events[on].append], async_scheduling=on, max_model_len=200,
+                  num_kv_blocks=100, speculative_config={**SPEC, "disable_by_batch_size": 2})
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got[on] = [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+        assert llm.llm_engine.kv.pool.num_free == 100
+        if on:
+            assert llm.llm_engine.num_steps_ahead > 0
+        accepted = sum(e.num_accepted_tokens for e in events[on])
+        assert 0 < accepted < sum(e.num_draft_tokens for e in events[on])
+    assert got[True] == got[False]
+    # requests ending by length are foreseen: overlap drafts exactly where the plain loop does
+    assert [e.num_draft_tokens for e in events[True]] == [e.num_draft_tokens for e in events[False]]
+    assert got[False][4][2] == "stop" and got[False][3][2] == "length"
+    assert [t for t, _, _ in got[False][:4]] == [list(o.outputs[0].token_ids) for o in ref[:4]]
+
+
 def test_sampled_requests_with_speculation_finish_and_return_blocks(hf_checkpoint):
     llm = LLM(str(hf_checkpoint), speculative_config={**SPEC, "disable_by_batch_size": 8}, max_model_len=200,
               num_kv_blocks=100)

@@ -82,15 +82,9 @@ logger = logging.getLogger("tokenloom")
 PromptType = str | list[int] | dict
 
 
-def check_async_scheduling(args: EngineArgs, speculative: SpeculativeConfig | None) -> None:
+def check_async_scheduling(args: EngineArgs) -> None:
     """Refuse what async scheduling does not support, naming the settings."""
-    if not args.async_scheduling:
-        return
-    if speculative is not None:
-        raise ValueError("async_scheduling (--async-scheduling) does not support speculative decoding "
-                         "(--speculative-config): the next step's drafts depend on tokens the host has not seen; "
-                         "use one or the other")
-    if args.tensor_parallel_size > 1:
+    if args.async_scheduling and args.tensor_parallel_size > 1:
         raise ValueError("async_scheduling (--async-scheduling) does not support --tensor-parallel-size > 1 yet")
 
 
@@ -112,7 +106,7 @@ class LLMEngine:
         self.args = args
         # checked before anything loads: a bad speculative_config is a quick, clear error
         self.speculative_config = SpeculativeConfig.parse(args.speculative_config)
-        check_async_scheduling(args, self.speculative_config)
+        check_async_scheduling(args)
         self.lora_config = LoRAConfig.from_args(args)  # --enable-lora: adapter slots (same: checked first)
         # loaded adapters by id: what requests run with (`add_lora`, or loaded on first use)
         self.loras: dict[int, tuple[LoRARequest, LoRAAdapter]] = {}
@@ -601,6 +595,8 @@ class LLMEngine:
             current = None  # every request in it ended meanwhile: nothing of it is kept
         if current is None:
             start = time.perf_counter()
+            if self.proposer is not None:  # a step scheduled now drafts as without async scheduling
+                self.proposer.propose(self.scheduler.running)
             out = self.scheduler.schedule(now=start)
             if out.is_empty:
                 return []
@@ -610,7 +606,12 @@ class LLMEngine:
                 return self._failed_step(out, e)
         launched, start = current
         out = launched.out
-        ahead = schedule_ahead(self.scheduler, out) if self._faults is None else None
+        # No step ahead where the next step would draft: its drafts need this step's tokens, and a
+        # step launched without them would give up the speculation (same tokens, fewer per step).
+        # The next step's batch: the running requests this step's token does not end by length.
+        drafts_next = self.proposer is not None and self.proposer.active(
+            sum(r.num_output_tokens + 1 < r.max_tokens for r in self.scheduler.running))
+        ahead = schedule_ahead(self.scheduler, out) if self._faults is None and not drafts_next else None
         if ahead is not None:
             t = time.perf_counter()
             try:

@@ -151,11 +151,22 @@ struct GroupScale {
   }
 };
 
+// The activations as AMX A tiles: rows of `lda` bf16 (K2p pairs), 16 rows a tile.  Rows below
+// `full` are read in place from `main`; the rest from `tail`, a copy padded with zeros to a
+// whole tile.  A bf16 x whose K is already whole k-blocks is read where it lies (no copy of a
+// long prefill's activations per linear), only its last partial tile copied.
+struct RowTiles {
+  const uint16_t* main = nullptr;
+  const uint16_t* tail = nullptr;
+  int64_t full = 0, lda = 0;
+  const uint16_t* tile(int64_t m) const { return m < full ? main + m * lda : tail + (m - full) * lda; }
+};
+
 // Rows [m0, m0 + 32) (those below M) times panel p: for each k-block, two activation tiles
 // (rows m0.., m0 + 16..) times the panel's two 16-column weight tiles; at each group's end
 // the four sum tiles are scaled into `acc` [32 x 32] float32.
 template <typename Scale>
-inline void panel_rows(const uint16_t* a, const uint16_t* alo, int64_t lda, int64_t M, int64_t m0, const uint16_t* b,
+inline void panel_rows(const RowTiles& a, const RowTiles& alo, int64_t M, int64_t m0, const uint16_t* b,
                        int64_t nkb, const Scale& scale, int64_t p, float* acc, float* ctile) {
   const bool two = m0 + 16 < M;
   const int64_t rows = std::min<int64_t>(32, M - m0);
@@ -172,20 +183,20 @@ inline void panel_rows(const uint16_t* a, const uint16_t* alo, int64_t lda, int6
       const uint16_t* bt = b + kb * KB * PANEL * 2;
       _tile_loadd(6, bt, PANEL * 4);
       _tile_loadd(7, bt + 32, PANEL * 4);
-      _tile_loadd(4, a + m0 * lda + kb * KB * 2, lda * 2);
+      _tile_loadd(4, a.tile(m0) + kb * KB * 2, a.lda * 2);
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 4, 7);
-      if (alo) {
-        _tile_loadd(4, alo + m0 * lda + kb * KB * 2, lda * 2);
+      if (alo.main) {
+        _tile_loadd(4, alo.tile(m0) + kb * KB * 2, alo.lda * 2);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
       }
       if (two) {
-        _tile_loadd(5, a + (m0 + 16) * lda + kb * KB * 2, lda * 2);
+        _tile_loadd(5, a.tile(m0 + 16) + kb * KB * 2, a.lda * 2);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
-        if (alo) {
-          _tile_loadd(5, alo + (m0 + 16) * lda + kb * KB * 2, lda * 2);
+        if (alo.main) {
+          _tile_loadd(5, alo.tile(m0 + 16) + kb * KB * 2, alo.lda * 2);
           _tile_dpbf16ps(2, 5, 6);
           _tile_dpbf16ps(3, 5, 7);
         }
@@ -222,23 +233,28 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
   const at::Tensor x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0);
   const int64_t lda = K2p * 2;
-  at::Tensor a = at::zeros({(M + 15) / 16 * 16, lda}, x.options().dtype(at::kBFloat16));
-  a.narrow(0, 0, M).narrow(1, 0, K).copy_(x2);
+  // x in place when it is bf16 rows of whole k-blocks, else one padded bf16 copy (hi) and, for a
+  // float32 x, the remainder plane (lo).
+  const bool in_place = x.scalar_type() == at::kBFloat16 && K == lda && x2.is_contiguous();
+  const int64_t full = in_place ? M / 16 * 16 : 0;
+  at::Tensor a = at::zeros({(M - full + 15) / 16 * 16, lda}, x.options().dtype(at::kBFloat16));
+  a.narrow(0, 0, M - full).narrow(1, 0, K).copy_(x2.narrow(0, full, M - full));
   at::Tensor alo_t;
   if (x.scalar_type() != at::kBFloat16) {
     alo_t = at::zeros_like(a);
     alo_t.narrow(0, 0, M).narrow(1, 0, K).copy_(x2.to(at::kFloat) - a.narrow(0, 0, M).narrow(1, 0, K).to(at::kFloat));
   }
-  const uint16_t* alo = alo_t.defined() ? reinterpret_cast<const uint16_t*>(alo_t.data_ptr<at::BFloat16>()) : nullptr;
+  const auto bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  const RowTiles ap{in_place ? bits(x2) : nullptr, bits(a), full, lda};
+  const RowTiles alo{alo_t.defined() ? bits(alo_t) : nullptr, nullptr, alo_t.defined() ? alo_t.size(0) : 0, lda};
   const tokenloom::amx::Output out(x, M, n, bias);
   const float* bp = out.bias();
-  const uint16_t* ap = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
   const int64_t nkb = K2p / KB;
   // Rows in blocks of `mb` (a block's activations stay in L2 while the thread's panels pass
   // by; without it every panel re-read all of a long prefill's x from L3), each panel's rows of
   // the block in tiles of 32.  Panels are widened again for every row block: mb rows of tile
   // multiplies amortize it.
-  const int64_t mb = std::max<int64_t>(32, (int64_t{1} << 20) / (lda * 2 * (alo ? 2 : 1)) / 32 * 32);
+  const int64_t mb = std::max<int64_t>(32, (int64_t{1} << 20) / (lda * 2 * (alo.main ? 2 : 1)) / 32 * 32);
   tokenloom::for_panel_runs(panels, [&](int64_t p0, int64_t p1) {
     begin_tiles();
     std::vector<uint16_t> buf(K2p * PANEL * 2 + 32);
@@ -254,7 +270,7 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
         const __m512 b0 = bp ? _mm512_maskz_loadu_ps(m0k, bp + p * PANEL) : _mm512_setzero_ps();
         const __m512 b1 = bp ? _mm512_maskz_loadu_ps(m1k, bp + p * PANEL + 16) : _mm512_setzero_ps();
         for (int64_t m0 = r0; m0 < std::min(M, r0 + mb); m0 += 32) {
-          panel_rows(ap, alo, lda, M, m0, b, nkb, scale, p, acc, ctile);
+          panel_rows(ap, alo, M, m0, b, nkb, scale, p, acc, ctile);
           for (int64_t i = 0; i < std::min<int64_t>(32, M - m0); ++i) {
             const int64_t at = (m0 + i) * n + p * PANEL;
             out.store(at, m0k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32), b0));

@@ -35,10 +35,14 @@ class SpecProposer:
         self.config = config
         self.enabled_last_step = False  # whether the last call drafted at all (batch size small enough)
 
+    def active(self, num_running: int) -> bool:
+        """Whether a step with `num_running` running requests drafts at all."""
+        return num_running <= self.config.disable_by_batch_size
+
     def propose(self, running: Sequence[Request]) -> None:
         """Set `spec_token_ids` on every running request (empty where nothing is proposed)."""
         c = self.config
-        on = len(running) <= c.disable_by_batch_size
+        on = self.active(len(running))
         self.enabled_last_step = on
         for req in running:
             drafts: list[int] = []
