@@ -7,7 +7,10 @@ mmap threshold with a fresh mapping and unmaps it on free, and hands the top of 
 to the OS once more than its trim threshold is free, so these buffers keep coming back as
 new pages that fault in one 4 KiB page at a time -- tens of milliseconds of kernel time per
 step (docs/performance.md, "Why each CPU kernel is chosen"); `keep_step_buffers` raises both
-thresholds so the buffers stay mapped.
+thresholds so the buffers stay mapped.  glibc takes no mmap threshold above 32 MiB, and a long
+prefill's temporaries are larger (2,048 tokens of Qwen2.5-0.5B's gate/up output: 40 MB in
+bf16, each of 24 layers), so it also turns off serving allocations from fresh mappings
+altogether: they come from the heap, whose freed space the trim threshold keeps.
 
 Both calls are no-ops off glibc; `TOKENLOOM_GLIBC_HEAP=0` leaves glibc's defaults.
 """
@@ -21,6 +24,7 @@ import sys
 
 M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's malloc.h
 M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
 MMAP_THRESHOLD_MAX = 32 << 20  # the largest mmap threshold glibc accepts on 64-bit
 TRIM_THRESHOLD = 256 << 20  # more than a step's heap-served temporaries, little to hold on to
 
@@ -38,12 +42,13 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def keep_step_buffers() -> bool:
-    """Serve allocations up to 32 MiB from the heap and keep up to 256 MiB of freed heap for
-    reuse; True if glibc took both settings."""
+    """Serve every allocation from the heap (none from a mapping of its own) and keep up to
+    256 MiB of freed heap for reuse; True if glibc took the settings."""
     libc = _libc()
     if libc is None or os.environ.get("TOKENLOOM_GLIBC_HEAP", "1") == "0":
         return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return all(libc.mallopt(param, value) for param, value in
+               ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
 
 
 def release_free_memory() -> None:
