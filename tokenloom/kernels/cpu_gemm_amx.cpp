@@ -73,6 +73,15 @@ struct Bf16Panels {
     std::memset(buf + K2 * PANEL * 2, 0, (K2p - K2) * PANEL * 2 * 2);
     return buf;
   }
+  // k-block kb of panel p alone (KB pair rows, 2 KiB): in place unless it is the padded last one.
+  const uint16_t* block(int64_t p, int64_t kb, uint16_t* buf) const {
+    const uint16_t* src = w + (p * K2 + kb * KB) * PANEL * 2;
+    if ((kb + 1) * KB <= K2) return src;
+    const int64_t live = K2 - kb * KB;
+    std::memcpy(buf, src, live * PANEL * 2 * 2);
+    std::memset(buf + live * PANEL * 2, 0, (KB - live) * PANEL * 2 * 2);
+    return buf;
+  }
 };
 
 // int8 k-quad panels [P, K4, 32, 4] -> bf16 pairs: quad row q gives pair rows 2q (k 4q, 4q+1)
@@ -81,10 +90,11 @@ struct Bf16Panels {
 struct Int8Panels {
   const int8_t* w;
   int64_t K4, K2p;
-  const uint16_t* panel(int64_t p, uint16_t* buf) const {
+  // Quad rows [q0, q1) of panel p as pair rows 2 q0 .. 2 q1 into dst.
+  void widen(int64_t p, int64_t q0, int64_t q1, uint16_t* dst) const {
     const int8_t* src = w + p * K4 * PANEL * 4;
     const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    for (int64_t q = 0; q < K4; ++q) {
+    for (int64_t q = q0; q < q1; ++q) {
       for (int h = 0; h < 2; ++h) {
         const __m512i v = _mm512_loadu_si512(src + (q * PANEL + h * 16) * 4);
         const __m512i f0 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24)));
@@ -93,11 +103,20 @@ struct Int8Panels {
         const __m512i f3 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24)));
         const __m512i r0 = _mm512_or_si512(_mm512_srli_epi32(f0, 16), _mm512_and_si512(f1, hi16));
         const __m512i r1 = _mm512_or_si512(_mm512_srli_epi32(f2, 16), _mm512_and_si512(f3, hi16));
-        _mm512_storeu_si512(buf + ((2 * q) * PANEL + h * 16) * 2, r0);
-        _mm512_storeu_si512(buf + ((2 * q + 1) * PANEL + h * 16) * 2, r1);
+        _mm512_storeu_si512(dst + ((2 * (q - q0)) * PANEL + h * 16) * 2, r0);
+        _mm512_storeu_si512(dst + ((2 * (q - q0) + 1) * PANEL + h * 16) * 2, r1);
       }
     }
+  }
+  const uint16_t* panel(int64_t p, uint16_t* buf) const {
+    widen(p, 0, K4, buf);
     std::memset(buf + 2 * K4 * PANEL * 2, 0, (K2p - 2 * K4) * PANEL * 2 * 2);
+    return buf;
+  }
+  const uint16_t* block(int64_t p, int64_t kb, uint16_t* buf) const {
+    const int64_t q0 = kb * KB / 2, q1 = std::min(K4, q0 + KB / 2);
+    widen(p, q0, q1, buf);
+    std::memset(buf + 2 * (q1 - q0) * PANEL * 2, 0, (KB - 2 * (q1 - q0)) * PANEL * 2 * 2);
     return buf;
   }
 };
@@ -107,7 +126,8 @@ struct Int8Panels {
 struct Int4Panels {
   const uint8_t* w;
   int64_t Kp, K2p;
-  const uint16_t* panel(int64_t p, uint16_t* buf) const {
+  // Pair rows [j0, j1) of panel p into dst.
+  void widen(int64_t p, int64_t j0, int64_t j1, uint16_t* dst) const {
     alignas(64) static const uint16_t table[32] = {
         0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,  // -8 .. -1
         0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,  // 0 .. 7
@@ -115,16 +135,23 @@ struct Int4Panels {
     const __m512i tab = _mm512_load_si512(table);
     const __m512i low = _mm512_set1_epi16(0x0F);
     const uint8_t* src = w + p * Kp * 16;
-    for (int64_t j = 0; j < Kp / 2; ++j) {
+    for (int64_t j = j0; j < j1; ++j) {
       const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (2 * j) * 16));
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (2 * j + 1) * 16));
       const __m256i ab = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
       const __m512i v = _mm512_cvtepu8_epi16(ab);  // column c's (k, k+1) bytes in words 2c, 2c+1
-      _mm512_storeu_si512(buf + j * PANEL * 2, _mm512_permutexvar_epi16(_mm512_and_si512(v, low), tab));
-      _mm512_storeu_si512(buf + (j * PANEL + 16) * 2,
+      _mm512_storeu_si512(dst + (j - j0) * PANEL * 2, _mm512_permutexvar_epi16(_mm512_and_si512(v, low), tab));
+      _mm512_storeu_si512(dst + ((j - j0) * PANEL + 16) * 2,
                           _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), tab));
     }
+  }
+  const uint16_t* panel(int64_t p, uint16_t* buf) const {
+    widen(p, 0, Kp / 2, buf);
     std::memset(buf + (Kp / 2) * PANEL * 2, 0, (K2p - Kp / 2) * PANEL * 2 * 2);
+    return buf;
+  }
+  const uint16_t* block(int64_t p, int64_t kb, uint16_t* buf) const {  // Kp is whole groups: whole k-blocks
+    widen(p, kb * KB, (kb + 1) * KB, buf);
     return buf;
   }
 };
@@ -165,8 +192,8 @@ struct RowTiles {
 // Rows [m0, m0 + 32) (those below M) times panel p: for each k-block, two activation tiles
 // (rows m0.., m0 + 16..) times the panel's two 16-column weight tiles; at each group's end
 // the four sum tiles are scaled into `acc` [32 x 32] float32.
-template <typename Scale>
-inline void panel_rows(const RowTiles& a, const RowTiles& alo, int64_t M, int64_t m0, const uint16_t* b,
+template <typename Scale, typename Block>
+inline void panel_rows(const RowTiles& a, const RowTiles& alo, int64_t M, int64_t m0, const Block& block,
                        int64_t nkb, const Scale& scale, int64_t p, float* acc, float* ctile) {
   const bool two = m0 + 16 < M;
   const int64_t rows = std::min<int64_t>(32, M - m0);
@@ -180,7 +207,7 @@ inline void panel_rows(const RowTiles& a, const RowTiles& alo, int64_t M, int64_
     }
     const int64_t kb1 = std::min(nkb, kb0 + scale.group_blocks);
     for (int64_t kb = kb0; kb < kb1; ++kb) {
-      const uint16_t* bt = b + kb * KB * PANEL * 2;
+      const uint16_t* bt = block(kb);
       _tile_loadd(6, bt, PANEL * 4);
       _tile_loadd(7, bt + 32, PANEL * 4);
       _tile_loadd(4, a.tile(m0) + kb * KB * 2, a.lda * 2);
@@ -255,14 +282,20 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
   // the block in tiles of 32.  Panels are widened again for every row block: mb rows of tile
   // multiplies amortize it.
   const int64_t mb = std::max<int64_t>(32, (int64_t{1} << 20) / (lda * 2 * (alo.main ? 2 : 1)) / 32 * 32);
+  const bool stream = M <= 32;
   tokenloom::for_panel_runs(panels, [&](int64_t p0, int64_t p1) {
     begin_tiles();
-    std::vector<uint16_t> buf(K2p * PANEL * 2 + 32);
+    std::vector<uint16_t> buf(stream ? 0 : K2p * PANEL * 2 + 32);
+    alignas(64) uint16_t kbuf[2][KB * PANEL * 2];
     alignas(64) float acc[32 * 32];
     alignas(64) float ctile[4 * 256];
     for (int64_t r0 = 0; r0 < M; r0 += mb) {
       for (int64_t p = p0; p < p1; ++p) {
-        const uint16_t* b = src.panel(p, buf.data());
+        // One row tile pair (a decode step): each k-block is widened just before its multiplies,
+        // into a buffer that stays in L1 (two, alternating), not the whole panel into L2 first.
+        const uint16_t* b = stream ? nullptr : src.panel(p, buf.data());
+        const auto whole = [&](int64_t kb) { return b + kb * KB * PANEL * 2; };
+        const auto streamed = [&](int64_t kb) { return src.block(p, kb, kbuf[kb & 1]); };
         const int64_t ncols = std::min<int64_t>(PANEL, n - p * PANEL);
         const __mmask16 m0k = static_cast<__mmask16>(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1);
         const __mmask16 m1k =
@@ -270,7 +303,10 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
         const __m512 b0 = bp ? _mm512_maskz_loadu_ps(m0k, bp + p * PANEL) : _mm512_setzero_ps();
         const __m512 b1 = bp ? _mm512_maskz_loadu_ps(m1k, bp + p * PANEL + 16) : _mm512_setzero_ps();
         for (int64_t m0 = r0; m0 < std::min(M, r0 + mb); m0 += 32) {
-          panel_rows(ap, alo, M, m0, b, nkb, scale, p, acc, ctile);
+          if (stream)
+            panel_rows(ap, alo, M, m0, streamed, nkb, scale, p, acc, ctile);
+          else
+            panel_rows(ap, alo, M, m0, whole, nkb, scale, p, acc, ctile);
           for (int64_t i = 0; i < std::min<int64_t>(32, M - m0); ++i) {
             const int64_t at = (m0 + i) * n + p * PANEL;
             out.store(at, m0k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32), b0));
