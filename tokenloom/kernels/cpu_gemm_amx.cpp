@@ -245,6 +245,47 @@ inline void panel_rows(const RowTiles& a, const RowTiles& alo, int64_t M, int64_
   }
 }
 
+// Rows [0, M), M <= 16 (one activation tile, a bf16 x), times panels p and q = p + 1 at once:
+// each k-block's activation tile is loaded once for the four weight tiles (tiles 0-3 the sums,
+// 4 the activations, 5-7 the weights in turn), where `panel_rows` loads it once for two.  Tile
+// loads, not multiplies, are what a decode step's AMX work costs.  acc [16 x 64]: p's columns,
+// then q's.  block(0 | 1, kb): k-block kb of p or q.
+template <typename Scale, typename Block>
+inline void panel_pair_rows(const RowTiles& a, int64_t M, const Block& block, int64_t nkb, const Scale& scale,
+                            int64_t p, float* acc, float* ctile) {
+  std::fill(acc, acc + 16 * 64, 0.f);
+  for (int64_t kb0 = 0, g = 0; kb0 < nkb; kb0 += scale.group_blocks, ++g) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t kb1 = std::min(nkb, kb0 + scale.group_blocks);
+    for (int64_t kb = kb0; kb < kb1; ++kb) {
+      const uint16_t* pt = block(0, kb);
+      const uint16_t* qt = block(1, kb);
+      _tile_loadd(4, a.tile(0) + kb * KB * 2, a.lda * 2);
+      _tile_loadd(5, pt, PANEL * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, pt + 32, PANEL * 4);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, qt, PANEL * 4);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, qt + 32, PANEL * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, ctile, 64);
+    _tile_stored(1, ctile + 256, 64);
+    _tile_stored(2, ctile + 512, 64);
+    _tile_stored(3, ctile + 768, 64);
+    const __m512 s[4] = {scale.get(p, g, 0), scale.get(p, g, 1), scale.get(p + 1, g, 0), scale.get(p + 1, g, 1)};
+    for (int64_t i = 0; i < M; ++i)
+      for (int t = 0; t < 4; ++t) {
+        float* ai = acc + i * 64 + 16 * t;
+        _mm512_storeu_ps(ai, _mm512_fmadd_ps(_mm512_loadu_ps(ctile + 256 * t + i * 16), s[t], _mm512_loadu_ps(ai)));
+      }
+  }
+}
+
 // The GEMM: x in bf16 row blocks padded to 16 rows and K2p pairs, panels split over threads
 // (gemm_driver.h), each thread widening one panel at a time into its scratch.  A float32 x is
 // split into two bf16 planes, x = hi + lo (hi = x rounded to bf16, lo = the rest rounded to
@@ -283,6 +324,20 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
   // multiplies amortize it.
   const int64_t mb = std::max<int64_t>(32, (int64_t{1} << 20) / (lda * 2 * (alo.main ? 2 : 1)) / 32 * 32);
   const bool stream = M <= 32;
+  const bool pairs = M <= 16 && !alo.main;
+  // Rows [m0, m0 + 32) of panel p from acc (rows `lda` floats apart), the bias added, into y.
+  const auto emit = [&](int64_t p, int64_t m0, const float* acc, int64_t lda) {
+    const int64_t ncols = std::min<int64_t>(PANEL, n - p * PANEL);
+    const __mmask16 m0k = static_cast<__mmask16>(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1);
+    const __mmask16 m1k = static_cast<__mmask16>(ncols >= 32 ? 0xFFFF : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0);
+    const __m512 b0 = bp ? _mm512_maskz_loadu_ps(m0k, bp + p * PANEL) : _mm512_setzero_ps();
+    const __m512 b1 = bp ? _mm512_maskz_loadu_ps(m1k, bp + p * PANEL + 16) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < std::min<int64_t>(32, M - m0); ++i) {
+      const int64_t at = (m0 + i) * n + p * PANEL;
+      out.store(at, m0k, _mm512_add_ps(_mm512_loadu_ps(acc + i * lda), b0));
+      if (m1k) out.store(at + 16, m1k, _mm512_add_ps(_mm512_loadu_ps(acc + i * lda + 16), b1));
+    }
+  };
   tokenloom::for_panel_runs(panels, [&](int64_t p0, int64_t p1) {
     begin_tiles();
     std::vector<uint16_t> buf(stream ? 0 : K2p * PANEL * 2 + 32);
@@ -291,27 +346,25 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
     alignas(64) float ctile[4 * 256];
     for (int64_t r0 = 0; r0 < M; r0 += mb) {
       for (int64_t p = p0; p < p1; ++p) {
+        if (pairs && p + 1 < p1) {  // this panel and the next, one activation load for both
+          const auto block = [&](int64_t which, int64_t kb) { return src.block(p + which, kb, kbuf[which]); };
+          panel_pair_rows(ap, M, block, nkb, scale, p, acc, ctile);
+          emit(p, 0, acc, 64);
+          emit(p + 1, 0, acc + 32, 64);
+          ++p;
+          continue;
+        }
         // One row tile pair (a decode step): each k-block is widened just before its multiplies,
         // into a buffer that stays in L1 (two, alternating), not the whole panel into L2 first.
         const uint16_t* b = stream ? nullptr : src.panel(p, buf.data());
         const auto whole = [&](int64_t kb) { return b + kb * KB * PANEL * 2; };
         const auto streamed = [&](int64_t kb) { return src.block(p, kb, kbuf[kb & 1]); };
-        const int64_t ncols = std::min<int64_t>(PANEL, n - p * PANEL);
-        const __mmask16 m0k = static_cast<__mmask16>(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1);
-        const __mmask16 m1k =
-            static_cast<__mmask16>(ncols >= 32 ? 0xFFFF : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0);
-        const __m512 b0 = bp ? _mm512_maskz_loadu_ps(m0k, bp + p * PANEL) : _mm512_setzero_ps();
-        const __m512 b1 = bp ? _mm512_maskz_loadu_ps(m1k, bp + p * PANEL + 16) : _mm512_setzero_ps();
         for (int64_t m0 = r0; m0 < std::min(M, r0 + mb); m0 += 32) {
           if (stream)
             panel_rows(ap, alo, M, m0, streamed, nkb, scale, p, acc, ctile);
           else
             panel_rows(ap, alo, M, m0, whole, nkb, scale, p, acc, ctile);
-          for (int64_t i = 0; i < std::min<int64_t>(32, M - m0); ++i) {
-            const int64_t at = (m0 + i) * n + p * PANEL;
-            out.store(at, m0k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32), b0));
-            if (m1k) out.store(at + 16, m1k, _mm512_add_ps(_mm512_loadu_ps(acc + i * 32 + 16), b1));
-          }
+          emit(p, m0, acc, 32);
         }
       }
     }
