@@ -32,8 +32,10 @@ stock kernels stream them poorly at decode's shapes:
 * `cpu_attention.cpp`: decode attention reading the paged KV cache in place, instead of
   gathering it into a dense copy for SDPA.  Used on any CPU where the kernels build; the
   AVX-512 extension compiles the same source again with its 512-bit loop (`attention_op`).
+* `cpu_fused_avx512.cpp`: `cpu_fused.cpp`'s SiLU(gate) * up on sixteen lanes, in the AVX-512
+  extension (model/ops.py takes it where that extension runs).
 
-`simd_avx2.h` holds vector helpers two of them share, `panel_linear.h` what the three GEMM
+`simd_avx2.h` and `simd_avx512.h` hold vector helpers several of them share, `panel_linear.h` what the three GEMM
 ops share besides their kernels (input flattening, output, bias), `gemm_driver.h` the loops every
 GEMM runs its micro-kernels in (row tiles packed in parallel, weight panels split over threads):
 a new GEMM kernel plugs its micro-kernel into those.  `kernels/build.py` compiles
@@ -120,15 +122,20 @@ def load() -> bool:
 
 @functools.cache
 def avx512_enabled() -> bool:
-    """Compile and load the AVX-512 fp32 GEMM and decode attention once per process; False
-    if they cannot run here."""
+    """Compile and load the AVX-512 fp32 GEMM, decode attention and SwiGLU once per process;
+    False if they cannot run here."""
     if not {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags():
         return False
-    if not _build("tokenloom_cpu_avx512_kernels", ["cpu_gemm_avx512.cpp", "cpu_attention.cpp"],
+    if not _build("tokenloom_cpu_avx512_kernels", ["cpu_gemm_avx512.cpp", "cpu_attention.cpp", "cpu_fused_avx512.cpp"],
                   ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]):
         return False
     _register_fake_linear("tokenloom_avx512::linear")
     _register_fake_attention("tokenloom_avx512::paged_decode_attention")
+
+    @torch.library.register_fake("tokenloom_avx512::silu_and_mul")
+    def _(x):
+        return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
     return True
 
 

@@ -98,12 +98,16 @@ def cpu_ops_available(dtype: torch.dtype) -> bool:
 
 
 def _cpu_ops(dtype: torch.dtype) -> Ops:
+    from tokenloom.kernels import cpu as cpu_kernels
+
     ops = torch.ops.tokenloom_cpu
+    # SwiGLU on sixteen lanes where the AVX-512 extension runs (cpu_fused_avx512.cpp), else eight
+    silu = torch.ops.tokenloom_avx512.silu_and_mul if cpu_kernels.avx512_enabled() else ops.silu_and_mul
 
     def cpu_rope(q, k, positions, cos_table, sin_table, cs):
         return ops.rope(q, k, positions, cos_table, sin_table)
 
-    return Ops("cpu", rms_norm=ops.rms_norm, add_rms_norm=ops.add_rms_norm, silu_and_mul=ops.silu_and_mul,
+    return Ops("cpu", rms_norm=ops.rms_norm, add_rms_norm=ops.add_rms_norm, silu_and_mul=silu,
                rope=cpu_rope if dtype == torch.float32 else rope,  # the rotary-only op is float32
                rope_write_kv=ops.rope_write_kv)
 
