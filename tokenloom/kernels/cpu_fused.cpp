@@ -26,6 +26,7 @@
 
 #include "panel_linear.h"
 #include "simd_avx2.h"
+#include "swiglu_op.h"
 
 namespace {
 
@@ -209,21 +210,8 @@ void silu_rows(const E* xp, E* yp, int64_t rows, int64_t I) {
 // x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]: the SwiGLU activation on the fused
 // gate/up projection's output.
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "tokenloom_cpu::silu_and_mul takes float32 or bfloat16 CPU tensors");
-  const int64_t I2 = x.size(-1);
-  TORCH_CHECK(I2 % 2 == 0, "the last dimension must hold gate and up halves");
-  const int64_t I = I2 / 2;
-  const auto xc = x.contiguous();
-  auto sizes = xc.sizes().vec();
-  sizes.back() = I;
-  auto y = at::empty(sizes, xc.options());
-  const int64_t rows = I2 ? xc.numel() / I2 : 0;
-  if (xc.scalar_type() == at::kBFloat16)
-    silu_rows(xc.data_ptr<bf16>(), y.data_ptr<bf16>(), rows, I);
-  else
-    silu_rows(xc.data_ptr<float>(), y.data_ptr<float>(), rows, I);
-  return y;
+  return tokenloom::silu_and_mul_op(x, "tokenloom_cpu::silu_and_mul",
+                                    [](auto* xp, auto* yp, int64_t rows, int64_t I) { silu_rows(xp, yp, rows, I); });
 }
 
 // Rotary embedding of q [T, Hq, D] and k [T, Hk, D] (any row and head strides, such as views
