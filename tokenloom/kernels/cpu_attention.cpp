@@ -251,8 +251,12 @@ void attend16(const float* q, int64_t H, int64_t G, const T* k_cache, const T* v
         const int64_t hg = h * G + g;
         float* sg = scores + g * bsp;
         float mb = m[hg];
-        for (int64_t t = 0; t < n; ++t) mb = std::max(mb, sg[t]);
-        const float alpha = std::exp(m[hg] - mb);  // exp(-inf) = 0 on the first block
+        for (int64_t t = 0; t < n; t += 16) {  // the block's max, sixteen at a time, not a chain of scalars
+          const __mmask16 live = static_cast<__mmask16>(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
+          mb = std::max(mb, _mm512_mask_reduce_max_ps(live, _mm512_maskz_loadu_ps(live, sg + t)));
+        }
+        // exp(-inf) = 0 on the first block; once the running max stops growing, exp(0) = 1 exactly
+        const float alpha = mb == m[hg] ? 1.0f : std::exp(m[hg] - mb);
         const __m512 mv = _mm512_set1_ps(mb);
         float sum = 0.0f;
         for (int64_t t = 0; t < n; t += 16) {
