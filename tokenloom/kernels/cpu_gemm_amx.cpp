@@ -325,8 +325,9 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
   const int64_t mb = std::max<int64_t>(32, (int64_t{1} << 20) / (lda * 2 * (alo.main ? 2 : 1)) / 32 * 32);
   const bool stream = M <= 32;
   const bool pairs = M <= 16 && !alo.main;
-  // Rows [m0, m0 + 32) of panel p from acc (rows `lda` floats apart), the bias added, into y.
-  const auto emit = [&](int64_t p, int64_t m0, const float* acc, int64_t lda) {
+  // Rows [m0, m0 + 32) (those below M) of panel p from acc (rows `stride` floats apart), the bias
+  // added, into y.
+  const auto emit = [&](int64_t p, int64_t m0, const float* acc, int64_t stride) {
     const int64_t ncols = std::min<int64_t>(PANEL, n - p * PANEL);
     const __mmask16 m0k = static_cast<__mmask16>(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1);
     const __mmask16 m1k = static_cast<__mmask16>(ncols >= 32 ? 0xFFFF : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0);
@@ -334,8 +335,8 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
     const __m512 b1 = bp ? _mm512_maskz_loadu_ps(m1k, bp + p * PANEL + 16) : _mm512_setzero_ps();
     for (int64_t i = 0; i < std::min<int64_t>(32, M - m0); ++i) {
       const int64_t at = (m0 + i) * n + p * PANEL;
-      out.store(at, m0k, _mm512_add_ps(_mm512_loadu_ps(acc + i * lda), b0));
-      if (m1k) out.store(at + 16, m1k, _mm512_add_ps(_mm512_loadu_ps(acc + i * lda + 16), b1));
+      out.store(at, m0k, _mm512_add_ps(_mm512_loadu_ps(acc + i * stride), b0));
+      if (m1k) out.store(at + 16, m1k, _mm512_add_ps(_mm512_loadu_ps(acc + i * stride + 16), b1));
     }
   };
   tokenloom::for_panel_runs(panels, [&](int64_t p0, int64_t p1) {
