@@ -287,7 +287,8 @@ inline void panel_pair_rows(const RowTiles& a, int64_t M, const Block& block, in
 }
 
 // The GEMM: x in bf16 row blocks padded to 16 rows and K2p pairs, panels split over threads
-// (gemm_driver.h), each thread widening one panel at a time into its scratch.  A float32 x is
+// (gemm_driver.h), each thread widening one panel at a time into its scratch (up to 32 rows, one
+// k-block at a time into L1, and up to 16 rows two panels at once: `panel_pair_rows`).  A float32 x is
 // split into two bf16 planes, x = hi + lo (hi = x rounded to bf16, lo = the rest rounded to
 // bf16), each multiplied into the same sums: x is then kept to 2^-17 of each value, as the
 // AVX-512 kernels keep float32 activations, not rounded to bf16's 2^-9.  A bf16 x (bf16 and
