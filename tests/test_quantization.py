@@ -165,6 +165,32 @@ def test_decode_rows_keep_activation_precision_across_magnitudes(kernel_build, n
         assert (err <= bound).all(), (err / bound).max()
 
 
+@pytest.mark.parametrize("name", [n for n in NAMES if parse_scheme(n).bits == 4])
+def test_bf16_decode_rows_of_int4_keep_activations_to_2_to_the_minus_13(kernel_build, name):
+    """bfloat16 activations of int4 weights take two limbs on the VNNI build (kernels/quant_vnni.h):
+    each kept to 2^-13 of its block's largest (one unit of the second limb); int4's own rounding
+    of the weights is ~500 times coarser.  The result is rounded to bfloat16, so the check reads
+    one weight per output (y[j] = x[at[j]] * w[j]): small activations beside a block's largest
+    show their own error, not the rounding of a large sum."""
+    if cpu_kernels.quant_ops() is not getattr(torch.ops, "tokenloom_q512v", None):
+        pytest.skip("the integer path is the VNNI build's")
+    g = torch.Generator().manual_seed(17)
+    n, k = 96, 512
+    at = torch.randperm(k, generator=g)[:n]
+    w = torch.zeros(n, k)
+    w[torch.arange(n), at] = torch.rand(n, generator=g) + 0.5
+    ours = PanelQuantized(w, parse_scheme(name))
+    deq = ours.dequantize().double()[torch.arange(n), at]
+    for m in (1, 3, 4):
+        x = torch.rand(m, k, generator=g) * torch.logspace(-12, 0, k, base=2.0)[torch.randperm(k, generator=g)]
+        x[:, ::32] = 1.0  # each block's largest
+        x = (x * torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0)).bfloat16()
+        ref = x.double()[:, at] * deq
+        got = ours.matmul(x, None).double()
+        bound = 2.0**-13 * deq.abs() + 2.0**-8 * ref.abs()
+        assert ((got - ref).abs() <= bound).all(), ((got - ref).abs() / bound).max()
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_integer_path_rows_do_not_depend_on_the_rows_beside_them(kernel_build, name):
     """On the VNNI build, up to 8 rows take the integer path, each row on its own arithmetic:

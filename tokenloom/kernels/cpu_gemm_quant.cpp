@@ -29,7 +29,8 @@
 //   16 KB float32 buffer (in L1), which every 12-row tile then reads like the fp32 kernel's
 //   panel, so the widening is paid once per weight, not once per tile.
 // On CPUs with AVX512-VNNI and VBMI, up to 8 rows take a third way instead: integer dot
-// products on a three-byte split of each activation (quant_vnni.h, `decode_vnni` below).
+// products on a split of each activation into three bytes (two for bf16 activations of int4
+// weights) (quant_vnni.h, `decode_vnni` below).
 // Either way each thread prefetches its weight stream a short way ahead of its reads
 // (`prefetch`, panel_linear.h), so the reads overlap the widening.
 // Both compute the product of x with the dequantized float32 weights above (the PyTorch
@@ -412,9 +413,10 @@ constexpr int64_t kIntegerRows = 8;
 
 // Decode rows by integer dot products (quant_vnni.h), x read and y written in x's own dtype
 // (float32 or bfloat16), so no conversion runs around the kernel.  `run(p, limbs, M, y, ldy,
-// ncols, bias)` does panel p.  Nothing where that path does not apply: more rows, a K that is
-// not whole blocks, another dtype, or a value that is not finite (the float32 path propagates it).
-template <typename Run>
+// ncols, bias)` does panel p, its weights read as `Quad` (x is split into `limbs_for<Quad>` limbs).
+// Nothing where that path does not apply: more rows, a K that is not whole blocks,
+// another dtype, or a value that is not finite (the float32 path propagates it).
+template <typename Quad, typename Run>
 c10::optional<at::Tensor> decode_vnni(const at::Tensor& x, int64_t Kp, int64_t P, int64_t n,
                                       const c10::optional<at::Tensor>& bias, Run run) {
   namespace v = tokenloom::vnni;
@@ -425,8 +427,9 @@ c10::optional<at::Tensor> decode_vnni(const at::Tensor& x, int64_t Kp, int64_t P
   if (M == 0 || M > kIntegerRows) return c10::nullopt;
   const auto x2 = x.reshape({M, K}).contiguous();
   v::Limbs xl;
-  if (!(bf16 ? v::split(reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()), M, K, Kp, xl)
-             : v::split(x2.data_ptr<float>(), M, K, Kp, xl)))
+  const int limbs = v::limbs_for<Quad>(bf16);
+  if (!(bf16 ? v::split(reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()), M, K, Kp, limbs, xl)
+             : v::split(x2.data_ptr<float>(), M, K, Kp, limbs, xl)))
     return c10::nullopt;
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -490,10 +493,10 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
 #ifdef TOKENLOOM_QUANT_VNNI
-  auto y = decode_vnni(x, K, P, n, bias, [&](int64_t p, const tokenloom::vnni::Limbs& xl, int64_t M, auto* yp,
-                                            int64_t ldy, int64_t ncols, const float* bp) {
-    tokenloom::vnni::panel<false>(xl, M, tokenloom::vnni::Int8Quad(qp + p * K * W), K, K, sp + p * W, nullptr, yp,
-                                  ldy, ncols, bp);
+  namespace v = tokenloom::vnni;
+  auto y = decode_vnni<v::Int8Quad>(x, K, P, n, bias, [&](int64_t p, const v::Limbs& xl, int64_t M, auto* yp,
+                                                          int64_t ldy, int64_t ncols, const float* bp) {
+    v::panel<false>(xl, M, v::Int8Quad(qp + p * K * W), K, K, sp + p * W, nullptr, yp, ldy, ncols, bp);
   });
   if (y.has_value()) return *y;
 #endif
@@ -512,10 +515,10 @@ at::Tensor int8_group(const at::Tensor& x, const at::Tensor& q, const at::Tensor
   const uint16_t* sp = scale_bits(s);
   const int64_t ng = K / group;
 #ifdef TOKENLOOM_QUANT_VNNI
-  auto y = decode_vnni(x, K, P, n, bias, [&](int64_t p, const tokenloom::vnni::Limbs& xl, int64_t M, auto* yp,
-                                            int64_t ldy, int64_t ncols, const float* bp) {
-    tokenloom::vnni::panel<F16>(xl, M, tokenloom::vnni::Int8Quad(qp + p * K * W), K, group, nullptr,
-                                sp + p * ng * W, yp, ldy, ncols, bp);
+  namespace v = tokenloom::vnni;
+  auto y = decode_vnni<v::Int8Quad>(x, K, P, n, bias, [&](int64_t p, const v::Limbs& xl, int64_t M, auto* yp,
+                                                          int64_t ldy, int64_t ncols, const float* bp) {
+    v::panel<F16>(xl, M, v::Int8Quad(qp + p * K * W), K, group, nullptr, sp + p * ng * W, yp, ldy, ncols, bp);
   });
   if (y.has_value()) return *y;
 #endif
@@ -547,10 +550,11 @@ at::Tensor int4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, i
   const uint16_t* sp = scale_bits(s);
   const int64_t ng = Kp / group;
 #ifdef TOKENLOOM_QUANT_VNNI
-  auto y = decode_vnni(x, Kp, P, n, bias, [&](int64_t p, const tokenloom::vnni::Limbs& xl, int64_t M, auto* yp,
-                                             int64_t ldy, int64_t ncols, const float* bp) {
-    tokenloom::vnni::panel<F16>(xl, M, tokenloom::vnni::Int4Quad(qp + p * Kp * (W / 2)), Kp, group, nullptr,
-                                sp + p * ng * W, yp, ldy, ncols, bp);
+  namespace v = tokenloom::vnni;
+  auto y = decode_vnni<v::Int4Quad>(x, Kp, P, n, bias, [&](int64_t p, const v::Limbs& xl, int64_t M, auto* yp,
+                                                           int64_t ldy, int64_t ncols, const float* bp) {
+    v::panel<F16>(xl, M, v::Int4Quad(qp + p * Kp * (W / 2)), Kp, group, nullptr, sp + p * ng * W, yp, ldy, ncols,
+                  bp);
   });
   if (y.has_value()) return *y;
 #endif

@@ -5,18 +5,23 @@
 // keeps the core busier than the memory stream it reads.  `vpdpbusd` instead multiplies 64
 // unsigned bytes by 64 signed bytes and adds each four products into a 32-bit lane: one
 // instruction per 64 weights.  It needs both sides as bytes, so each block of 32 activations
-// is written as three signed bytes per value ("limbs") on a power-of-two unit D of the block:
+// is written as three signed bytes ("limbs") on a power-of-two unit D of the block:
 //
 //     x ~= D * (a + b / 128 + c / 16384),   D = 2^(floor(log2 max|x|) - 6),  a, b, c in -127..127
 //
 // a = trunc(x / D), b = trunc of the remainder times 128, c = the rest rounded (to -127..127).
 // Every step but that last rounding is exact, so the error is at most one unit of c,
 // D / 16384 <= 2^-20 of the block's largest value (half that unless c is clamped); a
-// bfloat16 activation within 2^13 of its block's largest is represented exactly.  The
-// activations are not quantized in the usual sense: their precision stays above bfloat16's.
+// bfloat16 activation within 2^13 of its block's largest is represented exactly.  bfloat16
+// activations of int4 weights take two limbs, b the rounded one: the error is at most
+// D / 128 <= 2^-13 of the block's largest, and an activation within 2^6 of it is exact.  int4
+// weights are themselves rounded to 1/15 of their group's range, ~500 times coarser, and at
+// one row the third limb's `vpdpbusd` was what bound the int4 step (docs/quantization.md, "Two
+// limbs for int4").  Either way the activations are not quantized in the usual sense (8 bits
+// per block, as llama.cpp's integer dot products take them).
 // The weights are read as unsigned bytes (int8 + 128; int4 nibbles are stored as q + 8), so
 // each limb's sum over a block times that bias starts the block's accumulator negative and the
-// integer sums come out as the signed dot products.  Each block's three sums are combined in
+// integer sums come out as the signed dot products.  Each block's sums are combined in
 // float32 and scaled by D; the weight scales are applied as in the float32 path.
 //
 // int8 panels are stored in k-quads on this build (four k of a column in one 32-bit lane, as
@@ -36,20 +41,21 @@
 namespace tokenloom::vnni {
 
 constexpr int64_t XB = 32;    // activations per block (one unit D)
-constexpr int kLimbs = 3;
+constexpr int kMaxLimbs = 3;
 constexpr int64_t kPanel = 32;  // columns per panel
 
-// Every row's activations as limbs: per row and block, the three limbs' 32 bytes each, the
-// block's unit and each limb's sum over the block.
+// Every row's activations as `count` (2 or 3) limbs: per row and block, the limbs' 32 bytes each,
+// the block's unit and each limb's sum over the block.
 struct Limbs {
+  int count = kMaxLimbs;
   int64_t blocks = 0;
-  std::vector<int8_t> q;     // [rows][blocks][3][32]
+  std::vector<int8_t> q;     // [rows][blocks][count][32]
   std::vector<float> unit;   // [rows][blocks]
-  std::vector<int32_t> sum;  // [rows][blocks][3]
+  std::vector<int32_t> sum;  // [rows][blocks][count]
 
-  const int8_t* limbs(int64_t row, int64_t blk) const { return q.data() + ((row * blocks + blk) * kLimbs) * XB; }
+  const int8_t* limbs(int64_t row, int64_t blk) const { return q.data() + ((row * blocks + blk) * count) * XB; }
   float d(int64_t row, int64_t blk) const { return unit[row * blocks + blk]; }
-  int32_t s(int64_t row, int64_t blk, int l) const { return sum[(row * blocks + blk) * kLimbs + l]; }
+  int32_t s(int64_t row, int64_t blk, int l) const { return sum[(row * blocks + blk) * count + l]; }
 };
 
 // 16 activations from k on, as float32; past `valid` of them, zeros.
@@ -73,15 +79,17 @@ inline void store16(uint16_t* p, __m512 v, int64_t cols) {
     _mm256_mask_storeu_epi16(p, static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1), round_to_bf16(v));
 }
 
-// Split rows x[M, K] (float32 or bfloat16, row stride K) into limbs over Kp >= K activations
-// (whole blocks; those past K are zero).  False if some value is not finite: the caller then
-// takes the float32 path, which propagates infinities and NaNs.
+// Split rows x[M, K] (float32 or bfloat16, row stride K) into `count` (2 or 3) limbs over Kp >= K
+// activations (whole blocks; those past K are zero).  False if some value is not finite: the
+// caller then takes the float32 path, which propagates infinities and NaNs.
 template <typename T>
-inline bool split(const T* x, int64_t M, int64_t K, int64_t Kp, Limbs& out) {
+inline bool split(const T* x, int64_t M, int64_t K, int64_t Kp, int count, Limbs& out) {
+  const int n = count;
+  out.count = count;
   out.blocks = Kp / XB;
-  out.q.resize(M * Kp * kLimbs);
+  out.q.resize(M * Kp * n);
   out.unit.resize(M * out.blocks);
-  out.sum.resize(M * out.blocks * kLimbs);
+  out.sum.resize(M * out.blocks * n);
   const __m512 k128 = _mm512_set1_ps(128.0f);
   const __m512i lim = _mm512_set1_epi32(127);
   for (int64_t r = 0; r < M; ++r)
@@ -98,22 +106,27 @@ inline bool split(const T* x, int64_t M, int64_t K, int64_t Kp, Limbs& out) {
       const __m512 inv = _mm512_set1_ps(std::ldexp(1.0f, -e));
       const int64_t i = r * out.blocks + b;
       out.unit[i] = unit;
-      int8_t* q = out.q.data() + i * kLimbs * XB;
-      __m512i s[kLimbs] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+      int8_t* q = out.q.data() + i * n * XB;
+      __m512i s[kMaxLimbs] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+      // the last limb rounded, clamped to -127..127; the ones before it truncated (exact)
+      const auto last = [&](__m512 r) {
+        return _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(r), lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+      };
       for (int h = 0; h < 2; ++h) {
         const __m512 t = _mm512_mul_ps(v[h], inv);  // |t| < 128
         const __m512i a = _mm512_cvttps_epi32(t);
         const __m512 r1 = _mm512_mul_ps(_mm512_sub_ps(t, _mm512_cvtepi32_ps(a)), k128);
-        const __m512i bl = _mm512_cvttps_epi32(r1);
-        const __m512 r2 = _mm512_mul_ps(_mm512_sub_ps(r1, _mm512_cvtepi32_ps(bl)), k128);
-        const __m512i c = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(r2), lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
-        const __m512i limb[kLimbs] = {a, bl, c};
-        for (int l = 0; l < kLimbs; ++l) {
+        __m512i limb[kMaxLimbs] = {a, last(r1), _mm512_setzero_si512()};
+        if (n == 3) {
+          limb[1] = _mm512_cvttps_epi32(r1);
+          limb[2] = last(_mm512_mul_ps(_mm512_sub_ps(r1, _mm512_cvtepi32_ps(limb[1])), k128));
+        }
+        for (int l = 0; l < n; ++l) {
           _mm_storeu_si128(reinterpret_cast<__m128i*>(q + l * XB + h * 16), _mm512_cvtepi32_epi8(limb[l]));
           s[l] = _mm512_add_epi32(s[l], limb[l]);
         }
       }
-      for (int l = 0; l < kLimbs; ++l) out.sum[i * kLimbs + l] = _mm512_reduce_add_epi32(s[l]);
+      for (int l = 0; l < n; ++l) out.sum[i * n + l] = _mm512_reduce_add_epi32(s[l]);
     }
   return true;
 }
@@ -136,6 +149,7 @@ struct QuadIndex {
 // docs/quantization.md, "What kept int8 below the read rate".)
 struct Int8Quad {
   static constexpr int kBias = 128;
+  static constexpr int kBf16Limbs = 3;
   static constexpr int64_t kBytesPerK = kPanel;
   const int8_t* q;
   explicit Int8Quad(const int8_t* q_) : q(q_) {}
@@ -150,6 +164,7 @@ struct Int8Quad {
 // load; each half's nibbles masked out, then a byte permute.
 struct Int4Quad {
   static constexpr int kBias = 8;
+  static constexpr int kBf16Limbs = 2;
   static constexpr int64_t kBytesPerK = kPanel / 2;
   const uint8_t* q;
   __m512i idx;
@@ -173,10 +188,10 @@ inline __m512 load_scales16(const uint16_t* p) {
   else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// y[row0 .. row0+R, one panel] = x . panel over all K (+ bias).  Weight scales: `col_scales`
+// y[row0 .. row0+R, one panel] = x . panel over all K (+ bias), x in NL limbs.  Weight scales: `col_scales`
 // (int8: one per column, applied at the end) or `group_scales` (int4, grouped int8: bfloat16
 // or, with `F16`, float16 [K / G, 32], applied to each group's sums).
-template <int R, bool F16, typename Quad, typename Out>
+template <int R, bool F16, int NL, typename Quad, typename Out>
 inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int64_t G, const float* col_scales,
                   const uint16_t* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
   const __m512 c1 = _mm512_set1_ps(1.0f / 128), c2 = _mm512_set1_ps(1.0f / 16384);
@@ -187,11 +202,11 @@ inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int
     for (int i = 0; i < R; ++i) gacc[i][0] = gacc[i][1] = _mm512_setzero_ps();
     for (int64_t b0 = g0; b0 < g0 + G; b0 += XB) {
       const int64_t blk = b0 / XB;
-      __m512i acc[R][kLimbs][2];
+      __m512i acc[R][NL][2];
       const int8_t* lp[R];
       for (int i = 0; i < R; ++i) {
         lp[i] = xl.limbs(row0 + i, blk);
-        for (int l = 0; l < kLimbs; ++l)
+        for (int l = 0; l < NL; ++l)
           acc[i][l][0] = acc[i][l][1] = _mm512_set1_epi32(-Quad::kBias * xl.s(row0 + i, blk, l));
       }
 #pragma GCC unroll 8
@@ -202,7 +217,7 @@ inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int
 #pragma GCC unroll 4
         for (int i = 0; i < R; ++i)
 #pragma GCC unroll 3
-          for (int l = 0; l < kLimbs; ++l) {
+          for (int l = 0; l < NL; ++l) {
             const __m512i a = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(lp[i] + l * XB + k));
             acc[i][l][0] = _mm512_dpbusd_epi32(acc[i][l][0], wv[0], a);
             acc[i][l][1] = _mm512_dpbusd_epi32(acc[i][l][1], wv[1], a);
@@ -211,9 +226,8 @@ inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int
       for (int i = 0; i < R; ++i) {
         const __m512 d = _mm512_set1_ps(xl.d(row0 + i, blk));
         for (int j = 0; j < 2; ++j) {
-          const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][2][j]), c2,
-                                           _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][1][j]), c1,
-                                                           _mm512_cvtepi32_ps(acc[i][0][j])));
+          __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][1][j]), c1, _mm512_cvtepi32_ps(acc[i][0][j]));
+          if constexpr (NL == 3) f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][NL - 1][j]), c2, f);
           gacc[i][j] = _mm512_fmadd_ps(f, d, gacc[i][j]);
         }
       }
@@ -241,17 +255,33 @@ inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int
 // weights; each pass over the panel's weights loads and permutes them again, so fewer passes is
 // faster: a 5-row verifying step as 4 + 1 rows, not 2 + 2 + 1), then the 1-3 left:
 // y[0:M, 0:ncols] with row stride ldy.
+template <bool F16, int NL, typename Quad, typename Out>
+inline void panel_limbs(const Limbs& xl, int64_t M, const Quad& src, int64_t K, int64_t G, const float* col_scales,
+                        const uint16_t* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4)
+    micro<4, F16, NL>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
+  switch (M - m) {
+    case 3: return micro<3, F16, NL>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
+    case 2: return micro<2, F16, NL>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
+    case 1: return micro<1, F16, NL>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
+    default: return;
+  }
+}
+
+// How many limbs a row of x is split into: three, but two for bfloat16 activations of weights
+// whose own rounding is far coarser (`Quad::kBf16Limbs`: int4).
+template <typename Quad>
+inline int limbs_for(bool bf16) { return bf16 ? Quad::kBf16Limbs : kMaxLimbs; }
+
 template <bool F16, typename Quad, typename Out>
 inline void panel(const Limbs& xl, int64_t M, const Quad& src, int64_t K, int64_t G, const float* col_scales,
                   const uint16_t* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) micro<4, F16>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
-  switch (M - m) {
-    case 3: return micro<3, F16>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
-    case 2: return micro<2, F16>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
-    case 1: return micro<1, F16>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
-    default: return;
+  if constexpr (Quad::kBf16Limbs == 2) {
+    if (xl.count == 2)
+      return panel_limbs<F16, 2>(xl, M, src, K, G, col_scales, group_scales, y, ldy, ncols, bias);
   }
+  panel_limbs<F16, kMaxLimbs>(xl, M, src, K, G, col_scales, group_scales, y, ldy, ncols, bias);
 }
 
 }  // namespace tokenloom::vnni
