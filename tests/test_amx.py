@@ -94,6 +94,24 @@ def test_amx_bf16_long_prefill_crosses_row_blocks() -> None:
 
 
 @settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 40), k=st.integers(1, 1400), n=st.integers(1, 200), bias=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_amx_bf16_decode_rows_match_reference(m: int, k: int, n: int, bias: bool, seed: int) -> None:
+    """A bf16 x of a decode step's rows: up to 32 rows, two panels at once, each row tile's pass
+    over chunks of k-blocks (several chunks from 512 k on), the odd panel alone; beyond, row
+    tile pairs.  The result is x's dtype, bf16: its rounding on top of the summation's."""
+    _amx_or_skip()
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, k, generator=g).to(torch.bfloat16), torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g) if bias else None
+    y = torch.ops.tokenloom_amx.linear_bf16(x, cpu_kernels.pack_pairs(w), n, cpu_kernels.pad_bias(b, n))
+    assert y.dtype == torch.bfloat16
+    ref = x.double() @ w.double().t() + (b.double() if b is not None else 0)
+    scale = x.double().abs() @ w.double().abs().t() + 1
+    assert ((y.double() - ref).abs() <= 2**-8 * ref.abs() + 1e-5 * scale).all()
+
+
+@settings(max_examples=25, deadline=None)
 @given(**shapes)
 def test_amx_int8_matches_reference(m: int, k: int, n: int, bias: bool, seed: int) -> None:
     _amx_or_skip()

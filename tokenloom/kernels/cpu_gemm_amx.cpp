@@ -64,6 +64,7 @@ void begin_tiles() {
 // the packed weights themselves or `buf` filled with them, and `group_blocks` k-blocks share one
 // scale (`scale(p, g, col)`: 1 for bf16).
 struct Bf16Panels {
+  static constexpr bool kInPlace = true;  // block() reads the weights where they lie
   const uint16_t* w;
   int64_t K2, K2p;
   const uint16_t* panel(int64_t p, uint16_t* buf) const {
@@ -88,6 +89,7 @@ struct Bf16Panels {
 // and 2q+1 (k 4q+2, 4q+3).  Each 16-column half (64 bytes: 16 columns x 4 k) is widened in
 // float32 (exact for -128..127; a float32 holding a small integer is its bf16 in the top half).
 struct Int8Panels {
+  static constexpr bool kInPlace = false;  // block() widens: worth doing once per k-block
   const int8_t* w;
   int64_t K4, K2p;
   // Quad rows [q0, q1) of panel p as pair rows 2 q0 .. 2 q1 into dst.
@@ -124,6 +126,7 @@ struct Int8Panels {
 // int4 panels [P, Kp, 16] (byte c at k: column c in the low nibble, column 16 + c in the high
 // one, each + 8) -> bf16 pairs through a table of the 16 values.
 struct Int4Panels {
+  static constexpr bool kInPlace = false;
   const uint8_t* w;
   int64_t Kp, K2p;
   // Pair rows [j0, j1) of panel p into dst.
@@ -245,25 +248,27 @@ inline void panel_rows(const RowTiles& a, const RowTiles& alo, int64_t M, int64_
   }
 }
 
-// Rows [0, M), M <= 16 (one activation tile, a bf16 x), times panels p and q = p + 1 at once:
+// Rows [m0, m0 + 16) (those below M; one activation tile, a bf16 x) times panels p and q = p + 1
+// at once, over k-blocks [kb_begin, kb_end) (kb_begin starts a group, unless one scale covers
+// all of K), added into acc:
 // each k-block's activation tile is loaded once for the four weight tiles (tiles 0-3 the sums,
 // 4 the activations, 5-7 the weights in turn), where `panel_rows` loads it once for two.  Tile
 // loads, not multiplies, are what a decode step's AMX work costs.  acc [16 x 64]: p's columns,
 // then q's.  block(0 | 1, kb): k-block kb of p or q.
 template <typename Scale, typename Block>
-inline void panel_pair_rows(const RowTiles& a, int64_t M, const Block& block, int64_t nkb, const Scale& scale,
-                            int64_t p, float* acc, float* ctile) {
-  std::fill(acc, acc + 16 * 64, 0.f);
-  for (int64_t kb0 = 0, g = 0; kb0 < nkb; kb0 += scale.group_blocks, ++g) {
+inline void panel_pair_rows(const RowTiles& a, int64_t m0, int64_t M, const Block& block, int64_t kb_begin,
+                            int64_t kb_end, const Scale& scale, int64_t p, float* acc, float* ctile) {
+  for (int64_t kb0 = kb_begin; kb0 < kb_end; kb0 += scale.group_blocks) {
+    const int64_t g = kb0 / scale.group_blocks;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    const int64_t kb1 = std::min(nkb, kb0 + scale.group_blocks);
+    const int64_t kb1 = std::min(kb_end, kb0 + scale.group_blocks);
     for (int64_t kb = kb0; kb < kb1; ++kb) {
       const uint16_t* pt = block(0, kb);
       const uint16_t* qt = block(1, kb);
-      _tile_loadd(4, a.tile(0) + kb * KB * 2, a.lda * 2);
+      _tile_loadd(4, a.tile(m0) + kb * KB * 2, a.lda * 2);
       _tile_loadd(5, pt, PANEL * 4);
       _tile_dpbf16ps(0, 4, 5);
       _tile_loadd(6, pt + 32, PANEL * 4);
@@ -278,7 +283,7 @@ inline void panel_pair_rows(const RowTiles& a, int64_t M, const Block& block, in
     _tile_stored(2, ctile + 512, 64);
     _tile_stored(3, ctile + 768, 64);
     const __m512 s[4] = {scale.get(p, g, 0), scale.get(p, g, 1), scale.get(p + 1, g, 0), scale.get(p + 1, g, 1)};
-    for (int64_t i = 0; i < M; ++i)
+    for (int64_t i = 0; i < std::min<int64_t>(16, M - m0); ++i)
       for (int t = 0; t < 4; ++t) {
         float* ai = acc + i * 64 + 16 * t;
         _mm512_storeu_ps(ai, _mm512_fmadd_ps(_mm512_loadu_ps(ctile + 256 * t + i * 16), s[t], _mm512_loadu_ps(ai)));
@@ -286,9 +291,18 @@ inline void panel_pair_rows(const RowTiles& a, int64_t M, const Block& block, in
   }
 }
 
+// k-blocks per chunk of `panel_pair_rows` passes over 17-32 rows: about 16 (a thread's pair of
+// panels then 64 KiB of weights, in L2 for the second row tile's pass), whole groups.
+inline int64_t pair_chunk(int64_t group_blocks, int64_t nkb) {
+  constexpr int64_t kChunk = 16;
+  if (group_blocks >= nkb) return kChunk;  // one scale over all of K: any split
+  return std::max<int64_t>(1, kChunk / group_blocks) * group_blocks;
+}
+
 // The GEMM: x in bf16 row blocks padded to 16 rows and K2p pairs, panels split over threads
 // (gemm_driver.h), each thread widening one panel at a time into its scratch (up to 32 rows, one
-// k-block at a time into L1, and up to 16 rows two panels at once: `panel_pair_rows`).  A float32 x is
+// k-block at a time into L1, and up to 16 rows -- 32 for bf16 weights -- two panels at once:
+// `panel_pair_rows`).  A float32 x is
 // split into two bf16 planes, x = hi + lo (hi = x rounded to bf16, lo = the rest rounded to
 // bf16), each multiplied into the same sums: x is then kept to 2^-17 of each value, as the
 // AVX-512 kernels keep float32 activations, not rounded to bf16's 2^-9.  A bf16 x (bf16 and
@@ -325,7 +339,12 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
   // multiplies amortize it.
   const int64_t mb = std::max<int64_t>(32, (int64_t{1} << 20) / (lda * 2 * (alo.main ? 2 : 1)) / 32 * 32);
   const bool stream = M <= 32;
-  const bool pairs = M <= 16 && !alo.main;
+  // Two panels at once (`panel_pair_rows`) for a bf16 x of up to 16 rows, and of up to 32 for
+  // weights read in place (bf16): one pass per row tile over a chunk of k-blocks whose weights
+  // (4 KiB a k-block for the pair) the second pass finds in L2.  Widened weights keep
+  // `panel_rows` there, which widens each k-block once for both row tiles.
+  const bool pairs = M <= (Panels::kInPlace ? 32 : 16) && !alo.main;
+  const int64_t chunk = M <= 16 ? nkb : pair_chunk(scale.group_blocks, nkb);
   // Rows [m0, m0 + 32) (those below M) of panel p from acc (rows `stride` floats apart), the bias
   // added, into y.
   const auto emit = [&](int64_t p, int64_t m0, const float* acc, int64_t stride) {
@@ -344,13 +363,16 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
     begin_tiles();
     std::vector<uint16_t> buf(stream ? 0 : K2p * PANEL * 2 + 32);
     alignas(64) uint16_t kbuf[2][KB * PANEL * 2];
-    alignas(64) float acc[32 * 32];
+    alignas(64) float acc[32 * 64];
     alignas(64) float ctile[4 * 256];
     for (int64_t r0 = 0; r0 < M; r0 += mb) {
       for (int64_t p = p0; p < p1; ++p) {
         if (pairs && p + 1 < p1) {  // this panel and the next, one activation load for both
           const auto block = [&](int64_t which, int64_t kb) { return src.block(p + which, kb, kbuf[which]); };
-          panel_pair_rows(ap, M, block, nkb, scale, p, acc, ctile);
+          std::fill(acc, acc + (M + 15) / 16 * 16 * 64, 0.f);
+          for (int64_t kc = 0; kc < nkb; kc += chunk)
+            for (int64_t m0 = 0; m0 < M; m0 += 16)
+              panel_pair_rows(ap, m0, M, block, kc, std::min(nkb, kc + chunk), scale, p, acc + m0 * 64, ctile);
           emit(p, 0, acc, 64);
           emit(p + 1, 0, acc + 32, 64);
           ++p;
