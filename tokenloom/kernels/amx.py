@@ -39,8 +39,8 @@ from tokenloom.kernels.build import _build, cache_root
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a call of M rows falls in the largest bucket <= M
 KINDS = ("bf16", "int8", "int4")
 # Quantized calls of fewer rows stay on the VNNI build's integer path, whatever the timing: it
-# keeps each activation to 2^-20 of its block of 32 (an outlier 10^4 times larger costs the
-# others nothing) and each row's result independent of the rows beside it, which speculative
+# keeps each activation to 2^-20 of its block of 32 (2^-13 for bf16 ones of int4 weights; an
+# outlier 10^4 times larger costs the others nothing) and each row's result independent of the rows beside it, which speculative
 # verifying steps (up to 8 rows) rely on (docs/quantization.md, "Integer dot products").
 MIN_QUANT_ROWS = 16
 CALIBRATION_SHAPE = (896, 4864)  # (K, N) of the matrices timed: Qwen2.5-0.5B's MLP
