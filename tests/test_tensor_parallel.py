@@ -4,7 +4,7 @@ Each rank holds half of every layer (model/weights/parallel.py) and its own half
 rank 0 schedules and samples, rank 1 is a worker process running the same steps (forked
 here: no CUDA context; runner/worker_procs.py).  Checked under chunked prefill, 4-token
 blocks and preemption, for the families' differences (q/k/v biases, q/k norms, a KV head
-replicated on both ranks), and launched the two ways a user would: started by
+replicated on both ranks), with async scheduling, and launched the two ways a user would: started by
 `LLM(tensor_parallel_size=2)`, and as two processes of one `tokenloom serve` command with
 torchrun's environment (how a group spans machines).  Plain user scripts, and how every
 process tree ends: tests/test_plain_scripts.py."""
@@ -69,6 +69,37 @@ def test_two_ranks_give_transformers_tokens(model_factory, preset, overrides):
     finally:
         llm.shutdown()
     assert not workers[0].is_alive() and workers[0].exitcode == 0  # left when told
+
+
+def test_two_ranks_with_async_scheduling_give_the_same_tokens(model_factory):
+    """Async scheduling over two ranks: rank 0 sends each step ahead to the worker as it
+    launches it, its input ids the previous step's sampled tokens.  Transformers' greedy tokens,
+    and with overlap off and on the same tokens and finish reasons under preemption, a stop
+    token part-way (the step ahead's token for that request dropped) and max_tokens; every
+    KV block back."""
+    path = model_factory("tiny-qwen2")
+    prompts = _prompts()
+    ref = _hf_greedy(_hf(path), prompts, NEW_TOKENS)
+    plain = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = [plain] * len(prompts) + [
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, stop_token_ids=[ref[0][4]]),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)]
+    requests = [{"prompt_token_ids": p} for p in prompts + prompts[:2]]
+    got = {}
+    for on in (False, True):
+        llm = LLM(str(path), tensor_parallel_size=2, async_scheduling=on, **STRESS)
+        try:
+            outs = llm.generate(requests, params, use_tqdm=False)
+            eng = llm.llm_engine
+            got[on] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+            assert eng.scheduler.num_preemptions > 0
+            assert eng.kv.pool.num_free == STRESS["num_kv_blocks"]
+            assert (eng.num_steps_ahead > 0) == on
+        finally:
+            llm.shutdown()
+    assert [t for t, _ in got[True][:len(prompts)]] == ref
+    assert got[True] == got[False]
+    assert got[True][-2][1] == "stop" and len(got[True][-2][0]) < NEW_TOKENS
 
 
 def test_a_split_that_cannot_be_made_is_refused_before_spawning(model_factory):

@@ -82,12 +82,6 @@ logger = logging.getLogger("tokenloom")
 PromptType = str | list[int] | dict
 
 
-def check_async_scheduling(args: EngineArgs) -> None:
-    """Refuse what async scheduling does not support, naming the settings."""
-    if args.async_scheduling and args.tensor_parallel_size > 1:
-        raise ValueError("async_scheduling (--async-scheduling) does not support --tensor-parallel-size > 1 yet")
-
-
 class PromptTooLongError(ValueError):
     """The prompt (plus requested output) does not fit in max_model_len.  The numbers travel
     with the message, so a server can word it as its clients expect (OpenAI's phrasing)."""
@@ -106,7 +100,6 @@ class LLMEngine:
         self.args = args
         # checked before anything loads: a bad speculative_config is a quick, clear error
         self.speculative_config = SpeculativeConfig.parse(args.speculative_config)
-        check_async_scheduling(args)
         self.lora_config = LoRAConfig.from_args(args)  # --enable-lora: adapter slots (same: checked first)
         # loaded adapters by id: what requests run with (`add_lora`, or loaded on first use)
         self.loras: dict[int, tuple[LoRARequest, LoRAAdapter]] = {}
