@@ -12,14 +12,15 @@ scheduling, model, sampling), so a noisy neighbour slows every variant of a roun
 Printed: the median step time per variant and batch size, and the ratios to bf16 and fp32
 measured in the same run (docs/quantization.md).  A variant named `NAME/modules` (e.g.
 `--variants int4,int4/modules`) is NAME with its decode steps through the model's module tree
-instead of the flat loop (model/flat_decode.py): the loop's saving, in the same rounds;
+instead of as plain functions (model/layers.py `bound_linear`): the saving, in the same rounds;
 `NAME/noamx` is NAME with the AMX kernels off (TOKENLOOM_AMX=0 while it loads, kernels/amx.py).
 
 --kernels times the GEMMs of one step alone (our bf16 kernel vs the int8 / int4 kernels).
 --quality adds the bundled model's held-out bits per byte (its whole validation split,
 transformers' forward with each matmul weight replaced by its dequantized quantization) and
 the log-prob agreement of engine runs with and without quantization on a checkpoint saved by
-transformers' save_pretrained.
+transformers' save_pretrained; `--logprobs-chunk 8` scores every prompt token in prefill chunks
+of 8 rows, which take the decode rows' integer path on AVX512-VNNI CPUs (kernels/quant_vnni.h).
 """
 
 from __future__ import annotations
@@ -175,9 +176,10 @@ def bench_quality(variants: list[str]) -> None:
         print(f"  {v:10s} {bpb:.4f} bits/byte, perplexity {ppl:.4f} per token ({100 * (ppl / base - 1):+.2f}% vs fp32)")
 
 
-def bench_logprobs(variants: list[str]) -> None:
+def bench_logprobs(variants: list[str], chunk: int | None = None) -> None:
     """Mean |logprob(quantized) - logprob(bf16)| of the bf16 run's greedy tokens, teacher-forced
-    through prompt_logprobs, on a Qwen2-shaped checkpoint saved by transformers."""
+    through prompt_logprobs, on a Qwen2-shaped checkpoint saved by transformers; with `chunk`,
+    prefill chunks of that many tokens, one request at a time."""
     import tempfile
 
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -195,8 +197,9 @@ def bench_logprobs(variants: list[str]) -> None:
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
 
     def lps(q):
-        outs = LLM(str(out), dtype="bfloat16", quantization=q, max_model_len=256, num_kv_blocks=128).generate(
-            prompts, params, use_tqdm=False)
+        small = dict(max_num_batched_tokens=chunk, max_num_seqs=1) if chunk else {}
+        outs = LLM(str(out), dtype="bfloat16", quantization=q, max_model_len=256, num_kv_blocks=128,
+                   **small).generate(prompts, params, use_tqdm=False)
         return [lp for o in outs for d in o.prompt_logprobs[1:] for lp in [next(iter(d.values())).logprob]]
 
     ref = torch.tensor(lps(None))
@@ -218,6 +221,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--variants", default="fp32,bf16,int8,int4")
     ap.add_argument("--quality", action="store_true", help="also the quality figures (held-out bpb, log-probs)")
+    ap.add_argument("--logprobs-chunk", type=int, default=None,
+                    help="with --quality: score prompts in prefill chunks of this many tokens (8: the integer path)")
     ap.add_argument("--no-speed", action="store_true")
     ap.add_argument("--kernels", action="store_true", help="also time the GEMMs alone (bf16 vs int8 vs int4)")
     a = ap.parse_args()
@@ -231,7 +236,7 @@ def main() -> None:
     if a.quality:
         named = [v for v in variants if "/" not in v]
         bench_quality(named)
-        bench_logprobs(named)
+        bench_logprobs(named, a.logprobs_chunk)
 
 
 if __name__ == "__main__":
