@@ -109,17 +109,18 @@ inline bool split(const T* x, int64_t M, int64_t K, int64_t Kp, int count, Limbs
       int8_t* q = out.q.data() + i * n * XB;
       __m512i s[kMaxLimbs] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
       // the last limb rounded, clamped to -127..127; the ones before it truncated (exact)
-      const auto last = [&](__m512 r) {
-        return _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(r), lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
-      };
+      const __m512i neg_lim = _mm512_sub_epi32(_mm512_setzero_si512(), lim);
+      const auto last = [&](__m512 r) { return _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(r), lim), neg_lim); };
       for (int h = 0; h < 2; ++h) {
         const __m512 t = _mm512_mul_ps(v[h], inv);  // |t| < 128
         const __m512i a = _mm512_cvttps_epi32(t);
         const __m512 r1 = _mm512_mul_ps(_mm512_sub_ps(t, _mm512_cvtepi32_ps(a)), k128);
-        __m512i limb[kMaxLimbs] = {a, last(r1), _mm512_setzero_si512()};
+        __m512i limb[kMaxLimbs] = {a, _mm512_setzero_si512(), _mm512_setzero_si512()};
         if (n == 3) {
           limb[1] = _mm512_cvttps_epi32(r1);
           limb[2] = last(_mm512_mul_ps(_mm512_sub_ps(r1, _mm512_cvtepi32_ps(limb[1])), k128));
+        } else {
+          limb[1] = last(r1);
         }
         for (int l = 0; l < n; ++l) {
           _mm_storeu_si128(reinterpret_cast<__m128i*>(q + l * XB + h * 16), _mm512_cvtepi32_epi8(limb[l]));
@@ -188,9 +189,9 @@ inline __m512 load_scales16(const uint16_t* p) {
   else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// y[row0 .. row0+R, one panel] = x . panel over all K (+ bias), x in NL limbs.  Weight scales: `col_scales`
-// (int8: one per column, applied at the end) or `group_scales` (int4, grouped int8: bfloat16
-// or, with `F16`, float16 [K / G, 32], applied to each group's sums).
+// y[row0 .. row0+R, one panel] = x . panel over all K (+ bias), x in NL limbs.  Weight scales:
+// `col_scales` (int8: one per column, applied at the end) or `group_scales` (int4, grouped int8:
+// bfloat16 or, with `F16`, float16 [K / G, 32], applied to each group's sums).
 template <int R, bool F16, int NL, typename Quad, typename Out>
 inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int64_t G, const float* col_scales,
                   const uint16_t* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
