@@ -4,8 +4,8 @@ Each rank holds half of every layer (model/weights/parallel.py) and its own half
 rank 0 schedules and samples, rank 1 is a worker process running the same steps (forked
 here: no CUDA context; runner/worker_procs.py).  Checked under chunked prefill, 4-token
 blocks and preemption, for the families' differences (q/k/v biases, q/k norms, a KV head
-replicated on both ranks), with async scheduling, and launched the two ways a user would: started by
-`LLM(tensor_parallel_size=2)`, and as two processes of one `tokenloom serve` command with
+replicated on both ranks), with async scheduling, and launched the two ways a user would:
+started by `LLM(tensor_parallel_size=2)`, and as two processes of one `tokenloom serve` command with
 torchrun's environment (how a group spans machines).  Plain user scripts, and how every
 process tree ends: tests/test_plain_scripts.py."""
 
