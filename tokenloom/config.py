@@ -315,6 +315,8 @@ class BackendPlan:
     compile: bool  # torch.compile the forward
     cuda_graphs: bool  # decode-only steps replay CUDA graphs (runner/cuda_graphs.py)
     cuda_graphs_off: str | None = None  # why not, when not
+    cpu_graphs: bool = False  # decode-only steps replay recorded op lists on a CPU (runner/cpu_graphs.py)
+    cpu_graphs_off: str | None = None  # why not, when not (on a CPU)
     lora: str | None = None  # cpu | torch: how LoRA adapters' deltas run (model/lora.py); None: no LoRA
     # layers whose attention the backend cannot run and the torch reference runs instead, and why
     attention_fallback: str | None = None
@@ -326,7 +328,10 @@ class BackendPlan:
         quant = f" ({self.quantization})" if self.quantization else ""
         if self.prequantized:
             quant = f" (pre-quantized: {self.prequantized})"
-        graphs = "CUDA graphs" if self.cuda_graphs else f"no CUDA graphs ({self.cuda_graphs_off})"
+        if self.device == "cpu":
+            graphs = "CPU graphs" if self.cpu_graphs else f"no CPU graphs ({self.cpu_graphs_off})"
+        else:
+            graphs = "CUDA graphs" if self.cuda_graphs else f"no CUDA graphs ({self.cuda_graphs_off})"
         fallback = f" ({self.attention_fallback})" if self.attention_fallback else ""
         return (f"linear backend {self.linear}{quant}, attention backend {self.attention}{fallback}, "
                 f"ops backend {self.ops}"

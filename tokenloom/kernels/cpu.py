@@ -121,6 +121,20 @@ def load() -> bool:
 
 
 @functools.cache
+def graph_enabled() -> bool:
+    """Compile and load the op-list replayer (`cpu_graph.cpp`, runner/cpu_graphs.py) once per
+    process; False if it cannot build here (`TOKENLOOM_CPU_GRAPHS=0` turns it off)."""
+    if os.environ.get("TOKENLOOM_CPU_GRAPHS", "1") == "0":
+        return False
+    return _build("tokenloom_cpu_graph", ["cpu_graph.cpp"], [])
+
+
+def graph_op_list():
+    """An empty op list to record into (`graph_enabled` must be True)."""
+    return torch.classes.tokenloom_graph.OpList()
+
+
+@functools.cache
 def avx512_enabled() -> bool:
     """Compile and load the AVX-512 fp32 GEMM, decode attention and SwiGLU once per process;
     False if they cannot run here."""

@@ -7,6 +7,7 @@
     ops        torch | cpu | triton       norms, rotary, SwiGLU (model/ops.py)
     flat       on | off                   layers call linears as plain functions (model/layers.py `bound_linear`)
     graphs     on | off (why)             decode steps replay CUDA graphs (runner/cuda_graphs.py)
+    cpu graphs on | off (why)             decode steps replay recorded op lists on CPUs (runner/cpu_graphs.py)
     lora       cpu | torch | none         LoRA adapters' shrink/expand (model/lora.py), with --enable-lora
 
 `resolve_backends` is the one place an "auto" becomes a name and an explicit choice that
@@ -54,10 +55,14 @@ def resolve_backends(device: torch.device, dtype: torch.dtype, fields: Mapping[s
     moe = bool(fields.get("num_experts"))
     lora_name = _lora(device, dtype, tp, compile, moe) if lora else None
     graphs_off = _graphs_off(device, enforce_eager, tp, compile, attention_name, fallback, moe=moe, lora=lora)
+    windowed = "sliding_attention" in (fields.get("layer_types") or ())
+    cpu_graphs_off = _cpu_graphs_off(device, enforce_eager, tp, compile, attention_name, fallback, windowed,
+                                     moe=moe, lora=lora)
     return BackendPlan(device=device.type, dtype=str(dtype).removeprefix("torch."), linear=linear_name,
                        quantization=quantization, attention=attention_name, ops=ops_name,
                        fused_kv_write=fused_kv_write, flat_calls=flat, compile=compile,
-                       cuda_graphs=graphs_off is None, cuda_graphs_off=graphs_off, prequantized=prequantized,
+                       cuda_graphs=graphs_off is None, cuda_graphs_off=graphs_off,
+                       cpu_graphs=cpu_graphs_off is None, cpu_graphs_off=cpu_graphs_off, prequantized=prequantized,
                        attention_fallback=fallback, lora=lora_name)
 
 
@@ -229,4 +234,32 @@ def _graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bo
         return "some layers attend through the torch reference, which cannot be captured"
     if moe:
         return "mixture-of-experts steps pick their experts on the host (model/moe.py)"
+    return None
+
+
+def _cpu_graphs_off(device: torch.device, enforce_eager: bool, tp: bool, compile: bool, attention: str,
+                    fallback: str | None, windowed: bool, moe: bool = False, lora: bool = False) -> str | None:
+    """Why decode steps do not replay recorded op lists on a CPU (runner/cpu_graphs.py), or
+    None where they do.  A replay repeats the ops of the step it recorded: the forward must
+    do the same ops at every step of a batch size, reading nothing back on the host."""
+    from tokenloom.kernels import cpu as cpu_kernels
+
+    if device.type != "cpu":
+        return "not on a CPU"
+    if enforce_eager:
+        return "--enforce-eager"
+    if tp:
+        return "tensor parallel (each step communicates)"
+    if compile:
+        return "--compile"
+    if lora:
+        return "--enable-lora (each step's adapter rows change the work)"
+    if moe:
+        return "mixture-of-experts steps pick their experts on the host (model/moe.py)"
+    if attention != "cpu":
+        return f"the {attention} attention backend builds host-side masks (use cpu)"
+    if fallback is not None or windowed:
+        return "some layers attend through the torch reference, whose masks are host work"
+    if not cpu_kernels.graph_enabled():
+        return "the op-list replayer (kernels/cpu_graph.cpp) did not build or TOKENLOOM_CPU_GRAPHS=0"
     return None

@@ -75,6 +75,11 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
 
+    def describe(self) -> str:
+        """The graphs in words, for the start-up summary."""
+        return (f"CUDA graphs for decode batches {self.sizes[0]}..{self.sizes[-1]} ({len(self.graphs)} captured in "
+                f"{self.capture_seconds:.1f} s, {self.graph_memory_bytes / 2**20:.0f} MiB)")
+
     def size_for(self, n: int) -> int | None:
         """The smallest captured size that holds n rows, or None (run eagerly)."""
         for s in self.sizes:

@@ -40,6 +40,7 @@ from tokenloom.kernels import glibc_heap
 from tokenloom.model.lora import LoRARows, LoRASlots, apply_for, lora_wrapper
 from tokenloom.runner.logprobs import logprob_rows
 from tokenloom.runner.lora_step import LoRAStep, by_adapter
+from tokenloom.runner.cpu_graphs import CpuDecodeGraphs
 from tokenloom.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from tokenloom.runner.pooler import Pooler
 from tokenloom.runner.tp_comm import recv_step, send_step
@@ -206,12 +207,16 @@ class ModelRunner:
             # decodes) and recompiles whenever they stop coinciding.
             torch.fx.experimental._config.use_duck_shape = False
             self._forward = torch.compile(self.model.forward, dynamic=True)
-        # Decode-only steps through one CUDA graph per batch size (runner/cuda_graphs.py).
+        # Decode-only steps through one CUDA graph per batch size (runner/cuda_graphs.py), or
+        # on a CPU one recorded op list per batch size (runner/cpu_graphs.py).
         self.graphs: DecodeGraphs | None = None
-        self.graphs_off_reason = plan.cuda_graphs_off
+        self.graphs_off_reason = plan.cpu_graphs_off if self.device.type == "cpu" else plan.cuda_graphs_off
         if plan.cuda_graphs:
             self.graphs = self.make_decode_graphs(max_num_seqs)
             self.graphs.capture()
+        elif plan.cpu_graphs:
+            self.graphs = CpuDecodeGraphs(self.model, self.kv_caches, self.attn, max_num_seqs, self.max_blocks,
+                                          self.device)
 
     def make_decode_graphs(self, max_num_seqs: int) -> DecodeGraphs:
         """The padded decode forward over persistent buffers (captured by `.capture()` on a GPU)."""
@@ -220,9 +225,7 @@ class ModelRunner:
 
     def describe(self) -> str:
         """One line for the start-up summary: the backend plan and the CUDA graphs captured."""
-        g = self.graphs
-        graphs = (f"; CUDA graphs for decode batches {g.sizes[0]}..{g.sizes[-1]} ({len(g.graphs)} captured in "
-                  f"{g.capture_seconds:.1f} s, {g.graph_memory_bytes / 2**20:.0f} MiB)" if g is not None else "")
+        graphs = f"; {self.graphs.describe()}" if self.graphs is not None else ""
         tp = f"tensor parallel over {self.tp.size} ranks, " if self.tp is not None else ""
         lora = ""
         if self.lora is not None:
