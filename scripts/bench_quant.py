@@ -13,7 +13,9 @@ Printed: the median step time per variant and batch size, and the ratios to bf16
 measured in the same run (docs/quantization.md).  A variant named `NAME/modules` (e.g.
 `--variants int4,int4/modules`) is NAME with its decode steps through the model's module tree
 instead of as plain functions (model/layers.py `bound_linear`): the saving, in the same rounds;
-`NAME/noamx` is NAME with the AMX kernels off (TOKENLOOM_AMX=0 while it loads, kernels/amx.py).
+`NAME/noamx` is NAME with the AMX kernels off (TOKENLOOM_AMX=0 while it loads, kernels/amx.py);
+`NAME/eager` is NAME with --enforce-eager (no CPU graphs: every decode step's ops called from
+Python, runner/cpu_graphs.py).
 
 --kernels times the GEMMs of one step alone (our bf16 kernel vs the int8 / int4 kernels).
 --quality adds the bundled model's held-out bits per byte (its whole validation split,
@@ -91,7 +93,8 @@ def bench_speed(path: Path, variants: list[str], batches: list[int], context: in
             if how == "noamx":  # the same variant with AMX off (kernels/amx.py): its linears load without it
                 os.environ["TOKENLOOM_AMX"] = "0"
             try:
-                engines[v] = prefilled(path, b, context, rounds * steps + 2, **VARIANTS[name])
+                kw = dict(VARIANTS[name], enforce_eager=True) if how == "eager" else VARIANTS[name]
+                engines[v] = prefilled(path, b, context, rounds * steps + 2, **kw)
             finally:
                 if how == "noamx":
                     os.environ.pop("TOKENLOOM_AMX", None)

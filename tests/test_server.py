@@ -432,11 +432,13 @@ def test_metrics_observer_serves_an_offline_run_too(llm):
 
 # ---- disconnects -----------------------------------------------------------------
 
-def test_stream_disconnect_aborts_and_frees_kv(srv):
+def test_stream_disconnect_aborts_and_frees_kv(guarded):
+    srv, auth = guarded, {"Authorization": f"Bearer {API_KEY}"}
     aborted = metric(srv.base_url, "tokenloom:request_success_total", finished_reason="abort")
-    body = {"model": NAME, "prompt": PROMPTS[3], "max_tokens": 240, "ignore_eos": True, "temperature": 0,
+    # ~16k tokens: still running when the client leaves, however fast the machine decodes
+    body = {"model": NAME, "prompt": PROMPTS[3], "max_tokens": 16000, "ignore_eos": True, "temperature": 0,
             "stream": True}
-    with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=30) as r:
+    with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, headers=auth, timeout=30) as r:
         lines = r.iter_lines()
         got = 0
         for line in lines:

@@ -59,7 +59,7 @@ class EngineArgs:
     ops_backend: str = "auto"  # auto|torch|cpu|triton: norms, rotary, SwiGLU (model/ops.py)
     linear_backend: str = "auto"  # auto|panels|onednn|torch: the matmuls (model/weights/loader.py)
     quantization: str | None = None  # None|int8|int4|int4-g128: weight-only, at load (model/weights/quantization.py)
-    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    enforce_eager: bool = False  # no CUDA / CPU graphs for decode steps
     # schedule and launch step N+1 while step N runs on the device (engine/overlap.py)
     async_scheduling: bool = False
     # n-gram speculative decoding, vLLM's dict (or its JSON text): tokenloom/spec_decode/config.py
@@ -127,7 +127,7 @@ class EngineArgs:
         g.add_argument("--max-lora-rank", type=int, default=16,
                        help="the largest adapter rank accepted; every slot is this wide")
         g.add_argument("--enforce-eager", action="store_true",
-                       help="run decode steps eagerly (no CUDA graphs)")
+                       help="run decode steps eagerly (no CUDA graphs on a GPU, no CPU graphs on a CPU)")
         g.add_argument("--async-scheduling", action="store_true",
                        help="overlap the host's work for the next decode step with the device's current one: "
                             "the next step is scheduled and launched before this one's tokens reach the host, "
