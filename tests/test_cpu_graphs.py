@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -69,9 +70,11 @@ def test_replayed_decode_steps_give_transformers_greedy_tokens(model_factory, pr
     assert _generate(llm) == _hf_greedy(path)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert llm.llm_engine.kv.pool.num_free == STRESS["num_kv_blocks"]
-    # several batch sizes recorded, each replayed after its first step; none fell back
+    # every batch size that ran twice was recorded by its second step and replayed after; none fell back
+    counts = Counter(sizes)
     assert len(graphs.lists) >= 3 and not graphs.eager
-    assert len(sizes) > len(graphs.lists) and set(sizes) == set(graphs.lists)
+    assert set(graphs.lists) == {n for n, c in counts.items() if c >= 2}
+    assert sum(counts[n] - 2 for n in graphs.lists) > 10
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

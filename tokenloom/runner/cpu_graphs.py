@@ -9,7 +9,8 @@ size; only the data changes.  So, as with CUDA graphs:
 
 - the inputs live in the persistent buffers of `DecodeGraphs` (ids, positions, slots,
   lengths, block tables), refilled before each replay; the recorded ops read them in place;
-- the first decode step of each batch size runs eagerly under `Recorder`, a dispatch mode
+- the second decode step of each batch size (the first runs plainly, so that nothing done
+  once on first use is recorded) runs eagerly under `Recorder`, a dispatch mode
   that sees every op the forward calls (ours and PyTorch's), its arguments and its
   outputs; the op list it hands to C++ is replayed by every later step of that size;
 - no padding: every batch size up to the largest gets its own list (a list is a few hundred
@@ -144,7 +145,7 @@ class Recorder(TorchDispatchMode):
 
 class CpuDecodeGraphs(DecodeGraphs):
     """The decode forward (model + logits) over `DecodeGraphs`' persistent buffers, recorded
-    once per batch size on first use and replayed as a C++ op list after; every size up to
+    once per batch size (its second step) and replayed as a C++ op list after; every size up to
     `max_num_seqs` (at most 256) exactly, no padding."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -153,12 +154,13 @@ class CpuDecodeGraphs(DecodeGraphs):
                          device)
         self.lists: dict[int, object] = {}  # batch size -> its op list (kernels/cpu_graph.cpp)
         self.eager: dict[int, str] = {}  # batch sizes whose forward could not be recorded, and why
+        self.seen: set[int] = set()  # batch sizes that ran a step
 
     def capture(self) -> None:
-        """Nothing ahead: each size is recorded by its first step."""
+        """Nothing ahead: each size is recorded by its second step."""
 
     def describe(self) -> str:
-        return f"CPU graphs for decode batches 1..{self.max_size}, each recorded by its first step"
+        return f"CPU graphs for decode batches 1..{self.max_size}, each recorded by its second step"
 
     def run(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
             block_ids: Sequence[Sequence[int]], device_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -170,7 +172,10 @@ class CpuDecodeGraphs(DecodeGraphs):
         ops = self.lists.get(n)
         if ops is not None:
             return ops.run()
-        if n in self.eager:
+        if n in self.eager or n not in self.seen:
+            # a size's first step runs plainly: anything done once on first use (a lazy
+            # initialisation that calls ops) is not recorded into every later step
+            self.seen.add(n)
             return self.forward(n)
         recorder = Recorder()
         with recorder:
