@@ -295,3 +295,37 @@ def test_probe_that_traps_reports_false_without_crashing(monkeypatch) -> None:
     monkeypatch.delenv("TOKENLOOM_AMX_PROBE_FAIL")
     monkeypatch.setenv("TOKENLOOM_AMX", "0")
     assert amx_probe.amx_usable() is False
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 5), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 3, 7, 16, 20]),
+       head_dim=st.sampled_from([32, 64, 96, 128]), block_size=st.sampled_from([1, 4, 16, 20, 32]),
+       seed=st.integers(0, 2**16))
+def test_amx_decode_attention_matches_sdpa(n, kv_heads, group, head_dim, block_size, seed) -> None:
+    """cpu_attention_amx.cpp: q.k and p.v as tile products (keys as dimension pairs, values as
+    token pairs, P rounded to bf16), against SDPA over the gathered blocks in float32; more
+    than 16 query heads per KV head (20) take two passes, partial chunks zeros."""
+    import torch.nn.functional as F
+
+    from tokenloom.model.attention import _gather_kv
+
+    _amx_or_skip()
+    g = torch.Generator().manual_seed(seed)
+    num_blocks, per_req = 40, 5
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).bfloat16()
+    q = torch.randn(n, kv_heads * group, head_dim, generator=g).bfloat16()
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:per_req] for _ in range(n)])
+    ctx = torch.randint(1, per_req * block_size + 1, (n,), generator=g)
+    scale = head_dim**-0.5
+    op = cpu_kernels.decode_attention_op(torch.device("cpu"), torch.bfloat16, head_dim)
+    assert op is torch.ops.tokenloom_amx.paged_decode_attention  # chosen where AMX runs
+    out = op(q, k_cache, v_cache, tables, ctx, scale)
+    L = per_req * block_size
+    mask = (torch.arange(L)[None] < ctx[:, None]).view(n, 1, 1, L)
+    ref = F.scaled_dot_product_attention(
+        q.float().view(n, kv_heads, group, head_dim), _gather_kv(k_cache.float(), tables),
+        _gather_kv(v_cache.float(), tables), attn_mask=mask, scale=scale).reshape(n, -1, head_dim)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    # bf16 output (2^-9 of |v| <= ~4.5) and P rounded to bf16 (2^-9 of each weight)
+    assert torch.allclose(out.float(), ref, atol=2e-2, rtol=0)

@@ -51,8 +51,11 @@ _AMX_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx
 @functools.cache
 def build() -> bool:
     """Compile and load the AMX extension (no tile instruction runs here)."""
-    if not _build("tokenloom_cpu_amx", ["cpu_gemm_amx.cpp", "cpu_gemm_amx_limbs.cpp"], _AMX_FLAGS):
+    if not _build("tokenloom_cpu_amx", ["cpu_gemm_amx.cpp", "cpu_gemm_amx_limbs.cpp", "cpu_attention_amx.cpp"],
+                  _AMX_FLAGS):
         return False
+    torch.library.register_fake("tokenloom_amx::paged_decode_attention")(
+        lambda q, k_cache, v_cache, block_tables, context_lens, scale: torch.empty_like(q))
     for name in ("linear_bf16",):
         torch.library.register_fake(f"tokenloom_amx::{name}")(
             lambda x, weight_packed, n, bias: x.new_empty((*x.shape[:-1], n)))

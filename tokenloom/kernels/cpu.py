@@ -45,7 +45,7 @@ reads the CPU's flags that decide which extensions are built; this module wraps 
 `TOKENLOOM_CPU_GEMM=own|onednn` overrides the GEMM choice (tests force each),
 `TOKENLOOM_BF16_DOT=dpbf16|fma` the bf16 GEMM's way of multiplying,
 `TOKENLOOM_CPU_ATTENTION=0` turns the attention kernel off (`=avx2`: its AVX2 build even on
-AVX-512 CPUs), `TOKENLOOM_CPU_FUSED=0` the fused element-wise ops.
+AVX-512 CPUs, `=avx512`: not the AMX one), `TOKENLOOM_CPU_FUSED=0` the fused element-wise ops.
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ def decode_attention_op(device: torch.device, dtype: torch.dtype, head_dim: int)
     graph at every layer."""
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 \
             and attention_enabled():
-        return attention_op()
+        return attention_op(dtype, head_dim)
     return None
 
 
@@ -329,10 +329,18 @@ def attention_enabled() -> bool:
     return os.environ.get("TOKENLOOM_CPU_ATTENTION", "1") != "0" and load()
 
 
-def attention_op():
-    """Our paged decode attention: the AVX-512 build where the CPU has it (512-bit loop for
-    head sizes that are multiples of 16), else the AVX2 one."""
-    if os.environ.get("TOKENLOOM_CPU_ATTENTION") != "avx2" and avx512_enabled():
+def attention_op(dtype: torch.dtype = torch.float32, head_dim: int = 0):
+    """Our paged decode attention: for bf16 caches and head sizes that are multiples of 32 on
+    CPUs with usable AMX, the tile build (`cpu_attention_amx.cpp`, kernels/amx.py); else the
+    AVX-512 build where the CPU has it (512-bit loop for head sizes that are multiples of 16),
+    else the AVX2 one.  `TOKENLOOM_CPU_ATTENTION=avx512` or `=avx2` forces those."""
+    choice = os.environ.get("TOKENLOOM_CPU_ATTENTION")
+    if choice not in ("avx2", "avx512") and dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim:
+        from tokenloom.kernels import amx
+
+        if amx.enabled():
+            return torch.ops.tokenloom_amx.paged_decode_attention
+    if choice != "avx2" and avx512_enabled():
         return torch.ops.tokenloom_avx512.paged_decode_attention
     return torch.ops.tokenloom_cpu.paged_decode_attention
 

@@ -1,0 +1,233 @@
+// Paged decode attention for bfloat16 KV caches on CPUs with usable AMX (kernels/amx.py): the
+// two products of cpu_attention.cpp's loop as tile multiplies.
+//
+// cpu_attention.cpp's 512-bit loop spends its time in FMAs: per cached token and query head,
+// D / 16 of them for q.k and as many for p.v, and a bf16 cache widened on every load.  With G
+// query heads sharing a KV head (grouped-query attention), each 16-token chunk of a block is:
+//
+//   S [16 heads x 16 tokens] = Q [heads x D] . K^T       A = the heads' q rows (bf16, as the
+//                                                        model made them), B = the chunk's keys
+//                                                        as dimension pairs (a 32-bit transpose)
+//   online softmax over S's rows, as cpu_attention.cpp   scaled by `scale` here, not folded into q
+//   O [16 heads x D] += P . V                            A = P rounded to bf16 (as PyTorch's CPU
+//                                                        flash attention and transformers' eager
+//                                                        attention round it), B = the chunk's
+//                                                        values as token pairs (interleaved rows)
+//
+// Sums are float32.  Rows past G and tokens past the block's end are zeros in both operands.
+// Registers tokenloom_amx::paged_decode_attention (same schema as the others), for bf16 q and
+// caches and a head size that is a multiple of 32.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "amx_tiles.h"
+#include "simd_avx512.h"
+
+namespace {
+
+using tokenloom::amx::TileConfig;
+
+constexpr int64_t kChunk = 16;  // tokens per tile product (a B tile's 16 columns of k pairs)
+constexpr int64_t kRows = 16;   // query heads per tile (more are done 16 at a time)
+
+// 0: q, 32 dims of 16 heads; 1: k, 16 dim pairs x 16 tokens; 2: S [16 x 16] float32;
+// 3: P, 16 heads x 16 tokens bf16; 4: v, 8 token pairs x 16 dims; 5: O, 16 heads x 16 dims.
+constexpr TileConfig attention_config() {
+  TileConfig c = tokenloom::amx::uniform_config(6, 16, 64);
+  c.colsb[3] = 32;
+  c.rows[4] = 8;
+  return c;
+}
+alignas(64) static const TileConfig kConfig = attention_config();
+
+// The 16 x 16 matrix of 32-bit elements in r transposed in place (three rounds of unpacks and
+// lane shuffles).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // r[4i + j] now holds, in each 128-bit lane L, row (4i + 0..3)'s column 4L + j.
+  for (int i = 0; i < 4; ++i) {
+    t[4 * i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);       // lanes 0, 2 of each
+    t[4 * i + 1] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xDD);   // lanes 1, 3
+    t[4 * i + 2] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
+    t[4 * i + 3] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[4 * i], t[4 * i + 2], 0x88);        // column i
+    r[8 + i] = _mm512_shuffle_i32x4(t[4 * i], t[4 * i + 2], 0xDD);    // column 8 + i
+    r[4 + i] = _mm512_shuffle_i32x4(t[4 * i + 1], t[4 * i + 3], 0x88);  // column 4 + i
+    r[12 + i] = _mm512_shuffle_i32x4(t[4 * i + 1], t[4 * i + 3], 0xDD);  // column 12 + i
+  }
+}
+
+// One (request, KV head, up to 16 of its query heads): q [gn, D] bf16, out [gn, D] float32.
+// Scratch: kt (D / 32 tiles of 16 x 64 bytes), vp (D / 16 tiles of 8 x 64 bytes), qt
+// (16 x D bf16), pt (16 x 16 bf16), s and o (16 x 16 and 16 x D float32), acc (16 x D).
+struct Scratch {
+  std::vector<uint16_t> kt, vp, qt, pt;
+  std::vector<float> s, o, acc;
+  explicit Scratch(int64_t D)
+      : kt(D * kChunk), vp(D * kChunk), qt(kRows * D), pt(kRows * kChunk), s(kRows * kChunk), o(kRows * D),
+        acc(kRows * D) {}
+};
+
+void attend_amx(const uint16_t* q, int64_t gn, int64_t D, const uint16_t* k_cache, const uint16_t* v_cache,
+                const int64_t* table, int64_t ctx, int64_t bs, int64_t token_stride, float scale, float* out,
+                Scratch& w) {
+  std::fill(w.qt.begin(), w.qt.end(), 0);
+  std::copy(q, q + gn * D, w.qt.begin());
+  std::fill(w.acc.begin(), w.acc.end(), 0.0f);
+  std::fill(w.pt.begin(), w.pt.end(), 0);
+  float m[kRows], l[kRows];
+  std::fill(m, m + kRows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + kRows, 0.0f);
+  const int64_t pieces = D / 32;
+  // interleave two token rows' 16 dims from `half` (0: dims 0-15 of a 32-dim vector, 1: 16-31)
+  alignas(64) static const uint16_t kPairIdx[2][32] = {
+      {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+      {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+  const __m512i pair_idx[2] = {_mm512_load_si512(kPairIdx[0]), _mm512_load_si512(kPairIdx[1])};
+  for (int64_t b0 = 0; b0 < ctx; b0 += bs) {
+    const int64_t block = table[b0 / bs];
+    const int64_t in_block = std::min(bs, ctx - b0);
+    for (int64_t c0 = 0; c0 < in_block; c0 += kChunk) {
+      const int64_t n = std::min(kChunk, in_block - c0);
+      const uint16_t* kb = k_cache + (block * bs + c0) * token_stride;
+      const uint16_t* vb = v_cache + (block * bs + c0) * token_stride;
+      // K^T as dimension pairs: piece p's tile row i is dims (32p + 2i, +1) of the 16 tokens
+      for (int64_t p = 0; p < pieces; ++p) {
+        __m512i r[16];
+        for (int64_t t = 0; t < kChunk; ++t)
+          r[t] = t < n ? _mm512_loadu_si512(kb + t * token_stride + 32 * p) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(w.kt.data() + (p * 16 + i) * 32, r[i]);
+      }
+      // V as token pairs: tile d16's row j is dims 16 d16 .. +15 of tokens 2j and 2j + 1, interleaved
+      for (int64_t j = 0; j < kChunk / 2; ++j) {
+        for (int64_t p = 0; p < pieces; ++p) {
+          const __m512i a = 2 * j < n ? _mm512_loadu_si512(vb + 2 * j * token_stride + 32 * p) : _mm512_setzero_si512();
+          const __m512i b = 2 * j + 1 < n ? _mm512_loadu_si512(vb + (2 * j + 1) * token_stride + 32 * p)
+                                          : _mm512_setzero_si512();
+          for (int h = 0; h < 2; ++h)
+            _mm512_storeu_si512(w.vp.data() + ((2 * p + h) * 8 + j) * 32, _mm512_permutex2var_epi16(a, pair_idx[h], b));
+        }
+      }
+      // S = Q K^T
+      _tile_zero(2);
+      for (int64_t p = 0; p < pieces; ++p) {
+        _tile_loadd(0, w.qt.data() + 32 * p, D * 2);
+        _tile_loadd(1, w.kt.data() + p * 16 * 32, 64);
+        _tile_dpbf16ps(2, 0, 1);
+      }
+      _tile_stored(2, w.s.data(), 64);
+      // online softmax per head over the chunk's n tokens; P rounded to bf16 for the product
+      const __mmask16 live = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
+      const __m512 sv = _mm512_set1_ps(scale);
+      for (int64_t g = 0; g < gn; ++g) {
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, w.s.data() + g * kChunk), sv);
+        const float mb = std::max(m[g], _mm512_mask_reduce_max_ps(live, x));
+        const float alpha = mb == m[g] ? 1.0f : std::exp(m[g] - mb);  // exp(-inf) = 0 on the first chunk
+        const __m512 e = _mm512_maskz_mov_ps(live, tokenloom::exp16(_mm512_sub_ps(x, _mm512_set1_ps(mb))));
+        l[g] = l[g] * alpha + _mm512_reduce_add_ps(e);
+        m[g] = mb;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.pt.data() + g * kChunk), tokenloom::round_to_bf16(e));
+        if (alpha != 1.0f) {
+          const __m512 av = _mm512_set1_ps(alpha);
+          float* ag = w.acc.data() + g * D;
+          for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(ag + d, _mm512_mul_ps(av, _mm512_loadu_ps(ag + d)));
+        }
+      }
+      // O = P V, 16 dims at a time, added to the running output
+      _tile_loadd(3, w.pt.data(), 32);
+      for (int64_t d16 = 0; d16 < D / 16; ++d16) {
+        _tile_zero(5);
+        _tile_loadd(4, w.vp.data() + d16 * 8 * 32, 64);
+        _tile_dpbf16ps(5, 3, 4);
+        _tile_stored(5, w.o.data() + d16 * 16, D * 4);
+      }
+      for (int64_t g = 0; g < gn; ++g)
+        for (int64_t d = 0; d < D; d += 16) {
+          float* ag = w.acc.data() + g * D + d;
+          _mm512_storeu_ps(ag, _mm512_add_ps(_mm512_loadu_ps(ag), _mm512_loadu_ps(w.o.data() + g * D + d)));
+        }
+    }
+  }
+  for (int64_t g = 0; g < gn; ++g) {
+    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = w.acc[g * D + d] * inv;
+  }
+}
+
+// q [N, Hq, D] bf16; k_cache, v_cache [num_blocks, block_size, Hk, D] bf16; block_tables
+// [N, max_blocks] int64; context_lens [N] int64.  Returns [N, Hq, D] bf16.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16,
+              "tokenloom_amx attention takes bfloat16 q and caches");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), Hk = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && D % 32 == 0 && Hq % Hk == 0, "head_dim must be a multiple of 32");
+  const int64_t G = Hq / Hk;
+  const auto qc = q.contiguous();
+  const auto bt = block_tables.to(at::kLong).contiguous();
+  const auto cl = context_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(bt.size(0) == N && cl.size(0) == N, "one block table and context length per query");
+  auto out = at::empty({N, Hq, D}, qc.options());
+  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
+  auto* op = out.data_ptr<at::BFloat16>();
+  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  const int64_t* btp = bt.data_ptr<int64_t>();
+  const int64_t* clp = cl.data_ptr<int64_t>();
+  const int64_t nb = bt.size(1), token_stride = Hk * D, groups = (G + kRows - 1) / kRows;
+  at::parallel_for(0, N * Hk * groups, 1, [&](int64_t i0, int64_t i1) {
+    TORCH_CHECK(tokenloom::amx::request_tiles(), "tokenloom_amx: the kernel refused AMX tile permission");
+    _tile_loadconfig(&kConfig);
+    Scratch w(D);
+    std::vector<float> o32(kRows * D);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = i / (Hk * groups), h = i / groups % Hk, g0 = i % groups * kRows;
+      const int64_t gn = std::min(kRows, G - g0), ctx = clp[r];
+      TORCH_CHECK(ctx >= 0 && ctx <= nb * bs, "context length exceeds the block table");
+      const int64_t off = (r * Hq + h * G + g0) * D;
+      attend_amx(qp + off, gn, D, kc + h * D, vc + h * D, btp + r * nb, ctx, bs, token_stride,
+                 static_cast<float>(scale), o32.data(), w);
+      for (int64_t j = 0; j < gn * D; ++j) op[off + j] = at::BFloat16(o32[j]);
+    }
+    _tile_release();
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenloom_amx, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom_amx, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
