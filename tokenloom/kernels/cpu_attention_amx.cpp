@@ -36,18 +36,13 @@ namespace {
 
 using tokenloom::amx::TileConfig;
 
-constexpr int64_t kChunk = 16;  // tokens per tile product (a B tile's 16 columns of k pairs)
+constexpr int64_t kChunk = 32;  // tokens per step: two B tiles of 16 keys, one A tile of 32 weights
 constexpr int64_t kRows = 16;   // query heads per tile (more are done 16 at a time)
 
-// 0: q, 32 dims of 16 heads; 1: k, 16 dim pairs x 16 tokens; 2: S [16 x 16] float32;
-// 3: P, 16 heads x 16 tokens bf16; 4: v, 8 token pairs x 16 dims; 5: O, 16 heads x 16 dims.
-constexpr TileConfig attention_config() {
-  TileConfig c = tokenloom::amx::uniform_config(6, 16, 64);
-  c.colsb[3] = 32;
-  c.rows[4] = 8;
-  return c;
-}
-alignas(64) static const TileConfig kConfig = attention_config();
+// 0: q, 32 dims of 16 heads; 1: k, 16 dim pairs x 16 tokens; 2, 3: S [16 x 16] float32 of the
+// chunk's two halves; 4: P, 16 heads x 32 tokens bf16; 5: v, 16 token pairs x 16 dims; 6: O,
+// 16 heads x 16 dims.  Every tile is 16 rows of 64 bytes.
+alignas(64) static const TileConfig kConfig = tokenloom::amx::uniform_config(7, 16, 64);
 
 // The 16 x 16 matrix of 32-bit elements in r transposed in place (three rounds of unpacks and
 // lane shuffles).
@@ -79,8 +74,8 @@ inline void transpose16(__m512i r[16]) {
 }
 
 // One (request, KV head, up to 16 of its query heads): q [gn, D] bf16, out [gn, D] float32.
-// Scratch: kt (D / 32 tiles of 16 x 64 bytes), vp (D / 16 tiles of 8 x 64 bytes), qt
-// (16 x D bf16), pt (16 x 16 bf16), s and o (16 x 16 and 16 x D float32), acc (16 x D).
+// Scratch: kt (2 halves x D / 32 tiles of 16 x 64 bytes), vp (D / 16 tiles of 16 x 64 bytes),
+// qt (16 x D bf16), pt (16 x 32 bf16), s (16 x 32) and o (16 x D) float32, acc (16 x D).
 struct Scratch {
   std::vector<uint16_t> kt, vp, qt, pt;
   std::vector<float> s, o, acc;
@@ -106,70 +101,83 @@ void attend_amx(const uint16_t* q, int64_t gn, int64_t D, const uint16_t* k_cach
       {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
        24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
   const __m512i pair_idx[2] = {_mm512_load_si512(kPairIdx[0]), _mm512_load_si512(kPairIdx[1])};
-  for (int64_t b0 = 0; b0 < ctx; b0 += bs) {
-    const int64_t block = table[b0 / bs];
-    const int64_t in_block = std::min(bs, ctx - b0);
-    for (int64_t c0 = 0; c0 < in_block; c0 += kChunk) {
-      const int64_t n = std::min(kChunk, in_block - c0);
-      const uint16_t* kb = k_cache + (block * bs + c0) * token_stride;
-      const uint16_t* vb = v_cache + (block * bs + c0) * token_stride;
-      // K^T as dimension pairs: piece p's tile row i is dims (32p + 2i, +1) of the 16 tokens
+  const uint16_t* krow[kChunk];
+  const uint16_t* vrow[kChunk];
+  for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
+    // the chunk's tokens, wherever their blocks lie; past the context, none
+    const int64_t n = std::min(kChunk, ctx - c0);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t at = (table[(c0 + t) / bs] * bs + (c0 + t) % bs) * token_stride;
+      krow[t] = k_cache + at;
+      vrow[t] = v_cache + at;
+    }
+    // K^T as dimension pairs: half h, piece p's tile row i is dims (32p + 2i, +1) of tokens 16h..16h+15
+    for (int64_t h = 0; h < 2; ++h)
       for (int64_t p = 0; p < pieces; ++p) {
         __m512i r[16];
-        for (int64_t t = 0; t < kChunk; ++t)
-          r[t] = t < n ? _mm512_loadu_si512(kb + t * token_stride + 32 * p) : _mm512_setzero_si512();
+        for (int64_t t = 0; t < 16; ++t)
+          r[t] = 16 * h + t < n ? _mm512_loadu_si512(krow[16 * h + t] + 32 * p) : _mm512_setzero_si512();
         transpose16(r);
-        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(w.kt.data() + (p * 16 + i) * 32, r[i]);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(w.kt.data() + ((h * pieces + p) * 16 + i) * 32, r[i]);
       }
-      // V as token pairs: tile d16's row j is dims 16 d16 .. +15 of tokens 2j and 2j + 1, interleaved
-      for (int64_t j = 0; j < kChunk / 2; ++j) {
-        for (int64_t p = 0; p < pieces; ++p) {
-          const __m512i a = 2 * j < n ? _mm512_loadu_si512(vb + 2 * j * token_stride + 32 * p) : _mm512_setzero_si512();
-          const __m512i b = 2 * j + 1 < n ? _mm512_loadu_si512(vb + (2 * j + 1) * token_stride + 32 * p)
-                                          : _mm512_setzero_si512();
-          for (int h = 0; h < 2; ++h)
-            _mm512_storeu_si512(w.vp.data() + ((2 * p + h) * 8 + j) * 32, _mm512_permutex2var_epi16(a, pair_idx[h], b));
-        }
-      }
-      // S = Q K^T
-      _tile_zero(2);
+    // V as token pairs: tile d16's row j is dims 16 d16 .. +15 of tokens 2j and 2j + 1, interleaved
+    for (int64_t j = 0; j < kChunk / 2; ++j)
       for (int64_t p = 0; p < pieces; ++p) {
-        _tile_loadd(0, w.qt.data() + 32 * p, D * 2);
-        _tile_loadd(1, w.kt.data() + p * 16 * 32, 64);
-        _tile_dpbf16ps(2, 0, 1);
+        const __m512i a = 2 * j < n ? _mm512_loadu_si512(vrow[2 * j] + 32 * p) : _mm512_setzero_si512();
+        const __m512i b = 2 * j + 1 < n ? _mm512_loadu_si512(vrow[2 * j + 1] + 32 * p) : _mm512_setzero_si512();
+        for (int h = 0; h < 2; ++h)
+          _mm512_storeu_si512(w.vp.data() + ((2 * p + h) * 16 + j) * 32, _mm512_permutex2var_epi16(a, pair_idx[h], b));
       }
-      _tile_stored(2, w.s.data(), 64);
-      // online softmax per head over the chunk's n tokens; P rounded to bf16 for the product
-      const __mmask16 live = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
-      const __m512 sv = _mm512_set1_ps(scale);
-      for (int64_t g = 0; g < gn; ++g) {
-        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, w.s.data() + g * kChunk), sv);
-        const float mb = std::max(m[g], _mm512_mask_reduce_max_ps(live, x));
-        const float alpha = mb == m[g] ? 1.0f : std::exp(m[g] - mb);  // exp(-inf) = 0 on the first chunk
-        const __m512 e = _mm512_maskz_mov_ps(live, tokenloom::exp16(_mm512_sub_ps(x, _mm512_set1_ps(mb))));
-        l[g] = l[g] * alpha + _mm512_reduce_add_ps(e);
-        m[g] = mb;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.pt.data() + g * kChunk), tokenloom::round_to_bf16(e));
-        if (alpha != 1.0f) {
-          const __m512 av = _mm512_set1_ps(alpha);
-          float* ag = w.acc.data() + g * D;
-          for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(ag + d, _mm512_mul_ps(av, _mm512_loadu_ps(ag + d)));
-        }
-      }
-      // O = P V, 16 dims at a time, added to the running output
-      _tile_loadd(3, w.pt.data(), 32);
-      for (int64_t d16 = 0; d16 < D / 16; ++d16) {
-        _tile_zero(5);
-        _tile_loadd(4, w.vp.data() + d16 * 8 * 32, 64);
-        _tile_dpbf16ps(5, 3, 4);
-        _tile_stored(5, w.o.data() + d16 * 16, D * 4);
-      }
-      for (int64_t g = 0; g < gn; ++g)
-        for (int64_t d = 0; d < D; d += 16) {
-          float* ag = w.acc.data() + g * D + d;
-          _mm512_storeu_ps(ag, _mm512_add_ps(_mm512_loadu_ps(ag), _mm512_loadu_ps(w.o.data() + g * D + d)));
-        }
+    // S = Q K^T, the chunk's two halves of 16 tokens
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t p = 0; p < pieces; ++p) {
+      _tile_loadd(0, w.qt.data() + 32 * p, D * 2);
+      _tile_loadd(1, w.kt.data() + p * 16 * 32, 64);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_loadd(1, w.kt.data() + (pieces + p) * 16 * 32, 64);
+      _tile_dpbf16ps(3, 0, 1);
     }
+    _tile_stored(2, w.s.data(), kChunk * 4);
+    _tile_stored(3, w.s.data() + 16, kChunk * 4);
+    // online softmax per head over the chunk's n tokens; P rounded to bf16 for the product
+    const __mmask16 live0 = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
+    const __mmask16 live1 = static_cast<__mmask16>(n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0);
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t g = 0; g < gn; ++g) {
+      const __m512 x0 = _mm512_mul_ps(_mm512_maskz_loadu_ps(live0, w.s.data() + g * kChunk), sv);
+      const __m512 x1 = _mm512_mul_ps(_mm512_maskz_loadu_ps(live1, w.s.data() + g * kChunk + 16), sv);
+      const __m512 mx = _mm512_max_ps(_mm512_mask_blend_ps(live0, _mm512_set1_ps(-INFINITY), x0),
+                                      _mm512_mask_blend_ps(live1, _mm512_set1_ps(-INFINITY), x1));
+      const float mb = std::max(m[g], _mm512_reduce_max_ps(mx));
+      const float alpha = mb == m[g] ? 1.0f : std::exp(m[g] - mb);  // exp(-inf) = 0 on the first chunk
+      const __m512 mv = _mm512_set1_ps(mb);
+      const __m512 e0 = _mm512_maskz_mov_ps(live0, tokenloom::exp16(_mm512_sub_ps(x0, mv)));
+      const __m512 e1 = _mm512_maskz_mov_ps(live1, tokenloom::exp16(_mm512_sub_ps(x1, mv)));
+      l[g] = l[g] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+      m[g] = mb;
+      uint16_t* pg = w.pt.data() + g * kChunk;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg), tokenloom::round_to_bf16(e0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + 16), tokenloom::round_to_bf16(e1));
+      if (alpha != 1.0f) {
+        const __m512 av = _mm512_set1_ps(alpha);
+        float* ag = w.acc.data() + g * D;
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(ag + d, _mm512_mul_ps(av, _mm512_loadu_ps(ag + d)));
+      }
+    }
+    // O = P V, 16 dims at a time, added to the running output
+    _tile_loadd(4, w.pt.data(), kChunk * 2);
+    for (int64_t d16 = 0; d16 < D / 16; ++d16) {
+      _tile_zero(6);
+      _tile_loadd(5, w.vp.data() + d16 * 16 * 32, 64);
+      _tile_dpbf16ps(6, 4, 5);
+      _tile_stored(6, w.o.data() + d16 * 16, D * 4);
+    }
+    for (int64_t g = 0; g < gn; ++g)
+      for (int64_t d = 0; d < D; d += 16) {
+        float* ag = w.acc.data() + g * D + d;
+        _mm512_storeu_ps(ag, _mm512_add_ps(_mm512_loadu_ps(ag), _mm512_loadu_ps(w.o.data() + g * D + d)));
+      }
   }
   for (int64_t g = 0; g < gn; ++g) {
     const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
