@@ -19,6 +19,10 @@ the row's largest value; nothing widened), and the calibration picks between the
 `linear_int8_tiles` (two int8 planes per row, 2^-15.9 of the row's largest, which an outlier
 channel ruins for the rest of the row) is kept for comparison and never chosen
 (docs/quantization.md, "AMX").
+
+The same extension holds the decode attention for bf16 KV caches (`cpu_attention_amx.cpp`:
+q.k and p.v as tile products), which kernels/cpu.py `attention_op` takes wherever the probe
+said yes; `TOKENLOOM_AMX=0` keeps the AVX-512 attention too.
 """
 
 from __future__ import annotations

@@ -31,7 +31,9 @@ stock kernels stream them poorly at decode's shapes:
   logprobs' top n and rank in one pass over a row (`logprob_rows`).
 * `cpu_attention.cpp`: decode attention reading the paged KV cache in place, instead of
   gathering it into a dense copy for SDPA.  Used on any CPU where the kernels build; the
-  AVX-512 extension compiles the same source again with its 512-bit loop (`attention_op`).
+  AVX-512 extension compiles the same source again with its 512-bit loop (`attention_op`);
+  for bf16 caches on CPUs with usable AMX, `cpu_attention_amx.cpp` (in kernels/amx.py's
+  extension) runs its two products as tile multiplies.
 * `cpu_fused_avx512.cpp`: `cpu_fused.cpp`'s SiLU(gate) * up on sixteen lanes, in the AVX-512
   extension (model/ops.py takes it where that extension runs).
 
@@ -333,9 +335,11 @@ def attention_op(dtype: torch.dtype = torch.float32, head_dim: int = 0):
     """Our paged decode attention: for bf16 caches and head sizes that are multiples of 32 on
     CPUs with usable AMX, the tile build (`cpu_attention_amx.cpp`, kernels/amx.py); else the
     AVX-512 build where the CPU has it (512-bit loop for head sizes that are multiples of 16),
-    else the AVX2 one.  `TOKENLOOM_CPU_ATTENTION=avx512` or `=avx2` forces those."""
+    else the AVX2 one.  `TOKENLOOM_CPU_ATTENTION=avx512` or `=avx2` forces those, as does
+    `TOKENLOOM_AMX=0` (no AMX kernel at all)."""
     choice = os.environ.get("TOKENLOOM_CPU_ATTENTION")
-    if choice not in ("avx2", "avx512") and dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim:
+    if (choice not in ("avx2", "avx512") and os.environ.get("TOKENLOOM_AMX") != "0" and dtype == torch.bfloat16
+            and head_dim and head_dim % 32 == 0):
         from tokenloom.kernels import amx
 
         if amx.enabled():
