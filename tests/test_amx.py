@@ -320,7 +320,7 @@ def test_amx_decode_attention_matches_sdpa(n, kv_heads, group, head_dim, block_s
     scale = head_dim**-0.5
     op = torch.ops.tokenloom_amx.paged_decode_attention
     if not {"TOKENLOOM_AMX", "TOKENLOOM_CPU_ATTENTION"} & set(os.environ):  # chosen where AMX runs
-        assert cpu_kernels.decode_attention_op(torch.device("cpu"), torch.bfloat16, head_dim) is op
+        assert amx.decode_attention_op(torch.device("cpu"), torch.bfloat16, head_dim) is op
     out = op(q, k_cache, v_cache, tables, ctx, scale)
     L = per_req * block_size
     mask = (torch.arange(L)[None] < ctx[:, None]).view(n, 1, 1, L)

@@ -455,11 +455,12 @@ def test_stream_disconnect_aborts_and_frees_kv(guarded):
     assert metric(srv.base_url, "tokenloom:request_success_total", finished_reason="abort") == aborted + 1
 
 
-def test_nonstream_disconnect_aborts(srv):
+def test_nonstream_disconnect_aborts(subprocess_server):
+    srv = subprocess_server()  # 16k tokens of context (the SIGTERM test below stops it)
     aborted = metric(srv.base_url, "tokenloom:request_success_total", finished_reason="abort")
-    # 4 x 240 tokens: far longer than the 0.1 s the client waits for the response even on a
-    # fast machine; connecting and sending get the default time, so the request does arrive.
-    body = {"model": NAME, "prompt": PROMPTS[4], "max_tokens": 240, "n": 4, "ignore_eos": True, "temperature": 0}
+    # 4 x 4,000 tokens: far longer than the 0.1 s the client waits for the response however fast
+    # the machine decodes; connecting and sending get the default time, so the request arrives.
+    body = {"model": NAME, "prompt": PROMPTS[4], "max_tokens": 4000, "n": 4, "ignore_eos": True, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(srv.base_url + "/v1/completions", json=body, timeout=httpx.Timeout(10.0, read=0.1))
     assert wait_until(lambda: metric(srv.base_url, "tokenloom:request_success_total", finished_reason="abort")

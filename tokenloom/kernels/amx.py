@@ -21,8 +21,8 @@ channel ruins for the rest of the row) is kept for comparison and never chosen
 (docs/quantization.md, "AMX").
 
 The same extension holds the decode attention for bf16 KV caches (`cpu_attention_amx.cpp`:
-q.k and p.v as tile products), which kernels/cpu.py `attention_op` takes wherever the probe
-said yes; `TOKENLOOM_AMX=0` keeps the AVX-512 attention too.
+q.k and p.v as tile products), which `decode_attention_op` takes wherever the probe said
+yes; `TOKENLOOM_AMX=0` keeps the AVX-512 attention too.
 """
 
 from __future__ import annotations
@@ -221,3 +221,14 @@ def linear_op(packed: torch.Tensor):
     """kernels/cpu.py `linear_op`, with the AMX bf16 kernel for the rows it wins on k-pair panels."""
     ours = cpu.linear_op(packed)
     return with_amx("bf16", ours) if packed.dim() == 4 else ours
+
+
+def decode_attention_op(device: torch.device, dtype: torch.dtype, head_dim: int):
+    """kernels/cpu.py `decode_attention_op`, with the tile build (`cpu_attention_amx.cpp`) for
+    bf16 caches and head sizes that are multiples of 32 where AMX runs.
+    `TOKENLOOM_CPU_ATTENTION=avx512` / `=avx2` or `TOKENLOOM_AMX=0` keep the vector builds."""
+    ours = cpu.decode_attention_op(device, dtype, head_dim)
+    if (ours is None or os.environ.get("TOKENLOOM_CPU_ATTENTION") in ("avx2", "avx512")
+            or os.environ.get("TOKENLOOM_AMX") == "0" or dtype != torch.bfloat16 or head_dim % 32 != 0):
+        return ours
+    return torch.ops.tokenloom_amx.paged_decode_attention if enabled() else ours

@@ -32,8 +32,8 @@ stock kernels stream them poorly at decode's shapes:
 * `cpu_attention.cpp`: decode attention reading the paged KV cache in place, instead of
   gathering it into a dense copy for SDPA.  Used on any CPU where the kernels build; the
   AVX-512 extension compiles the same source again with its 512-bit loop (`attention_op`);
-  for bf16 caches on CPUs with usable AMX, `cpu_attention_amx.cpp` (in kernels/amx.py's
-  extension) runs its two products as tile multiplies.
+  for bf16 caches on CPUs with usable AMX, `cpu_attention_amx.cpp` (kernels/amx.py
+  `decode_attention_op`) runs its two products as tile multiplies.
 * `cpu_fused_avx512.cpp`: `cpu_fused.cpp`'s SiLU(gate) * up on sixteen lanes, in the AVX-512
   extension (model/ops.py takes it where that extension runs).
 
@@ -322,7 +322,7 @@ def decode_attention_op(device: torch.device, dtype: torch.dtype, head_dim: int)
     graph at every layer."""
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 \
             and attention_enabled():
-        return attention_op(dtype, head_dim)
+        return attention_op()
     return None
 
 
@@ -331,20 +331,11 @@ def attention_enabled() -> bool:
     return os.environ.get("TOKENLOOM_CPU_ATTENTION", "1") != "0" and load()
 
 
-def attention_op(dtype: torch.dtype = torch.float32, head_dim: int = 0):
-    """Our paged decode attention: for bf16 caches and head sizes that are multiples of 32 on
-    CPUs with usable AMX, the tile build (`cpu_attention_amx.cpp`, kernels/amx.py); else the
-    AVX-512 build where the CPU has it (512-bit loop for head sizes that are multiples of 16),
-    else the AVX2 one.  `TOKENLOOM_CPU_ATTENTION=avx512` or `=avx2` forces those, as does
-    `TOKENLOOM_AMX=0` (no AMX kernel at all)."""
-    choice = os.environ.get("TOKENLOOM_CPU_ATTENTION")
-    if (choice not in ("avx2", "avx512") and os.environ.get("TOKENLOOM_AMX") != "0" and dtype == torch.bfloat16
-            and head_dim and head_dim % 32 == 0):
-        from tokenloom.kernels import amx
-
-        if amx.enabled():
-            return torch.ops.tokenloom_amx.paged_decode_attention
-    if choice != "avx2" and avx512_enabled():
+def attention_op():
+    """Our paged decode attention: the AVX-512 build where the CPU has it (512-bit loop for
+    head sizes that are multiples of 16), else the AVX2 one (kernels/amx.py `attention_op`
+    adds the tile build for bf16 caches)."""
+    if os.environ.get("TOKENLOOM_CPU_ATTENTION") not in ("avx2",) and avx512_enabled():
         return torch.ops.tokenloom_avx512.paged_decode_attention
     return torch.ops.tokenloom_cpu.paged_decode_attention
 

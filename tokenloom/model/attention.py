@@ -356,7 +356,8 @@ def build_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim:
     if name == "triton":
         return TritonAttention(kinds, num_kv_heads, device)
     if name == "cpu":
-        from tokenloom.kernels import cpu as cpu_kernels
+        from tokenloom.kernels import amx as amx_kernels
 
-        return CpuAttention(cpu_kernels.decode_attention_op(device, dtype, head_dim), kinds)
+        # our decode kernel for this CPU: AMX tiles for bf16 caches where they run, else AVX-512 / AVX2
+        return CpuAttention(amx_kernels.decode_attention_op(device, dtype, head_dim), kinds)
     return AttentionBackend(kinds)

@@ -224,7 +224,7 @@ class ModelRunner:
                             self.device)
 
     def describe(self) -> str:
-        """One line for the start-up summary: the backend plan and the CUDA graphs captured."""
+        """One line for the start-up summary: the backend plan and the decode graphs (CUDA or CPU)."""
         graphs = f"; {self.graphs.describe()}" if self.graphs is not None else ""
         tp = f"tensor parallel over {self.tp.size} ranks, " if self.tp is not None else ""
         lora = ""
