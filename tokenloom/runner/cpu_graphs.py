@@ -17,9 +17,11 @@ size; only the data changes.  So, as with CUDA graphs:
   small records; recording one costs one step), so a step computes no padded rows;
 - a forward that reads data on the host (an op returning a Python number, or one whose
   output's shape depends on values) cannot be replayed: that size then runs eagerly, and
-  the reason is logged once.  The backend plan (model/backends.py) turns CPU graphs off
-  where the forward is known to do so (mixtures of experts pick experts on the host, LoRA
-  steps carry per-step adapter rows, tensor-parallel steps communicate).
+  the reason is logged once.  `.tolist()` and `.numpy()` read a tensor without the
+  dispatcher, so no dispatch mode sees them: the backend plan (model/backends.py) turns CPU
+  graphs off where the forward is known to read the host or vary (mixtures of experts pick
+  experts with `.tolist()`, LoRA steps carry per-step adapter rows, tensor-parallel steps
+  communicate).
 
 Replays give the same results bit for bit as the eager forward: the same kernels run on
 the same arguments in the same order.
