@@ -3,9 +3,10 @@
 //
 // cpu_attention.cpp's 512-bit loop spends its time in FMAs: per cached token and query head,
 // D / 16 of them for q.k and as many for p.v, and a bf16 cache widened on every load.  With G
-// query heads sharing a KV head (grouped-query attention), each 16-token chunk of a block is:
+// query heads sharing a KV head (grouped-query attention), each 32-token chunk of a request's
+// history (its tokens gathered from their blocks) is, for up to 16 of the G heads at a time:
 //
-//   S [16 heads x 16 tokens] = Q [heads x D] . K^T       A = the heads' q rows (bf16, as the
+//   S [16 heads x 32 tokens] = Q [heads x D] . K^T       A = the heads' q rows (bf16, as the
 //                                                        model made them), B = the chunk's keys
 //                                                        as dimension pairs (a 32-bit transpose)
 //   online softmax over S's rows, as cpu_attention.cpp   scaled by `scale` here, not folded into q
@@ -14,7 +15,7 @@
 //                                                        attention round it), B = the chunk's
 //                                                        values as token pairs (interleaved rows)
 //
-// Sums are float32.  Rows past G and tokens past the block's end are zeros in both operands.
+// Sums are float32.  Rows past G and tokens past the context are zeros in both operands.
 // Registers tokenloom_amx::paged_decode_attention (same schema as the others), for bf16 q and
 // caches and a head size that is a multiple of 32.
 
