@@ -1,6 +1,6 @@
 """Microbenchmarks of our CPU kernels against what they replace (the README's kernel figures).
 
-    python scripts/bench_kernels.py [--rows 1,8,16,32,64,256] [--repeats 3]
+    python scripts/bench_kernels.py [--rows 1,8,16,32,64,256] [--repeats 3] [--sections gemm,attention,...]
 
 * GEMM: the 24 decoder layers' matrices of Qwen2.5-0.5B (qkv 1152x896, o 896x896, gate/up
   9728x896, down 896x4864; 1.43 GB in fp32, more than any cache) at each row count, through
@@ -10,7 +10,8 @@
   bf16 kernel over the same matrices (on CPUs with AVX512-BF16) at 1 and 32 rows.
 * Decode attention: 32 requests of Qwen2.5-0.5B's heads (2 KV heads x 7 query heads, head_dim
   64) over 128 / 512 / 2048 tokens of context in shuffled 16-token blocks, the AVX2 build
-  against the AVX-512 build (where the CPU has it).
+  against the AVX-512 build (where the CPU has it); then bf16 caches, the AVX-512 build against
+  the AMX tile build (where AMX runs), from cache and each of 24 layers' caches once.
 * Greedy argmax over a [32, 151936] float32 logits row block: ours against torch.argmax.
 * The sampler (runner/sampler.py) over 32 such rows, peaked and flat: greedy, temperature,
   top-p, top-k.
@@ -133,6 +134,37 @@ def bench_attention(repeats: int, bs: int = 16) -> None:
         del layers
 
 
+def bench_attention_bf16(repeats: int, bs: int = 16) -> None:
+    """bf16 caches, as a bf16 model keeps them: the AVX-512 loop against the AMX tile build
+    (kernels/cpu_attention_amx.cpp) where the CPU runs it, from cache and, as in a step, each
+    of 24 layers' caches once (from DRAM)."""
+    from tokenloom.kernels import amx
+
+    hk, grp, d = 2, 7, 64
+    ops = {"AVX-512": cpu.attention_op()}
+    if amx.enabled():
+        ops["AMX"] = torch.ops.tokenloom_amx.paged_decode_attention
+    print(f"decode attention, bf16 caches, {hk} KV heads x {grp} query heads, head_dim {d}, {bs}-token blocks:")
+    for n, ctx in ((1, 128), (16, 128), (16, 512), (32, 300), (32, 2048)):
+        per = -(-ctx // bs)
+        g = torch.Generator().manual_seed(ctx + n)
+        layers = [(torch.randn(n * per, bs, hk, d, generator=g).bfloat16(),
+                   torch.randn(n * per, bs, hk, d, generator=g).bfloat16()) for _ in range(LAYERS)]
+        q = torch.randn(n, hk * grp, d, generator=g).bfloat16()
+        tables = torch.randperm(n * per, generator=g).view(n, per)
+        lens = torch.full((n,), ctx)
+        k0, v0 = layers[0]
+        hot = _median_rounds({name: (lambda op=op: op(q, k0, v0, tables, lens, d**-0.5)) for name, op in ops.items()},
+                             repeats, inner=5)
+        cold = _median_rounds({name: (lambda op=op: [op(q, k, v, tables, lens, d**-0.5) for k, v in layers])
+                               for name, op in ops.items()}, repeats)
+        line = "   ".join(f"{name} {hot[name] * 1e6:7.1f} us (DRAM {cold[name] / LAYERS * 1e6:7.1f})" for name in ops)
+        ratio = (f"   AMX x{hot['AVX-512'] / hot['AMX']:.2f} (DRAM x{cold['AVX-512'] / cold['AMX']:.2f})"
+                 if "AMX" in ops else "")
+        print(f"  {n:2d} requests x {ctx:5d} tokens: {line}{ratio}")
+        del layers
+
+
 def bench_sampler(repeats: int) -> None:
     """The sampler over 32 rows of Qwen2.5-sized logits: peaked (a trained model's) and flat (a
     random-weight model's), greedy, temperature only, top-p and top-k."""
@@ -168,15 +200,24 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,16,32,64,256")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=16, help="KV block size for the attention timings (default: 16)")
+    ap.add_argument("--sections", default="gemm,attention,attention-bf16,argmax,sampler",
+                    help="which of gemm, attention, attention-bf16, argmax, sampler to run")
     a = ap.parse_args()
+    sections = set(a.sections.split(","))
     glibc_heap.keep_step_buffers()  # as the engine runs
     if not cpu.load():
         raise SystemExit("our CPU kernels do not build here (needs x86 with AVX2 + FMA and a C++ toolchain)")
     cpu.avx512_enabled()
-    bench_gemm([int(r) for r in a.rows.split(",")], a.repeats)
-    bench_attention(a.repeats, a.block_size)
-    bench_argmax(a.repeats)
-    bench_sampler(a.repeats)
+    if "gemm" in sections:
+        bench_gemm([int(r) for r in a.rows.split(",")], a.repeats)
+    if "attention" in sections:
+        bench_attention(a.repeats, a.block_size)
+    if "attention-bf16" in sections:
+        bench_attention_bf16(a.repeats, a.block_size)
+    if "argmax" in sections:
+        bench_argmax(a.repeats)
+    if "sampler" in sections:
+        bench_sampler(a.repeats)
 
 
 if __name__ == "__main__":
