@@ -259,6 +259,19 @@ def test_special_tokens_mid_stream_keep_spacing():
         assert final == decode(tok, tok.encode("Lily said") + gen)[len(decode(tok, tok.encode("Lily said"))):]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prompt_ending_in_a_long_special_run_keeps_its_text_before_the_answer(family):
+    """A prompt whose text is followed by more skipped special tokens (a padding run) than the
+    detokenizer's left context holds: the answer's first word still decodes after that text
+    (WordPiece's space before ':' was lost once, when the window held only padding)."""
+    tok = FAMILIES[family]
+    special = sorted(tokenizer_facts(tok).special_ids)[0]
+    prompt = tok.encode("Lily said", add_special_tokens=False)
+    gen = tok.encode(": once upon a time", add_special_tokens=False)
+    for run in (3, 12, 40):
+        check(tok, prompt + [special] * run, gen)
+
+
 def test_stop_strings_still_cut_and_hold_back():
     tok = FAMILIES["sentencepiece"]
     full = tok.encode("Once upon a time, there was a little girl")

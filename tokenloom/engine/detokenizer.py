@@ -173,7 +173,15 @@ class IncrementalDetokenizer:
     def _context(self, prompt: Sequence[int]) -> list[int]:
         """The prompt's last tokens, ending on a complete character outside a byte run."""
         f = self.facts
-        ctx = [i for i in prompt[-(_CONTEXT_TOKENS + 2 * _MAX_TRIM):] if i in f.known]
+        # the last tokens the decoder sees: a prompt may end in more skipped special tokens (a
+        # padding run) than the window holds, and its text must still stand before the answer
+        ctx: list[int] = []
+        for i in reversed(prompt):
+            if i in f.known and not self._transparent(i):
+                ctx.append(i)
+                if len(ctx) == _CONTEXT_TOKENS + 2 * _MAX_TRIM:
+                    break
+        ctx.reverse()
         dropped_text, trimmed = False, 0
         while ctx:
             if self._transparent(ctx[-1]):
