@@ -25,6 +25,8 @@ from tokenloom.kernels import amx, amx_probe
 from tokenloom.kernels import cpu as cpu_kernels
 from tokenloom.model.weights.quantization import dequantize_int4, quantize_int4
 
+from attention_reference import paged_sdpa
+
 
 def _compiler_takes_amx() -> bool:
     """Whether this machine's C++ compiler builds a tile instruction (gcc >= 11, clang >= 12)."""
@@ -305,10 +307,6 @@ def test_amx_decode_attention_matches_sdpa(n, kv_heads, group, head_dim, block_s
     """cpu_attention_amx.cpp: q.k and p.v as tile products (keys as dimension pairs, values as
     token pairs, P rounded to bf16), against SDPA over the gathered blocks in float32; more
     than 16 query heads per KV head (20) take two passes, partial chunks zeros."""
-    import torch.nn.functional as F
-
-    from tokenloom.model.attention import _gather_kv
-
     _amx_or_skip()
     g = torch.Generator().manual_seed(seed)
     num_blocks, per_req = 40, 5
@@ -322,11 +320,7 @@ def test_amx_decode_attention_matches_sdpa(n, kv_heads, group, head_dim, block_s
     if not {"TOKENLOOM_AMX", "TOKENLOOM_CPU_ATTENTION"} & set(os.environ):  # chosen where AMX runs
         assert amx.decode_attention_op(torch.device("cpu"), torch.bfloat16, head_dim) is op
     out = op(q, k_cache, v_cache, tables, ctx, scale)
-    L = per_req * block_size
-    mask = (torch.arange(L)[None] < ctx[:, None]).view(n, 1, 1, L)
-    ref = F.scaled_dot_product_attention(
-        q.float().view(n, kv_heads, group, head_dim), _gather_kv(k_cache.float(), tables),
-        _gather_kv(v_cache.float(), tables), attn_mask=mask, scale=scale).reshape(n, -1, head_dim)
+    ref = paged_sdpa(q, k_cache, v_cache, tables, ctx, scale)
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
     # bf16 output (2^-9 of |v| <= ~4.5) and P rounded to bf16 (2^-9 of each weight)
     assert torch.allclose(out.float(), ref, atol=2e-2, rtol=0)

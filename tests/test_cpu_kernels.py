@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from tokenloom import LLM, SamplingParams
 from tokenloom.kernels import cpu as cpu_kernels
 
+from attention_reference import paged_sdpa
+
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="needs an x86 CPU with AVX2+FMA and a C++ toolchain")
 
 
@@ -211,10 +213,6 @@ def test_each_cpu_matmul_path_matches_transformers(model_factory, monkeypatch, p
 def test_paged_decode_attention_matches_sdpa(n, kv_heads, group, head_dim, block_size, bf16, wide, seed):
     """Our kernel reads the blocks in place; the reference gathers them and runs SDPA.
     `wide`: the AVX-512 build of the same source, where the CPU has it."""
-    import torch.nn.functional as F
-
-    from tokenloom.model.attention import _gather_kv
-
     g = torch.Generator().manual_seed(seed)
     dtype = torch.bfloat16 if bf16 else torch.float32
     num_blocks, per_req = 40, 5
@@ -226,11 +224,7 @@ def test_paged_decode_attention_matches_sdpa(n, kv_heads, group, head_dim, block
     scale = head_dim**-0.5
     op = cpu_kernels.attention_op() if wide else torch.ops.tokenloom_cpu.paged_decode_attention
     out = op(q, k_cache, v_cache, tables, ctx, scale)
-    L = per_req * block_size
-    mask = (torch.arange(L)[None] < ctx[:, None]).view(n, 1, 1, L)
-    ref = F.scaled_dot_product_attention(
-        q.float().view(n, kv_heads, group, head_dim), _gather_kv(k_cache.float(), tables),
-        _gather_kv(v_cache.float(), tables), attn_mask=mask, scale=scale).reshape(n, -1, head_dim)
+    ref = paged_sdpa(q, k_cache, v_cache, tables, ctx, scale)
     assert out.dtype == dtype
     assert torch.allclose(out.float(), ref, atol=2e-2 if bf16 else 1e-5)
 
