@@ -170,10 +170,11 @@ def test_amx_int8_tiles_within_the_split_bound(m: int, k: int, n: int, bias: boo
 @settings(max_examples=25, deadline=None)
 @given(outlier=st.booleans(), **shapes)
 def test_amx_int8_limbs_within_the_limb_bound(outlier: bool, m: int, k: int, n: int, bias: bool, seed: int) -> None:
-    """int8 tiles against four byte limbs per row (cpu_gemm_amx_limbs.cpp): each activation is
-    off by at most 2^-28 of its row's largest value, so each output by at most that times
-    sum_k |w[n, k]| (plus float32 rounding of the sums) -- with an outlier channel 10^4 times
-    the rest too, where per-row int8 planes (`linear_int8_tiles`) lose the rest of the row."""
+    """int8 tiles against byte limbs per row (cpu_gemm_amx_limbs.cpp): each float32 activation
+    (four limbs) is off by at most 2^-28 of its row's largest value, so each output by at most
+    that times sum_k |w[n, k]| (plus float32 rounding of the sums) -- with an outlier channel
+    10^4 times the rest too, where per-row int8 planes (`linear_int8_tiles`) lose the rest of
+    the row.  A bfloat16 one (three limbs) by at most 2^-21 of it, and not at all within 2^13."""
     _amx_or_skip()
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g) * torch.logspace(-3, 1, k)
@@ -196,12 +197,19 @@ def test_amx_int8_limbs_within_the_limb_bound(outlier: bool, m: int, k: int, n: 
             ref16 = xin.double() @ w.t() + (b.double() if b is not None else 0)
             y32 = torch.ops.tokenloom_amx.linear_int8_limbs(xin.float(), packed, scales, n, cpu_kernels.pad_bias(b, n))
             # A bf16 row whose nonzero values all lie within 2^20 of its largest is written exactly
-            # (only float32 summation is left); a wider row keeps the 2^-28 bound.
+            # as float32 (only float32 summation is left); a wider row keeps the 2^-28 bound.
             a16 = xin.double().abs()
             rowmax = a16.amax(dim=1, keepdim=True)
+            sum_w = w.abs().sum(dim=1)[None]
             exact = (a16.masked_fill(a16 == 0, float("inf")).amin(dim=1, keepdim=True) >= rowmax * 2.0**-20)
-            limb = torch.where(exact, 0.0, rowmax * 2.0**-28) * w.abs().sum(dim=1)[None]
+            limb = torch.where(exact, 0.0, rowmax * 2.0**-28) * sum_w
             assert ((y32.double() - ref16).abs() <= limb + 1e-5 * (a16 @ w.abs().t()) + 1e-6).all()
+            # As bf16, three limbs: values below 2^-13 of the row's largest are each off by at most
+            # 2^-21 of it; the output's own rounding to bf16 on top.
+            small = (a16 < rowmax * 2.0**-13) & (a16 > 0)
+            limb3 = rowmax * 2.0**-21 * (small.double() @ w.abs().t())
+            err = (y.double() - ref16).abs()
+            assert (err <= limb3 + 1e-5 * (a16 @ w.abs().t()) + ref16.abs() * 2.0**-8 + 1e-6).all()
             assert torch.allclose(y.double(), ref16, rtol=2**-8, atol=1e-3 * (ref16.abs().max().item() + 1))
 
 
@@ -243,8 +251,8 @@ def test_dispatch_picks_by_rows_and_matches_both_kernels(monkeypatch) -> None:
     """A calibration that takes AMX from 8 rows: calls below run our AVX-512 kernel, calls from
     8 rows the AMX one, each exactly as that kernel alone."""
     _amx_or_skip()
-    monkeypatch.setattr(amx, "choices", lambda: {"bf16": {"names": ["ours", "linear_bf16"],
-                                                          "pick": [0, 0, 0, 1, 1, 1, 1]}})
+    pick = [int(rows >= 8) for rows in amx.BUCKETS]
+    monkeypatch.setattr(amx, "choices", lambda: {"bf16": {"names": ["ours", "linear_bf16"], "pick": pick}})
     w = cpu_kernels.pack_pairs(torch.randn(40, 64).to(torch.bfloat16))
     ours = cpu_kernels.linear_op(w)
     op = amx.dispatch("bf16", ours)
@@ -252,6 +260,15 @@ def test_dispatch_picks_by_rows_and_matches_both_kernels(monkeypatch) -> None:
                          (100, torch.ops.tokenloom_amx.linear_bf16)):
         x = torch.randn(rows, 64)
         assert torch.equal(op(x, w, 40, None), kernel(x, w, 40, None))
+
+
+def test_a_call_falls_in_the_largest_bucket_at_or_below_its_rows() -> None:
+    """Buckets are timed at their own row count; 9 has one, since from 9 rows our quantized
+    kernels leave the VNNI integer path (8 rows' timing would pick for a kernel not run)."""
+    assert 8 in amx.BUCKETS and 9 in amx.BUCKETS and amx.MIN_QUANT_ROWS == 9
+    for rows in range(0, 200):
+        b = amx.BUCKETS[amx.bucket(rows)]
+        assert b <= max(rows, 1) and all(not b < other <= rows for other in amx.BUCKETS)
 
 
 def test_calibration_is_cached_beside_the_builds(tmp_path, monkeypatch) -> None:

@@ -5,7 +5,7 @@ same packed weights as the AVX-512 kernels (so there is one copy of each weight 
 kernel can take any call).  Which one wins depends on how many rows the call has: at one row
 both are bound by the weights' stream, from a few rows on the AVX-512 kernels by their
 arithmetic, which AMX does about sixteen times faster.  So for each kernel ("bf16", "int8",
-"int4") and row bucket (1, 2, 4, ... 64 and more rows) both are timed once on a model-sized
+"int4") and row bucket (1, 2, 4, 8, 9, 16, ... 64 and more rows) both are timed once on a model-sized
 matrix, and the faster one is used for calls of that bucket (`dispatch`).  The choice is
 cached beside the kernel builds (kernels/build.py `cache_root`), keyed by CPU model, kernel
 sources and this module's own; timed on one thread, in CPU time (robust on a busy machine).
@@ -27,6 +27,7 @@ yes; `TOKENLOOM_AMX=0` keeps the AVX-512 attention too.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import json
@@ -40,13 +41,17 @@ import torch
 from tokenloom.kernels import amx_probe, cpu
 from tokenloom.kernels.build import _build, cache_root
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a call of M rows falls in the largest bucket <= M
+# A call of M rows falls in the largest bucket <= M, timed at that many rows.  9 has a bucket of
+# its own: from 9 rows our quantized kernels leave the VNNI integer path for the dequantized-block
+# one, whose cost 8 rows' timing does not show.
+BUCKETS = (1, 2, 4, 8, 9, 16, 32, 64)
 KINDS = ("bf16", "int8", "int4")
-# Quantized calls of fewer rows stay on the VNNI build's integer path, whatever the timing: it
-# keeps each activation to 2^-20 of its block of 32 (2^-13 for bf16 ones of int4 weights; an
-# outlier 10^4 times larger costs the others nothing) and each row's result independent of the rows beside it, which speculative
-# verifying steps (up to 8 rows) rely on (docs/quantization.md, "Integer dot products").
-MIN_QUANT_ROWS = 16
+# Quantized calls of fewer rows stay on the VNNI build's integer path (cpu_gemm_quant.cpp
+# `kIntegerRows`), whatever the timing: it keeps each activation to 2^-20 of its block of 32
+# (2^-13 for bf16 ones of int4 weights; an outlier 10^4 times larger costs the others nothing),
+# and a row's result is then the same in a call of 1 row as of up to 8, which speculative
+# verifying steps rely on (docs/quantization.md, "Integer dot products").
+MIN_QUANT_ROWS = 9
 CALIBRATION_SHAPE = (896, 4864)  # (K, N) of the matrices timed: Qwen2.5-0.5B's MLP
 _AMX_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni",
               "-mavx512vbmi", "-mamx-tile", "-mamx-int8", "-mamx-bf16"]
@@ -79,7 +84,7 @@ def enabled() -> bool:
 
 def bucket(rows: int) -> int:
     """Index into BUCKETS of a call with `rows` rows."""
-    return min(max(rows, 1).bit_length() - 1, len(BUCKETS) - 1)
+    return max(bisect.bisect_right(BUCKETS, rows) - 1, 0)
 
 
 def _calibration_path() -> Path:

@@ -1,27 +1,30 @@
-// AMX int8 tiles for int8 weights, with each activation row written as four byte limbs:
+// AMX int8 tiles for int8 weights, with each activation row written as byte limbs:
 // y[M, N] = x[M, K] * W[N, K]^T (+ bias).
 //
 // AMX's int8 tile multiply (TDPBSSD: [16 x 64] int8 times [64 x 16] int8 into int32) needs the
 // activations as bytes too.  Rounding them to int8 would keep each to 2^-8 of its row's largest
-// value; instead each row is written exactly as four signed bytes per value on a power-of-two
-// unit D of the row,
+// value; instead each row is written as L signed bytes per value on a power-of-two unit D of the
+// row,
 //
-//     x ~= D * (a + b / 2^7 + c / 2^14 + d / 2^21),   D = 2^(floor(log2 max|x_row|) - 6),
+//     x ~= D * (a + b / 2^7 + c / 2^14 [+ d / 2^21]),   D = 2^(floor(log2 max|x_row|) - 6),
 //
-// a, b, c the exact truncations and d the rest rounded: the error is at most D / 2^22, 2^-28 of
-// the row's largest value, and a bfloat16 activation within 2^20 of it is represented exactly
-// (an outlier channel 10^4 times the rest costs them nothing: they keep more than bfloat16's own
-// precision).  Each limb is one plane of tiles; its sums over all of K stay in int32 (|sum| <=
-// 127 * 128 * K, below 2^31 for K < 2^17) and are combined in float32 once per output, scaled by
-// the row's D and the column's scale.  The int8 weights are multiplied as they are packed, never
-// widened: the k-quad panels of `pack_int8(quads=True)` are AMX's int8 B-tile layout (a tile is
-// 16 k-quads of one 16-column half, rows 128 bytes apart).  Rows stay independent of the rows
+// every limb but the last the exact truncation and the last the rest rounded.  float32 rows take
+// four limbs: the error is at most D / 2^22, 2^-28 of the row's largest value (below float32's
+// own 2^-24 of it).  bfloat16 rows take three: the error is at most D / 2^15, 2^-21 of the row's
+// largest value, while the row itself, rounded to bfloat16, already carries up to 2^-9 of it;
+// every value within 2^13 of the largest is written exactly.  (An outlier channel 10^4 times
+// the rest costs a float32 row nothing; a bfloat16 row keeps the rest to 2^-21 of the outlier.)
+// Each limb is one plane of tiles; its sums over all of K stay in int32 (|sum| <= 127 * 128 *
+// K, below 2^31 for K < 2^17) and are combined in float32 once per output, scaled by the row's
+// D and the column's scale.  The int8 weights are multiplied as they are packed, never widened:
+// the k-quad panels of `pack_int8(quads=True)` are AMX's int8 B-tile layout (a tile is 16
+// k-quads of one 16-column half, rows 128 bytes apart).  Rows stay independent of the rows
 // beside them.
 //
 // Per k-block of 64 the panel's two weight tiles meet two limb tiles (four multiplies, each tile
-// loaded used twice); limbs a, b take one pass over the panel's weights and c, d a second,
+// loaded used twice); limbs a, b take one pass over the panel's weights and c (and d) a second,
 // from cache.  docs/quantization.md, "AMX", has the measurements against the bf16-tile kernel
-// (cpu_gemm_amx.cpp), which widens every weight to bfloat16.
+// (cpu_gemm_amx.cpp), which widens every weight to bfloat16, and of three limbs against four.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -41,7 +44,7 @@
 namespace {
 
 constexpr int64_t PANEL = 32;  // columns per weight panel
-constexpr int LIMBS = 4;
+constexpr int MAX_LIMBS = 4;
 
 // Tiles 0-3: int32 sums [16 x 16] of (limb l, columns 0-15), (l, 16-31), (l + 1, 0-15),
 // (l + 1, 16-31); 4-5: limbs l and l + 1 [16 rows x 64 bytes]; 6-7: the weights of columns 0-15
@@ -49,9 +52,9 @@ constexpr int LIMBS = 4;
 alignas(64) static const tokenloom::amx::TileConfig kConfig = tokenloom::amx::uniform_config(8, 16, 64);
 constexpr int64_t KBLK = 64;  // k per tile multiply
 
-// Each row of x as four signed-byte limbs on a power-of-two unit D of the row,
-// x ~= D * (a + b / 2^7 + c / 2^14 + d / 2^21), D = 2^(floor(log2 max|x_row|) - 6): limb l of
-// rows [Mp] is plane l, [Mp, Kq] bytes (rows and k past x's are zero); `du` = D / 2^21 per row.
+// Each row of x as L signed-byte limbs on a power-of-two unit D of the row (see the top):
+// limb l of rows [Mp] is plane l, [Mp, Kq] bytes (rows and k past x's are zero); `du` is the
+// last limb's unit, D / 2^(7 (L - 1)), per row.
 struct RowLimbs {
   int64_t Mp = 0, Kq = 0;
   std::vector<int8_t> q;
@@ -61,15 +64,13 @@ struct RowLimbs {
 };
 
 
-// False if some value is not finite (the caller then takes the bf16-tile kernel, which
-// propagates it).  a, b, c are exact truncations and d the rest rounded, so the error is at most
-// half a unit of d, D / 2^22 = 2^-28 of the row's largest value: a bfloat16 value within 2^20 of
-// it is exact.
-template <typename T>
+// x's rows as NL limbs each; false if some value is not finite (the caller then takes the
+// bf16-tile kernel, which propagates it).
+template <int NL, typename T>
 bool split_rows(const T* x, int64_t M, int64_t K, int64_t Kq, RowLimbs& out) {
   out.Mp = (M + 15) / 16 * 16;
   out.Kq = Kq;
-  out.q.assign(LIMBS * out.Mp * Kq, 0);
+  out.q.assign(NL * out.Mp * Kq, 0);
   out.du.assign(out.Mp, 0.f);
   std::vector<char> finite(M, 1);
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
@@ -90,22 +91,21 @@ bool split_rows(const T* x, int64_t M, int64_t K, int64_t Kq, RowLimbs& out) {
       if (!finite[r]) continue;
       const float m = _mm512_reduce_max_ps(mx);
       const int e = m > 0 ? std::max(std::ilogb(m) - 6, -126) : 0;
-      out.du[r] = std::ldexp(1.0f, e - 21);
+      out.du[r] = std::ldexp(1.0f, e - 7 * (NL - 1));
       const __m512 inv = _mm512_set1_ps(std::ldexp(1.0f, -e));
       for (int64_t k = 0; k < K; k += 16) {
         const __m512 t = _mm512_mul_ps(tokenloom::vnni::load16(row + k, K - k), inv);  // |t| < 128
-        const __m512i a = _mm512_cvttps_epi32(t);
-        const __m512 r1 = _mm512_mul_ps(_mm512_sub_ps(t, _mm512_cvtepi32_ps(a)), k128);
-        const __m512i b = _mm512_cvttps_epi32(r1);
-        const __m512 r2 = _mm512_mul_ps(_mm512_sub_ps(r1, _mm512_cvtepi32_ps(b)), k128);
-        const __m512i c = _mm512_cvttps_epi32(r2);
-        const __m512 r3 = _mm512_mul_ps(_mm512_sub_ps(r2, _mm512_cvtepi32_ps(c)), k128);
-        const __m512i d = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(r3), lim),
-                                           _mm512_sub_epi32(_mm512_setzero_si512(), lim));
-        const __m512i limb[LIMBS] = {a, b, c, d};
+        __m512i limb[MAX_LIMBS];
+        __m512 rest = t;
+        for (int l = 0; l < NL - 1; ++l) {
+          limb[l] = _mm512_cvttps_epi32(rest);
+          rest = _mm512_mul_ps(_mm512_sub_ps(rest, _mm512_cvtepi32_ps(limb[l])), k128);
+        }
+        limb[NL - 1] = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(rest), lim),
+                                        _mm512_sub_epi32(_mm512_setzero_si512(), lim));
         const int64_t valid = std::min<int64_t>(16, K - k);
         const __mmask16 mk = static_cast<__mmask16>(valid >= 16 ? 0xFFFF : (1u << valid) - 1);
-        for (int l = 0; l < LIMBS; ++l)
+        for (int l = 0; l < NL; ++l)
           _mm_mask_storeu_epi8(out.q.data() + (l * out.Mp + r) * Kq + k, mk, _mm512_cvtepi32_epi8(limb[l]));
       }
     }
@@ -126,9 +126,18 @@ inline void block(const int8_t* w, const int8_t* a, int64_t lda, int64_t plane) 
   _tile_dpbssd(3, 5, 7);
 }
 
-// The GEMM over `panels` k-quad panels of Kq k each (`quads(p, buf)` gives panel p's bytes);
-// undefined where x holds a value that is not finite.
-template <typename Quads>
+// The same with one limb tile, into sums 0-1: the last limb when their count is odd.
+inline void block1(const int8_t* w, const int8_t* a, int64_t lda) {
+  _tile_loadd(6, w, PANEL * 4);
+  _tile_loadd(7, w + 64, PANEL * 4);
+  _tile_loadd(4, a, lda);
+  _tile_dpbssd(0, 4, 6);
+  _tile_dpbssd(1, 4, 7);
+}
+
+// The GEMM over `panels` k-quad panels of Kq k each (`quads(p, buf)` gives panel p's bytes), x
+// as NL limbs; undefined where x holds a value that is not finite.
+template <int NL, typename Quads>
 at::Tensor limb_linear(const at::Tensor& x, int64_t Kq, int64_t panels, int64_t n, Quads quads,
                        const float* col_scales, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu(), "tokenloom_amx runs on CPU");
@@ -138,8 +147,8 @@ at::Tensor limb_linear(const at::Tensor& x, int64_t Kq, int64_t panels, int64_t 
   const int64_t M = x2.size(0);
   RowLimbs a;
   const bool ok = x2.scalar_type() == at::kBFloat16
-                      ? split_rows(reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()), M, K, Kq, a)
-                      : split_rows(x2.to(at::kFloat).contiguous().data_ptr<float>(), M, K, Kq, a);
+                      ? split_rows<NL>(reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()), M, K, Kq, a)
+                      : split_rows<NL>(x2.to(at::kFloat).contiguous().data_ptr<float>(), M, K, Kq, a);
   if (!ok) return at::Tensor();
   const int64_t nkb = Kq / KBLK;
   const tokenloom::amx::Output out(x2, M, n, bias);
@@ -154,9 +163,11 @@ at::Tensor limb_linear(const at::Tensor& x, int64_t Kq, int64_t panels, int64_t 
       const int8_t* b = quads(p, buf.data());
       const int64_t ncols = std::min<int64_t>(PANEL, n - p * PANEL);
       for (int64_t m0 = 0; m0 < M; m0 += 16) {
-        // Limbs a, b in one pass over the panel's weights, c, d in a second (from cache).
-        for (int pass = 0; pass < 2; ++pass) {
-          const __m512 w0 = _mm512_set1_ps(pass ? 128.f : 2097152.f), w1 = _mm512_set1_ps(pass ? 1.f : 16384.f);
+        // Limbs a, b in one pass over the panel's weights, the rest in a second (from cache).
+        for (int pass = 0; pass < (NL + 1) / 2; ++pass) {
+          const bool two = 2 * pass + 1 < NL;
+          const __m512 w0 = _mm512_set1_ps(std::ldexp(1.0f, 7 * (NL - 1 - 2 * pass)));
+          const __m512 w1 = _mm512_set1_ps(two ? std::ldexp(1.0f, 7 * (NL - 2 - 2 * pass)) : 0.f);
           const int8_t* al = a.tile(2 * pass, m0, 0);
           _tile_zero(0);
           _tile_zero(1);
@@ -166,7 +177,8 @@ at::Tensor limb_linear(const at::Tensor& x, int64_t Kq, int64_t panels, int64_t 
             // The first pass streams the weights: prefetch them ahead (panel_linear.h), across
             // panel ends too, since a thread's panels are contiguous; the second reads the cache.
             if (pass == 0) tokenloom::prefetch_stream(b + kb * KBLK * PANEL, KBLK * PANEL);
-            block(b + kb * KBLK * PANEL, al + kb * KBLK, a.Kq, a.plane());
+            if (two) block(b + kb * KBLK * PANEL, al + kb * KBLK, a.Kq, a.plane());
+            else block1(b + kb * KBLK * PANEL, al + kb * KBLK, a.Kq);
           }
           _tile_stored(0, ct, 64);
           _tile_stored(1, ct + 256, 64);
@@ -199,7 +211,8 @@ at::Tensor limb_linear(const at::Tensor& x, int64_t Kq, int64_t panels, int64_t 
   return out.result(x, n);
 }
 
-// int8 weights in k-quad panels [P, K4, 32, 4], float32 column scales [P * 32].  A limb's sums
+// int8 weights in k-quad panels [P, K4, 32, 4], float32 column scales [P * 32]; bfloat16 rows as
+// three limbs, others as four (float32: see the top).  A limb's sums
 // over K stay in int32 for K below 2^17 (127 * 128 * K); longer rows take the bf16-tile kernel.
 at::Tensor linear_int8_limbs(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n,
                              const c10::optional<at::Tensor>& bias) {
@@ -220,7 +233,9 @@ at::Tensor linear_int8_limbs(const at::Tensor& x, const at::Tensor& q, const at:
   };
   at::Tensor y;
   if (K < (1 << 17))
-    y = limb_linear(x, K4p * 4, q.size(0), n, quads, scales.data_ptr<float>(), bias);
+    y = x.scalar_type() == at::kBFloat16
+            ? limb_linear<3>(x, K4p * 4, q.size(0), n, quads, scales.data_ptr<float>(), bias)
+            : limb_linear<4>(x, K4p * 4, q.size(0), n, quads, scales.data_ptr<float>(), bias);
   if (y.defined()) return y;
   return c10::Dispatcher::singleton()  // not finite, or too long: the bf16-tile kernel
       .findSchemaOrThrow("tokenloom_amx::linear_int8", "")
