@@ -5,7 +5,7 @@ bf16) and their sums float32; a float32 x enters as two bf16 planes (2^-17 of ea
 Each is compared with float64 x @ W^T, W dequantized, within those bounds (1e-5 of the sum of
 |products| for float32 summation, plus 2^-16 of it for a float32 x).  The int8-tile kernel
 splits each activation row into two int8 planes, the limb kernel (cpu_gemm_amx_limbs.cpp) into
-four byte limbs: their own bounds are stated in their tests.  Skipped, with the probe's reason,
+three (bf16 rows) or four (float32) byte limbs: their own bounds are stated in their tests.  Skipped, with the probe's reason,
 where this machine's AMX is not usable; failed, not skipped, where our AMX source does not compile
 with a compiler that builds tile instructions.
 """
@@ -260,6 +260,25 @@ def test_dispatch_picks_by_rows_and_matches_both_kernels(monkeypatch) -> None:
                          (100, torch.ops.tokenloom_amx.linear_bf16)):
         x = torch.randn(rows, 64)
         assert torch.equal(op(x, w, 40, None), kernel(x, w, 40, None))
+
+
+def test_quantized_float32_rows_keep_our_kernel_below_16_rows(monkeypatch) -> None:
+    """A calibration that takes AMX for int8 from 9 rows: bf16 rows of 9-15 run it, float32
+    rows keep our kernel until 16 (two bf16 planes on AMX, not float32's exact products)."""
+    _amx_or_skip()
+    if not cpu_kernels.int8_quads():
+        pytest.skip("the AMX int8 kernels read the VNNI build's k-quad panels")
+    pick = [int(rows >= 9) for rows in amx.BUCKETS]
+    monkeypatch.setattr(amx, "choices", lambda: {"int8": {"names": ["ours", "linear_int8"], "pick": pick}})
+    q = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
+    packed, scales = cpu_kernels.pack_int8(q, torch.rand(40) + 0.01, quads=True)
+    ours = cpu_kernels.quant_ops().linear_int8
+    op = amx.dispatch("int8", ours)
+    tiles = torch.ops.tokenloom_amx.linear_int8
+    for rows, dtype, kernel in ((8, torch.bfloat16, ours), (12, torch.bfloat16, tiles), (12, torch.float32, ours),
+                                (16, torch.float32, tiles), (40, torch.float32, tiles)):
+        x = torch.randn(rows, 64).to(dtype)
+        assert torch.equal(op(x, packed, scales, 40, None), kernel(x, packed, scales, 40, None)), (rows, dtype)
 
 
 def test_a_call_falls_in_the_largest_bucket_at_or_below_its_rows() -> None:

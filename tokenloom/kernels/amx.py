@@ -14,8 +14,8 @@ Only where the AMX probe (kernels/amx_probe.py, a child process) said yes.  `TOK
 keeps the AVX-512 kernels, `=1` takes AMX (the bf16-tile kernels) at every row count (tests),
 `auto` (default) measures.  int8 weights have two AMX kernels: `linear_int8` widens them to
 bf16 tiles (exact products), `linear_int8_limbs` (cpu_gemm_amx_limbs.cpp) multiplies them as
-bytes in int8 tiles against each activation row written as four byte limbs (kept to 2^-28 of
-the row's largest value; nothing widened), and the calibration picks between them per bucket.
+bytes in int8 tiles against each activation row written as byte limbs (three for a bf16 row, kept
+to 2^-21 of the row's largest value; four for float32, 2^-28; nothing widened), and the calibration picks between them per bucket.
 `linear_int8_tiles` (two int8 planes per row, 2^-15.9 of the row's largest, which an outlier
 channel ruins for the rest of the row) is kept for comparison and never chosen
 (docs/quantization.md, "AMX").
@@ -52,6 +52,10 @@ KINDS = ("bf16", "int8", "int4")
 # and a row's result is then the same in a call of 1 row as of up to 8, which speculative
 # verifying steps rely on (docs/quantization.md, "Integer dot products").
 MIN_QUANT_ROWS = 9
+# float32 activations of quantized weights keep our kernels below this many rows: on AMX they are
+# two bf16 planes (twice the tile work the calibration's bf16 rows timed) and kept to 2^-17 of
+# each value, where our dequantized-block path multiplies them in float32.
+MIN_QUANT_ROWS_FLOAT32 = 16
 CALIBRATION_SHAPE = (896, 4864)  # (K, N) of the matrices timed: Qwen2.5-0.5B's MLP
 _AMX_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni",
               "-mavx512vbmi", "-mamx-tile", "-mamx-int8", "-mamx-bf16"]
@@ -200,11 +204,15 @@ def dispatch(kind: str, ours):
         return ours
     ops = [ours, *(getattr(torch.ops.tokenloom_amx, name) for name in c["names"][1:])]
     per_bucket = [ops[i] for i in c["pick"]]
-    if all(op is per_bucket[0] for op in per_bucket):
+    per_bucket_f32 = per_bucket
+    if kind in ("int8", "int4"):
+        per_bucket_f32 = [ours if rows < MIN_QUANT_ROWS_FLOAT32 else op for rows, op in zip(BUCKETS, per_bucket)]
+    if all(op is per_bucket[0] for op in per_bucket + per_bucket_f32):
         return per_bucket[0]
 
     def pick(x, *args):
-        return per_bucket[bucket(x.numel() // max(x.shape[-1], 1))](x, *args)
+        table = per_bucket_f32 if x.dtype == torch.float32 else per_bucket
+        return table[bucket(x.numel() // max(x.shape[-1], 1))](x, *args)
 
     return pick
 
