@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.model.attention import AttentionBackend, LayerAttention
 
 from test_parity import STRESS, _hf, _hf_greedy, _prompts
 
@@ -61,3 +64,40 @@ def test_a_backend_that_cannot_run_is_refused(model_factory):
         LLM(str(path), device="cpu", linear_backend="cublas", max_model_len=64)
     with pytest.raises(ValueError, match="ops-backend triton"):
         LLM(str(path), device="cpu", attention_backend="sdpa", ops_backend="triton", max_model_len=64)
+
+
+@settings(max_examples=20, deadline=None)
+@given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=4), block_size=st.sampled_from([1, 4, 16]),
+       groups=st.sampled_from([1, 3]), seed=st.integers(0, 2**16))
+def test_prefill_from_each_requests_first_token_is_causal_attention_over_its_own_keys(
+        lens: list[int], block_size: int, groups: int, seed: int) -> None:
+    """Chunks that start their requests (nothing cached) take SDPA's causal path, no mask:
+    every real row equals float64 causal attention over its own request's keys (GQA, blocks
+    scattered in the cache, requests of different lengths padded to the longest)."""
+    g = torch.Generator().manual_seed(seed)
+    hk, d = 2, 16
+    hq = hk * groups
+    nb = [-(-n // block_size) for n in lens]
+    ids = torch.randperm(sum(nb) + 3, generator=g)[:sum(nb)] + 1  # block 0 pads the tables
+    k_cache = torch.randn(sum(nb) + 4, block_size, hk, d, generator=g)
+    v_cache = torch.randn(sum(nb) + 4, block_size, hk, d, generator=g)
+    tables = torch.zeros(len(lens), max(nb), dtype=torch.long)
+    for i, (a, b) in enumerate(zip([sum(nb[:i]) for i in range(len(nb))], nb)):
+        tables[i, :b] = ids[a:a + b]
+    starts = torch.tensor([sum(lens[:i]) for i in range(len(lens))])
+    q = torch.randn(sum(lens), hq, d, generator=g)
+    backend = AttentionBackend()
+    meta = backend.metadata(torch.arange(sum(lens)), torch.device("cpu"), block_size, prefill_block_tables=tables,
+                            prefill_q_starts=starts, prefill_q_lens=torch.tensor(lens),
+                            prefill_ctx_lens=torch.zeros(len(lens), dtype=torch.long))
+    assert meta.prefill_from_zero and not meta.prefill_masks
+    out = torch.zeros_like(q)
+    backend.prefill(q, k_cache, v_cache, meta, d ** -0.5, out, LayerAttention())
+    for i, n in enumerate(lens):
+        k = k_cache[tables[i]].reshape(-1, hk, d)[:n].double().repeat_interleave(groups, dim=1)  # [n, Hq, d]
+        v = v_cache[tables[i]].reshape(-1, hk, d)[:n].double().repeat_interleave(groups, dim=1)
+        qi = q[starts[i]:starts[i] + n].double()
+        s = torch.einsum("qhd,khd->hqk", qi, k) * d ** -0.5
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        ref = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+        torch.testing.assert_close(out[starts[i]:starts[i] + n].double(), ref, rtol=0, atol=1e-5)

@@ -74,8 +74,12 @@ def test_each_attention_backend_builds_its_own_metadata():
     ref = AttentionBackend().metadata(slots, torch.device("cpu"), 4, **step)
     assert ref.num_decode == 1 and ref.prefill_max_q == 3
     assert ref.decode_masks[None].shape == (1, 1, 1, 8) and ref.decode_masks[None].sum() == 6
-    assert set(ref.prefill_masks) == {None} and ref.prefill_scatter.tolist() == [0, 1, 2]
-    cpu = CpuAttention(lambda *a: None, None).metadata(slots, torch.device("cpu"), 4, **step)
+    # a chunk from its request's first token: plain causal attention needs no mask (SDPA's own)
+    assert ref.prefill_from_zero and not ref.prefill_masks and ref.prefill_scatter.tolist() == [0, 1, 2]
+    cached = dict(step, prefill_ctx_lens=torch.tensor([2]))  # after a cached prefix: masked
+    ref = AttentionBackend().metadata(slots, torch.device("cpu"), 4, **cached)
+    assert not ref.prefill_from_zero and set(ref.prefill_masks) == {None}
+    cpu = CpuAttention(lambda *a: None, None).metadata(slots, torch.device("cpu"), 4, **cached)
     assert not cpu.decode_masks and set(cpu.prefill_masks) == {None}  # prefills go through SDPA
     # a model with a windowed kind and a soft-capped one: the kernel decodes neither, so
     # the metadata carries the masks of both windows for decodes too

@@ -82,7 +82,11 @@ class AttentionMetadata:
     prefill_q_lens: torch.Tensor | None = None  # [P] rows of each chunk
     prefill_ctx_lens: torch.Tensor | None = None  # [P] tokens cached before each chunk
     prefill_max_q: int = 0
-    # [P, 1, max_q, max_blocks*block_size] bool, per window, for the kinds that prefill through the reference
+    # every prefill chunk starts its request (nothing cached before it): plain causal attention
+    # then needs no mask (`_sdpa_prefill`: SDPA's own causal path, which skips the masked blocks)
+    prefill_from_zero: bool = False
+    # [P, 1, max_q, max_blocks*block_size] bool, per window, for the kinds that prefill through the
+    # reference (but plain causal ones when prefill_from_zero)
     prefill_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     prefill_gather: torch.Tensor | None = None  # [P, max_q] long: flat token index of each padded query row
     prefill_scatter: torch.Tensor | None = None  # [Tp] long: padded row (p*max_q+i) of each prefill token
@@ -126,9 +130,23 @@ def _sdpa_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kin
     return od.reshape(nd, q.shape[1], q.shape[2])
 
 
+def _causal_from_zero(meta: AttentionMetadata, kind: LayerAttention) -> bool:
+    """Whether `kind`'s prefill is plain causal attention from each request's first token."""
+    return meta.prefill_from_zero and kind.window is None and kind.softcap is None
+
+
 def _sdpa_prefill(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kind: LayerAttention) -> torch.Tensor:
     """The prefill rows' output [Tp, Hq, D], through SDPA over gathered blocks."""
     qp = q[meta.prefill_gather].transpose(1, 2)  # [P, Hq, max_q, Dh]
+    if _causal_from_zero(meta, kind):
+        # Query row i of a chunk is the request's token i and sees its keys 0..i: SDPA's causal
+        # (top-left) mask over the first max_q keys, no mask built or read, the blocks above the
+        # diagonal skipped.  A padded row sees keys past its request's end; it is dropped below.
+        n, bs = meta.prefill_max_q, k_cache.shape[1]
+        tables = meta.prefill_block_tables[:, :(n + bs - 1) // bs]
+        kp, vp = _gather_kv(k_cache, tables)[:, :, :n], _gather_kv(v_cache, tables)[:, :, :n]
+        op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+        return op.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])[meta.prefill_scatter]
     kp = _gather_kv(k_cache, meta.prefill_block_tables)
     vp = _gather_kv(v_cache, meta.prefill_block_tables)
     mask = meta.prefill_masks[kind.window]
@@ -196,6 +214,7 @@ class AttentionBackend:
             meta.prefill_block_tables, meta.prefill_max_q = _to(prefill_block_tables, device), max_q
             meta.prefill_q_starts, meta.prefill_q_lens = _to(offs, device), _to(ns, device)
             meta.prefill_ctx_lens = _to(cs, device)
+            meta.prefill_from_zero = bool((cs == 0).all())
             if self.prefill_mask_windows:
                 length = prefill_block_tables.shape[1] * block_size
                 ar = torch.arange(max_q).unsqueeze(0)
@@ -203,7 +222,8 @@ class AttentionBackend:
                 qpos = (cs.unsqueeze(1) + row).unsqueeze(2)
                 j = torch.arange(length).view(1, 1, length)
                 causal = j <= qpos
-                for window in self.prefill_mask_windows:
+                for window in {k.window for k in self.kinds
+                               if self.prefills_by_reference(k) and not _causal_from_zero(meta, k)}:
                     mask = causal if window is None else causal & (j > qpos - window)
                     meta.prefill_masks[window] = _to(mask.unsqueeze(1), device)
                 meta.prefill_gather = _to(offs.unsqueeze(1) + row, device)
