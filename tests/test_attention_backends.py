@@ -73,7 +73,8 @@ def test_prefill_from_each_requests_first_token_is_causal_attention_over_its_own
         lens: list[int], block_size: int, groups: int, seed: int) -> None:
     """Chunks that start their requests (nothing cached) take SDPA's causal path, no mask:
     every real row equals float64 causal attention over its own request's keys (GQA, blocks
-    scattered in the cache, requests of different lengths padded to the longest)."""
+    scattered in the cache, requests of different lengths padded to the longest, or of equal
+    ones read in place)."""
     g = torch.Generator().manual_seed(seed)
     hk, d = 2, 16
     hq = hk * groups
@@ -91,6 +92,7 @@ def test_prefill_from_each_requests_first_token_is_causal_attention_over_its_own
                             prefill_q_starts=starts, prefill_q_lens=torch.tensor(lens),
                             prefill_ctx_lens=torch.zeros(len(lens), dtype=torch.long))
     assert meta.prefill_from_zero and not meta.prefill_masks
+    assert meta.prefill_dense == (len(set(lens)) == 1)  # equal chunks: a view of the rows, no gather
     out = torch.zeros_like(q)
     backend.prefill(q, k_cache, v_cache, meta, d ** -0.5, out, LayerAttention())
     for i, n in enumerate(lens):

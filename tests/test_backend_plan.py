@@ -76,6 +76,7 @@ def test_each_attention_backend_builds_its_own_metadata():
     assert ref.decode_masks[None].shape == (1, 1, 1, 8) and ref.decode_masks[None].sum() == 6
     # a chunk from its request's first token: plain causal attention needs no mask (SDPA's own)
     assert ref.prefill_from_zero and not ref.prefill_masks and ref.prefill_scatter.tolist() == [0, 1, 2]
+    assert ref.prefill_dense  # one chunk right after the decode row: its rows are the padded layout
     cached = dict(step, prefill_ctx_lens=torch.tensor([2]))  # after a cached prefix: masked
     ref = AttentionBackend().metadata(slots, torch.device("cpu"), 4, **cached)
     assert not ref.prefill_from_zero and set(ref.prefill_masks) == {None}

@@ -90,6 +90,9 @@ class AttentionMetadata:
     prefill_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     prefill_gather: torch.Tensor | None = None  # [P, max_q] long: flat token index of each padded query row
     prefill_scatter: torch.Tensor | None = None  # [Tp] long: padded row (p*max_q+i) of each prefill token
+    # the chunks are max_q rows each, one after another: the padded layout is a view of the rows
+    # (one long prompt, or equal ones), gathered and scattered by nobody
+    prefill_dense: bool = False
 
     @property
     def has_prefill(self) -> bool:
@@ -135,9 +138,23 @@ def _causal_from_zero(meta: AttentionMetadata, kind: LayerAttention) -> bool:
     return meta.prefill_from_zero and kind.window is None and kind.softcap is None
 
 
+def _prefill_queries(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """The prefill rows of q [T, Hq, D] as padded chunks [P, Hq, max_q, D]."""
+    if meta.prefill_dense:
+        p, n = meta.prefill_block_tables.shape[0], meta.prefill_max_q
+        return q[meta.num_decode:meta.num_decode + p * n].view(p, n, q.shape[1], q.shape[2]).transpose(1, 2)
+    return q[meta.prefill_gather].transpose(1, 2)
+
+
+def _prefill_rows(op: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Padded chunks' outputs [P, Hq, max_q, D] back as the prefill rows [Tp, Hq, D]."""
+    rows = op.transpose(1, 2).reshape(-1, op.shape[1], op.shape[3])
+    return rows if meta.prefill_dense else rows[meta.prefill_scatter]
+
+
 def _sdpa_prefill(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kind: LayerAttention) -> torch.Tensor:
     """The prefill rows' output [Tp, Hq, D], through SDPA over gathered blocks."""
-    qp = q[meta.prefill_gather].transpose(1, 2)  # [P, Hq, max_q, Dh]
+    qp = _prefill_queries(q, meta)  # [P, Hq, max_q, Dh]
     if _causal_from_zero(meta, kind):
         # Query row i of a chunk is the request's token i and sees its keys 0..i: SDPA's causal
         # (top-left) mask over the first max_q keys, no mask built or read, the blocks above the
@@ -145,8 +162,8 @@ def _sdpa_prefill(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, ki
         n, bs = meta.prefill_max_q, k_cache.shape[1]
         tables = meta.prefill_block_tables[:, :(n + bs - 1) // bs]
         kp, vp = _gather_kv(k_cache, tables)[:, :, :n], _gather_kv(v_cache, tables)[:, :, :n]
-        op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
-        return op.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])[meta.prefill_scatter]
+        return _prefill_rows(F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True),
+                             meta)
     kp = _gather_kv(k_cache, meta.prefill_block_tables)
     vp = _gather_kv(v_cache, meta.prefill_block_tables)
     mask = meta.prefill_masks[kind.window]
@@ -157,7 +174,7 @@ def _sdpa_prefill(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, ki
         hk = kp.shape[1]
         op = _capped_attention(qp.reshape(p, hk, hq // hk, mq, d), kp.unsqueeze(2), vp.unsqueeze(2),
                                mask.unsqueeze(1), scale, kind.softcap).reshape(p, hq, mq, d)
-    return op.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])[meta.prefill_scatter]
+    return _prefill_rows(op, meta)
 
 
 def _to(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -226,9 +243,11 @@ class AttentionBackend:
                                if self.prefills_by_reference(k) and not _causal_from_zero(meta, k)}:
                     mask = causal if window is None else causal & (j > qpos - window)
                     meta.prefill_masks[window] = _to(mask.unsqueeze(1), device)
-                meta.prefill_gather = _to(offs.unsqueeze(1) + row, device)
+                gather = offs.unsqueeze(1) + row
                 valid = ar < ns.unsqueeze(1)
                 p = prefill_block_tables.shape[0]
+                meta.prefill_dense = torch.equal(gather.flatten(), torch.arange(num_decode, num_decode + p * max_q))
+                meta.prefill_gather = _to(gather, device)
                 meta.prefill_scatter = _to(torch.arange(p * max_q).view(p, max_q)[valid], device)
         return meta
 
