@@ -320,8 +320,23 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
   // float32 x, the remainder plane (lo).
   const bool in_place = x.scalar_type() == at::kBFloat16 && K == lda && x2.is_contiguous();
   const int64_t full = in_place ? M / 16 * 16 : 0;
-  at::Tensor a = at::zeros({(M - full + 15) / 16 * 16, lda}, x.options().dtype(at::kBFloat16));
-  a.narrow(0, 0, M - full).narrow(1, 0, K).copy_(x2.narrow(0, full, M - full));
+  const int64_t rest = M - full, padded = (rest + 15) / 16 * 16;
+  at::Tensor a;
+  if (x.scalar_type() == at::kBFloat16 && x2.is_contiguous()) {
+    // The rows past `full` copied and padded by hand: for a decode call's few rows ATen's
+    // zeros / narrow / copy_ cost more than the copy itself.
+    a = at::empty({padded, lda}, x.options().dtype(at::kBFloat16));
+    uint16_t* dst = reinterpret_cast<uint16_t*>(a.data_ptr<at::BFloat16>());
+    const uint16_t* rows = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()) + full * K;
+    for (int64_t r = 0; r < rest; ++r) {
+      std::memcpy(dst + r * lda, rows + r * K, K * sizeof(uint16_t));
+      std::memset(dst + r * lda + K, 0, (lda - K) * sizeof(uint16_t));
+    }
+    std::memset(dst + rest * lda, 0, (padded - rest) * lda * sizeof(uint16_t));
+  } else {  // a float32 x is rounded to bf16 (its hi plane) by copy_
+    a = at::zeros({padded, lda}, x.options().dtype(at::kBFloat16));
+    a.narrow(0, 0, rest).narrow(1, 0, K).copy_(x2.narrow(0, full, rest));
+  }
   at::Tensor alo_t;
   if (x.scalar_type() != at::kBFloat16) {
     alo_t = at::zeros_like(a);
