@@ -4,8 +4,9 @@ The bf16-tile kernels' products are exact (bf16 x bf16; int8 and int4 values are
 bf16) and their sums float32; a float32 x enters as two bf16 planes (2^-17 of each value).
 Each is compared with float64 x @ W^T, W dequantized, within those bounds (1e-5 of the sum of
 |products| for float32 summation, plus 2^-16 of it for a float32 x).  The int8-tile kernel
-splits each activation row into two int8 planes, the limb kernel (cpu_gemm_amx_limbs.cpp) into
-three (bf16 rows) or four (float32) byte limbs: their own bounds are stated in their tests.  Skipped, with the probe's reason,
+splits each activation row into two int8 planes, the limb kernel (cpu_gemm_amx_limbs.cpp) writes
+it in fixed point as four byte limbs (sixteen bits for most bf16 rows): their own bounds are
+stated in their tests.  Skipped, with the probe's reason,
 where this machine's AMX is not usable; failed, not skipped, where our AMX source does not compile
 with a compiler that builds tile instructions.
 """
@@ -171,10 +172,10 @@ def test_amx_int8_tiles_within_the_split_bound(m: int, k: int, n: int, bias: boo
 @given(outlier=st.booleans(), **shapes)
 def test_amx_int8_limbs_within_the_limb_bound(outlier: bool, m: int, k: int, n: int, bias: bool, seed: int) -> None:
     """int8 tiles against byte limbs per row (cpu_gemm_amx_limbs.cpp): each float32 activation
-    (four limbs) is off by at most 2^-28 of its row's largest value, so each output by at most
+    (four limbs) is off by at most 2^-31 of its row's largest value, so each output by at most
     that times sum_k |w[n, k]| (plus float32 rounding of the sums) -- with an outlier channel
     10^4 times the rest too, where per-row int8 planes (`linear_int8_tiles`) lose the rest of
-    the row.  A bfloat16 one (three limbs) by at most 2^-21 of it, and not at all within 2^13."""
+    the row.  A bfloat16 row is off by at most half its unit (next test)."""
     _amx_or_skip()
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g) * torch.logspace(-3, 1, k)
@@ -186,7 +187,7 @@ def test_amx_int8_limbs_within_the_limb_bound(outlier: bool, m: int, k: int, n: 
     packed, scales = cpu_kernels.pack_int8(q, s, quads=True)
     w = q.double() * s.double()[:, None]
     ref = x.double() @ w.t() + (b.double() if b is not None else 0)
-    bound = (x.abs().amax(dim=1, keepdim=True).double() * 2.0**-28 * w.abs().sum(dim=1)[None]
+    bound = (x.abs().amax(dim=1, keepdim=True).double() * 2.0**-31 * w.abs().sum(dim=1)[None]
              + 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-6)
     for xin in (x, x.to(torch.bfloat16)):
         y = torch.ops.tokenloom_amx.linear_int8_limbs(xin, packed, scales, n, cpu_kernels.pad_bias(b, n))
@@ -197,19 +198,21 @@ def test_amx_int8_limbs_within_the_limb_bound(outlier: bool, m: int, k: int, n: 
             ref16 = xin.double() @ w.t() + (b.double() if b is not None else 0)
             y32 = torch.ops.tokenloom_amx.linear_int8_limbs(xin.float(), packed, scales, n, cpu_kernels.pad_bias(b, n))
             # A bf16 row whose nonzero values all lie within 2^20 of its largest is written exactly
-            # as float32 (only float32 summation is left); a wider row keeps the 2^-28 bound.
+            # as float32 (only float32 summation is left); a wider row keeps the 2^-31 bound.
             a16 = xin.double().abs()
             rowmax = a16.amax(dim=1, keepdim=True)
             sum_w = w.abs().sum(dim=1)[None]
             exact = (a16.masked_fill(a16 == 0, float("inf")).amin(dim=1, keepdim=True) >= rowmax * 2.0**-20)
-            limb = torch.where(exact, 0.0, rowmax * 2.0**-28) * sum_w
+            limb = torch.where(exact, 0.0, rowmax * 2.0**-31) * sum_w
             assert ((y32.double() - ref16).abs() <= limb + 1e-5 * (a16 @ w.abs().t()) + 1e-6).all()
-            # As bf16, three limbs: values below 2^-13 of the row's largest are each off by at most
-            # 2^-21 of it; the output's own rounding to bf16 on top.
-            small = (a16 < rowmax * 2.0**-13) & (a16 > 0)
-            limb3 = rowmax * 2.0**-21 * (small.double() @ w.abs().t())
+            # As bf16: a value at or above 2^7 of the row's unit (2^-31 of the row's largest, or
+            # 2^-15 for a row rounded to sixteen bits) is written exactly, a smaller one is off by
+            # at most half the unit; the output's own rounding to bf16 on top.
+            unit, _ = _bf16_row_units(xin)
+            small = (a16 < unit * 2.0**7) & (a16 > 0)
+            fixed = (unit / 2) * (small.double() @ w.abs().t())
             err = (y.double() - ref16).abs()
-            assert (err <= limb3 + 1e-5 * (a16 @ w.abs().t()) + ref16.abs() * 2.0**-8 + 1e-6).all()
+            assert (err <= fixed + 1e-5 * (a16 @ w.abs().t()) + ref16.abs() * 2.0**-8 + 1e-6).all()
             assert torch.allclose(y.double(), ref16, rtol=2**-8, atol=1e-3 * (ref16.abs().max().item() + 1))
 
 
@@ -222,8 +225,54 @@ def test_amx_int8_limbs_rows_do_not_depend_on_the_rows_beside_them() -> None:
     packed, scales = cpu_kernels.pack_int8(q, torch.rand(70, generator=g) + 0.01, quads=True)
     x = torch.randn(20, 300, generator=g)
     x[7] *= 1e6
-    one = torch.cat([torch.ops.tokenloom_amx.linear_int8_limbs(x[i:i + 1], packed, scales, 70, None) for i in range(20)])
-    assert torch.equal(torch.ops.tokenloom_amx.linear_int8_limbs(x, packed, scales, 70, None), one)
+    x[12, 40] = 1e5  # a bf16 row that keeps all four limbs, in a tile of rounded ones
+    for xin in (x, x.bfloat16()):
+        one = torch.cat([torch.ops.tokenloom_amx.linear_int8_limbs(xin[i:i + 1], packed, scales, 70, None)
+                         for i in range(20)])
+        assert torch.equal(torch.ops.tokenloom_amx.linear_int8_limbs(xin, packed, scales, 70, None), one)
+
+
+def _bf16_row_units(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per bfloat16 row, the limb kernel's unit and whether the row may be rounded to sixteen
+    bits (largest |value| <= 2^6 mean |value|; rows within float32 summation of the line count
+    as rounded, the looser bound)."""
+    a = x.double().abs()
+    unit = torch.exp2(torch.floor(torch.log2(a.amax(dim=1, keepdim=True))) - 30)
+    narrow = a.amax(dim=1, keepdim=True) * a.shape[1] <= 64 * a.sum(dim=1, keepdim=True) * (1 + 1e-4)
+    return torch.where(narrow, unit * 2.0**16, unit), narrow
+
+
+@pytest.mark.parametrize("m", [1, 9, 16, 23])
+def test_amx_int8_limbs_keep_each_bf16_value_to_its_rows_fixed_point(m: int) -> None:
+    """A bfloat16 row is written as t = round(x / D), D = 2^(floor(log2 max|x_row|) - 30); a row
+    whose largest value is at most 2^6 times its mean |value| on 2^16 D instead (sixteen bits).
+    Each value at or above 2^7 of the unit is exact, each smaller one within half the unit.  One
+    weight per output (y[j] = x[at[j]] * w[j]) shows each value's own error; rows with an outlier
+    channel 10^4 times the rest (every other row) keep thirty-one bits, so sixteen there fails."""
+    _amx_or_skip()
+    g = torch.Generator().manual_seed(23 + m)
+    n, k = 192, 320
+    at = torch.randint(0, k, (n,), generator=g)
+    q = torch.zeros(n, k, dtype=torch.int8)
+    q[torch.arange(n), at] = torch.randint(1, 128, (n,), generator=g, dtype=torch.int8)
+    s = torch.rand(n, generator=g) + 0.5
+    packed, scales = cpu_kernels.pack_int8(q, s, quads=True)
+    w = (q.double() * s.double()[:, None])[torch.arange(n), at]
+    x = torch.rand(m, k, generator=g) * torch.logspace(-16, 0, k, base=2.0)[torch.randperm(k, generator=g)]
+    x = (x * torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0))
+    x[::2, 0] = 1e4
+    x = x.bfloat16()
+    unit, narrow = _bf16_row_units(x)
+    assert narrow[1::2].all() and not narrow[::2].any()
+    y = torch.ops.tokenloom_amx.linear_int8_limbs(x, packed, scales, n, None).double()
+    xa = x.double()[:, at]
+    exact = xa.abs() >= unit * 2.0**7
+    err = (y - xa * w).abs()
+    rounding = (xa * w).abs() * 2.0**-8  # y's own rounding to bfloat16
+    assert (err[exact] <= rounding[exact]).all()
+    assert (err <= torch.where(exact, 0.0, unit / 2 * w) + rounding).all()
+    if m > 1:  # values off the sixteen-bit grid are in the sample
+        assert (~exact[1::2]).any() and (err[1::2] > rounding[1::2]).any()
 
 
 def test_amx_int8_limbs_propagate_inf_and_nan() -> None:
