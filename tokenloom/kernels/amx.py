@@ -14,8 +14,9 @@ Only where the AMX probe (kernels/amx_probe.py, a child process) said yes.  `TOK
 keeps the AVX-512 kernels, `=1` takes AMX (the bf16-tile kernels) at every row count (tests),
 `auto` (default) measures.  int8 weights have two AMX kernels: `linear_int8` widens them to
 bf16 tiles (exact products), `linear_int8_limbs` (cpu_gemm_amx_limbs.cpp) multiplies them as
-bytes in int8 tiles against each activation row written as byte limbs (three for a bf16 row, kept
-to 2^-21 of the row's largest value; four for float32, 2^-28; nothing widened), and the calibration picks between them per bucket.
+bytes in int8 tiles against each activation row written in fixed point as byte limbs (four, 2^-31
+of the row's largest value; two, 2^-15, for a bf16 row without an outlier channel; nothing
+widened), and the calibration picks between them per bucket.
 `linear_int8_tiles` (two int8 planes per row, 2^-15.9 of the row's largest, which an outlier
 channel ruins for the rest of the row) is kept for comparison and never chosen
 (docs/quantization.md, "AMX").

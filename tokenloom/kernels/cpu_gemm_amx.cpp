@@ -20,7 +20,7 @@
 //   group must be a multiple of 32 k: one k-block).
 // bf16 activations are taken as they are; float32 ones as two bf16 planes (`amx_linear`);
 // sums are float32.  int8 weights in int8 tiles, nothing widened, are cpu_gemm_amx_limbs.cpp's
-// (activations as three or four byte limbs per row); `linear_int8_tiles` below, two int8 planes per row,
+// (activations in fixed point as two or four byte limbs per row); `linear_int8_tiles` below, two int8 planes per row,
 // is its imprecise predecessor, kept for comparison (docs/quantization.md, "AMX").
 //
 // Tile permission and configuration: amx_tiles.h.  `probe` runs one int8 and one bf16 tile
