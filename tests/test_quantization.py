@@ -165,11 +165,11 @@ def test_decode_rows_keep_activation_precision_across_magnitudes(kernel_build, n
         assert (err <= bound).all(), (err / bound).max()
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if parse_scheme(n).bits == 4])
-def test_bf16_decode_rows_of_int4_keep_activations_to_2_to_the_minus_13(kernel_build, name):
-    """bfloat16 activations of int4 weights take two limbs on the VNNI build (kernels/quant_vnni.h):
-    each kept to 2^-13 of its block's largest (one unit of the second limb); int4's own rounding
-    of the weights is ~500 times coarser.  The result is rounded to bfloat16, so the check reads
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_decode_rows_keep_activations_to_2_to_the_minus_13(kernel_build, name):
+    """bfloat16 activations take two limbs on the VNNI build (kernels/quant_vnni.h): each kept to
+    2^-13 of its block's largest (one unit of the second limb); the weights' own rounding is ~30
+    (int8) to ~500 (int4) times coarser.  The result is rounded to bfloat16, so the check reads
     one weight per output (y[j] = x[at[j]] * w[j]): small activations beside a block's largest
     show their own error, not the rounding of a large sum."""
     if cpu_kernels.quant_ops() is not getattr(torch.ops, "tokenloom_q512v", None):

@@ -49,7 +49,7 @@ BUCKETS = (1, 2, 4, 8, 9, 16, 32, 64)
 KINDS = ("bf16", "int8", "int4")
 # Quantized calls of fewer rows stay on the VNNI build's integer path (cpu_gemm_quant.cpp
 # `kIntegerRows`), whatever the timing: it keeps each activation to 2^-20 of its block of 32
-# (2^-13 for bf16 ones of int4 weights; an outlier 10^4 times larger costs the others nothing),
+# (2^-13 for bf16 ones; an outlier 10^4 times larger costs the others nothing),
 # and a row's result is then the same in a call of 1 row as of up to 8, which speculative
 # verifying steps rely on (docs/quantization.md, "Integer dot products").
 MIN_QUANT_ROWS = 9

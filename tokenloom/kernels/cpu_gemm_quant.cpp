@@ -29,8 +29,8 @@
 //   16 KB float32 buffer (in L1), which every 12-row tile then reads like the fp32 kernel's
 //   panel, so the widening is paid once per weight, not once per tile.
 // On CPUs with AVX512-VNNI and VBMI, up to 8 rows take a third way instead: integer dot
-// products on a split of each activation into three bytes (two for bf16 activations of int4
-// weights) (quant_vnni.h, `decode_vnni` below).
+// products on a split of each activation into three bytes (two for bf16 activations)
+// (quant_vnni.h, `decode_vnni` below).
 // Either way each thread prefetches its weight stream a short way ahead of its reads
 // (`prefetch`, panel_linear.h), so the reads overlap the widening.
 // Both compute the product of x with the dequantized float32 weights above (the PyTorch

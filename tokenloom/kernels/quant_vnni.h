@@ -13,12 +13,13 @@
 // Every step but that last rounding is exact, so the error is at most one unit of c,
 // D / 16384 <= 2^-20 of the block's largest value (half that unless c is clamped); a
 // bfloat16 activation within 2^13 of its block's largest is represented exactly.  bfloat16
-// activations of int4 weights take two limbs, b the rounded one: the error is at most
-// D / 128 <= 2^-13 of the block's largest, and an activation within 2^6 of it is exact.  int4
-// weights are themselves rounded to 1/15 of their group's range, ~500 times coarser, and at
-// one row the third limb's `vpdpbusd` was what bound the int4 step (docs/quantization.md, "Two
-// limbs for int4").  Either way the activations are not quantized in the usual sense (8 bits
-// per block, as llama.cpp's integer dot products take them).
+// activations take two limbs, b the rounded one: the error is at most D / 128 <= 2^-13 of the
+// block's largest, and an activation within 2^6 of it is exact.  The weights are themselves
+// rounded far coarser (int8 to 1/254 of a column's range, int4 to 1/15 of a group's), and the
+// third limb's `vpdpbusd` was what bound the int4 step at one row and the int8 step at 4-8 rows
+// (docs/quantization.md, "Two limbs for int4", "Two limbs for int8's bf16 rows").  Either way
+// the activations are not quantized in the usual sense (8 bits per block, as llama.cpp's
+// integer dot products take them).
 // The weights are read as unsigned bytes (int8 + 128; int4 nibbles are stored as q + 8), so
 // each limb's sum over a block times that bias starts the block's accumulator negative and the
 // integer sums come out as the signed dot products.  Each block's sums are combined in
@@ -150,7 +151,7 @@ struct QuadIndex {
 // docs/quantization.md, "What kept int8 below the read rate".)
 struct Int8Quad {
   static constexpr int kBias = 128;
-  static constexpr int kBf16Limbs = 3;
+  static constexpr int kBf16Limbs = 2;
   static constexpr int64_t kBytesPerK = kPanel;
   const int8_t* q;
   explicit Int8Quad(const int8_t* q_) : q(q_) {}
@@ -270,8 +271,8 @@ inline void panel_limbs(const Limbs& xl, int64_t M, const Quad& src, int64_t K, 
   }
 }
 
-// How many limbs a row of x is split into: three, but two for bfloat16 activations of weights
-// whose own rounding is far coarser (`Quad::kBf16Limbs`: int4).
+// How many limbs a row of x is split into: three, but two for bfloat16 activations (whose own
+// rounding, and the weights', is far coarser than the third limb; `Quad::kBf16Limbs`).
 template <typename Quad>
 inline int limbs_for(bool bf16) { return bf16 ? Quad::kBf16Limbs : kMaxLimbs; }
 

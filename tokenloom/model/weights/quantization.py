@@ -17,7 +17,7 @@ Two ways to multiply, chosen once at load (model/weights/loader.py):
 * `PanelQuantized`: our CPU kernel (kernels/cpu_gemm_quant.cpp), weights in its 32-column
   panels, widened to float32 in registers as they stream, or, for decode rows on CPUs with
   AVX512-VNNI, multiplied as bytes by a three-byte split of each activation that keeps it to
-  2^-20 of its block's largest (two bytes, 2^-13, for bf16 activations of int4 weights:
+  2^-20 of its block's largest (two bytes, 2^-13, for bf16 activations:
   kernels/quant_vnni.h).
 * `TorchQuantized`: anywhere else (GPUs, CPUs without AVX2, `--linear-backend torch`): the
   weight is dequantized with PyTorch ops and multiplied by `F.linear`; correct, not fast.
