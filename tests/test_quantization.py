@@ -201,7 +201,7 @@ def test_integer_path_rows_do_not_depend_on_the_rows_beside_them(kernel_build, n
     g = torch.Generator().manual_seed(13)
     ours = PanelQuantized(torch.randn(80, 320, generator=g), parse_scheme(name))
     x = torch.randn(8, 320, generator=g)  # float32 out: the sums unrounded
-    for xin in (x, x.bfloat16()):  # bf16 rows of int4 weights: two limbs
+    for xin in (x, x.bfloat16()):  # bf16 rows: two limbs (and 5 rows in one pass)
         one = torch.cat([ours.matmul(xin[i:i + 1], None) for i in range(8)])
         for m in range(2, 9):
             assert torch.equal(ours.matmul(xin[:m], None), one[:m]), m

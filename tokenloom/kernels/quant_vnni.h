@@ -253,13 +253,18 @@ inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int
     }
 }
 
-// All rows of one panel, four at a time (24 accumulators: the most that leave registers for the
-// weights; each pass over the panel's weights loads and permutes them again, so fewer passes is
-// faster: a 5-row verifying step as 4 + 1 rows, not 2 + 2 + 1), then the 1-3 left:
-// y[0:M, 0:ncols] with row stride ldy.
+// All rows of one panel, four at a time (24 accumulators with three limbs: the most that leave
+// registers for the weights; each pass over the panel's weights loads and permutes them again,
+// so fewer passes is faster: a 5-row verifying step as 4 + 1 rows, not 2 + 2 + 1), then the 1-3
+// left: y[0:M, 0:ncols] with row stride ldy.  With two limbs 5 rows are one pass (20
+// accumulators); 6 at a time spilled and lost to 4 + 2.
 template <bool F16, int NL, typename Quad, typename Out>
 inline void panel_limbs(const Limbs& xl, int64_t M, const Quad& src, int64_t K, int64_t G, const float* col_scales,
                         const uint16_t* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
+  if constexpr (NL == 2) {
+    if (M == 5)
+      return micro<5, F16, NL>(xl, 0, src, K, G, col_scales, group_scales, y, ldy, ncols, bias);
+  }
   int64_t m = 0;
   for (; m + 4 <= M; m += 4)
     micro<4, F16, NL>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
