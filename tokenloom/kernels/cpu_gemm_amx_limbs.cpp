@@ -102,7 +102,8 @@ bool split_rows(const T* x, int64_t M, int64_t K, int64_t Kq, bool narrow_ok, Ro
         finite[r] = 0;
         continue;
       }
-      const bool narrow = narrow_ok && m * static_cast<float>(K) <= 64.f * sum;
+      // In double: m * K overflows float32 for rows near float32's largest values.
+      const bool narrow = narrow_ok && static_cast<double>(m) * K <= 64.0 * sum;
       wide[r] = !narrow;
       const int e = m > 0 ? std::max(std::ilogb(m) - 30, -126) : 0;  // D = 2^e; |x| / D < 2^31
       out.du[r] = std::ldexp(1.0f, e);
