@@ -115,11 +115,11 @@ bool split_rows(const T* x, int64_t M, int64_t K, int64_t Kq, bool narrow_ok, Ro
         const __m512i limb[LIMBS] = {
             _mm512_srai_epi32(t, narrow ? 8 : 24),
             _mm512_and_si512(narrow ? t : _mm512_srai_epi32(t, 16), byte),
-            narrow ? _mm512_setzero_si512() : _mm512_and_si512(_mm512_srai_epi32(t, 8), byte),
-            narrow ? _mm512_setzero_si512() : _mm512_and_si512(t, byte)};
+            _mm512_and_si512(_mm512_srai_epi32(t, 8), byte),
+            _mm512_and_si512(t, byte)};
         const int64_t valid = std::min<int64_t>(16, K - k);
         const __mmask16 mk = static_cast<__mmask16>(valid >= 16 ? 0xFFFF : (1u << valid) - 1);
-        for (int l = 0; l < LIMBS; ++l)
+        for (int l = 0; l < (narrow ? 2 : LIMBS); ++l)  // a narrow row's c, d stay the planes' zeros
           _mm_mask_storeu_epi8(out.q.data() + (l * out.Mp + r) * Kq + k, mk, _mm512_cvtepi32_epi8(limb[l]));
       }
     }

@@ -413,7 +413,7 @@ constexpr int64_t kIntegerRows = 8;
 
 // Decode rows by integer dot products (quant_vnni.h), x read and y written in x's own dtype
 // (float32 or bfloat16), so no conversion runs around the kernel.  `run(p, limbs, M, y, ldy,
-// ncols, bias)` does panel p, its weights read as `Quad` (x is split into `limbs_for<Quad>` limbs).
+// ncols, bias)` does panel p, its weights read as `Quad` (x is split into `limbs_for` limbs).
 // Nothing where that path does not apply: more rows, a K that is not whole blocks,
 // another dtype, or a value that is not finite (the float32 path propagates it).
 template <typename Quad, typename Run>
@@ -427,7 +427,7 @@ c10::optional<at::Tensor> decode_vnni(const at::Tensor& x, int64_t Kp, int64_t P
   if (M == 0 || M > kIntegerRows) return c10::nullopt;
   const auto x2 = x.reshape({M, K}).contiguous();
   v::Limbs xl;
-  const int limbs = v::limbs_for<Quad>(bf16);
+  const int limbs = v::limbs_for(bf16);
   if (!(bf16 ? v::split(reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()), M, K, Kp, limbs, xl)
              : v::split(x2.data_ptr<float>(), M, K, Kp, limbs, xl)))
     return c10::nullopt;

@@ -151,7 +151,6 @@ struct QuadIndex {
 // docs/quantization.md, "What kept int8 below the read rate".)
 struct Int8Quad {
   static constexpr int kBias = 128;
-  static constexpr int kBf16Limbs = 2;
   static constexpr int64_t kBytesPerK = kPanel;
   const int8_t* q;
   explicit Int8Quad(const int8_t* q_) : q(q_) {}
@@ -166,7 +165,6 @@ struct Int8Quad {
 // load; each half's nibbles masked out, then a byte permute.
 struct Int4Quad {
   static constexpr int kBias = 8;
-  static constexpr int kBf16Limbs = 2;
   static constexpr int64_t kBytesPerK = kPanel / 2;
   const uint8_t* q;
   __m512i idx;
@@ -277,17 +275,13 @@ inline void panel_limbs(const Limbs& xl, int64_t M, const Quad& src, int64_t K, 
 }
 
 // How many limbs a row of x is split into: three, but two for bfloat16 activations (whose own
-// rounding, and the weights', is far coarser than the third limb; `Quad::kBf16Limbs`).
-template <typename Quad>
-inline int limbs_for(bool bf16) { return bf16 ? Quad::kBf16Limbs : kMaxLimbs; }
+// rounding, and the weights', is far coarser than the third limb).
+inline int limbs_for(bool bf16) { return bf16 ? 2 : kMaxLimbs; }
 
 template <bool F16, typename Quad, typename Out>
 inline void panel(const Limbs& xl, int64_t M, const Quad& src, int64_t K, int64_t G, const float* col_scales,
                   const uint16_t* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
-  if constexpr (Quad::kBf16Limbs == 2) {
-    if (xl.count == 2)
-      return panel_limbs<F16, 2>(xl, M, src, K, G, col_scales, group_scales, y, ldy, ncols, bias);
-  }
+  if (xl.count == 2) return panel_limbs<F16, 2>(xl, M, src, K, G, col_scales, group_scales, y, ldy, ncols, bias);
   panel_limbs<F16, kMaxLimbs>(xl, M, src, K, G, col_scales, group_scales, y, ldy, ncols, bias);
 }
 
