@@ -168,12 +168,14 @@ at::Tensor limb_linear(const at::Tensor& x, int64_t Kq, int64_t panels, int64_t 
   const int64_t nkb = Kq / KBLK;
   const tokenloom::amx::Output out(x2, M, n, bias);
   const float* bp = out.bias();
-  tokenloom::for_panel_runs(panels, [&](int64_t p0, int64_t p1) {
+  tokenloom::for_panel_pieces(panels, [&](auto& pieces) {
     TORCH_CHECK(tokenloom::amx::request_tiles(), "tokenloom_amx: the kernel refused AMX tile permission");
     _tile_loadconfig(&kConfig);
     std::vector<int8_t> buf(Kq * PANEL + 64);
     alignas(64) int32_t ct[4 * 256];
     alignas(64) float acc[16 * PANEL];
+    int64_t p0, p1;
+    while (pieces.next(p0, p1))
     for (int64_t p = p0; p < p1; ++p) {
       const int8_t* b = quads(p, buf.data());
       const int64_t ncols = std::min<int64_t>(PANEL, n - p * PANEL);

@@ -439,15 +439,17 @@ c10::optional<at::Tensor> decode_vnni(const at::Tensor& x, int64_t Kp, int64_t P
   auto sizes = x.sizes().vec();
   sizes.back() = n;
   at::Tensor y = at::empty(sizes, x.options());
-  tokenloom::for_panel_runs(P, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const float* bp = b.defined() ? b.data_ptr<float>() + p * W : nullptr;
-      const int64_t ncols = std::min(W, n - p * W);
-      if (bf16)
-        run(p, xl, M, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + p * W, n, ncols, bp);
-      else
-        run(p, xl, M, y.data_ptr<float>() + p * W, n, ncols, bp);
-    }
+  tokenloom::for_panel_pieces(P, [&](auto& pieces) {
+    int64_t p0, p1;
+    while (pieces.next(p0, p1))
+      for (int64_t p = p0; p < p1; ++p) {
+        const float* bp = b.defined() ? b.data_ptr<float>() + p * W : nullptr;
+        const int64_t ncols = std::min(W, n - p * W);
+        if (bf16)
+          run(p, xl, M, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + p * W, n, ncols, bp);
+        else
+          run(p, xl, M, y.data_ptr<float>() + p * W, n, ncols, bp);
+      }
   });
   return y;
 }
