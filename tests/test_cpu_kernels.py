@@ -334,11 +334,14 @@ def test_fused_rope_matches_the_reference(t, hq, hk, d, seed):
     assert torch.equal(v16.view(-1, hk, d)[slots], v16_in.reshape(t, hk, d))
 
 
-@settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 5), n=st.integers(1, 300), ties=st.booleans(), special=st.sampled_from(["", "nan", "-inf"]),
-       seed=st.integers(0, 2**16))
-def test_argmax_rows_matches_torch(rows, n, ties, special, seed):
-    """Greedy argmax: first index on ties, first NaN if any, 0 for a row of only -inf."""
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 5), n=st.integers(1, 300) | st.sampled_from([8191, 8192, 20001, 151936]),
+       ties=st.booleans(), special=st.sampled_from(["", "nan", "-inf", "-inf then max"]),
+       threads=st.sampled_from([1, 2, 3, 4]), seed=st.integers(0, 2**16))
+def test_argmax_rows_matches_torch(rows, n, ties, special, threads, seed):
+    """Greedy argmax: first index on ties, first NaN if any, 0 for a row of only -inf.  Rows
+    fewer than threads are scanned in one stretch per thread (from 8,192 columns), combined in
+    order: ties across stretches, a NaN or the only maximum in a later one."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, n, generator=g)
     if ties:  # a few distinct values: many ties for the maximum
@@ -347,7 +350,15 @@ def test_argmax_rows_matches_torch(rows, n, ties, special, seed):
         x[0, torch.randint(0, n, (1,), generator=g)] = float("nan")
     elif special == "-inf":
         x[0] = float("-inf")
-    assert torch.equal(torch.ops.tokenloom_cpu.argmax_rows(x), x.argmax(dim=-1))
+    elif special == "-inf then max":  # the first part of the row -inf, its maximum (tied) near the end
+        x[0, : n * 3 // 4] = float("-inf")
+        x[0, -2:] = 1e30
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        assert torch.equal(torch.ops.tokenloom_cpu.argmax_rows(x), x.argmax(dim=-1))
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_cpu_fast_path_uses_the_fused_ops(model_factory, monkeypatch):

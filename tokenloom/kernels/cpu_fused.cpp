@@ -336,10 +336,71 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& positions, con
   return qo;
 }
 
+// The largest value of x[j0, j1) and where it first is, or where its first NaN is.
+struct RowMax {
+  float m = -INFINITY;
+  int64_t at = -1;   // -1: an empty stretch
+  int64_t nan = -1;  // the first NaN, or -1
+};
+
+RowMax row_max(const float* x, int64_t j0, int64_t j1) {
+  RowMax r;
+  if (j0 >= j1) return r;
+  // Eight lanes, each the running max of its own stride-8 subsequence and where it was first
+  // seen; strictly greater replaces, so every lane keeps its first maximum.
+  __m256 best = _mm256_set1_ps(-INFINITY);
+  __m256i where = _mm256_set1_epi32(0);
+  __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i step = _mm256_set1_epi32(8);
+  __m256 nan = _mm256_setzero_ps();
+  const float* xs = x + j0;
+  const int64_t n = j1 - j0;
+  int64_t j = 0;
+  const int64_t nv = n < (int64_t{1} << 31) ? n / 8 * 8 : 0;  // lane indices are int32
+  for (; j < nv; j += 8) {
+    const __m256 v = _mm256_loadu_ps(xs + j);
+    const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    best = _mm256_blendv_ps(best, v, gt);
+    where = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(where), _mm256_castsi256_ps(idx), gt));
+    idx = _mm256_add_epi32(idx, step);
+  }
+  if (_mm256_movemask_ps(nan)) {  // rare: find the first NaN as torch does
+    int64_t k = 0;
+    while (!std::isnan(xs[k])) ++k;
+    r.nan = j0 + k;
+    return r;
+  }
+  alignas(32) float bv[8];
+  alignas(32) int32_t bi[8];
+  _mm256_store_ps(bv, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(bi), where);
+  int64_t at = -1;
+  for (int u = 0; u < 8; ++u)
+    if (j > 0 && (at < 0 || bv[u] > r.m || (bv[u] == r.m && bi[u] < at))) {
+      r.m = bv[u];
+      at = bi[u];
+    }
+  for (; j < n; ++j) {  // the tail, in order
+    if (std::isnan(xs[j])) {
+      r.nan = j0 + j;
+      return r;
+    }
+    if (at < 0 || xs[j] > r.m) {
+      r.m = xs[j];
+      at = j;
+    }
+  }
+  r.at = j0 + at;
+  return r;
+}
+
 // Index of each row's largest value: greedy decoding over the vocabulary.  Same answer as
 // torch.argmax: the first index on ties, and the first NaN if the row has one.  (PyTorch's
 // CPU argmax scans each row one element at a time, with no vector compares; the timing is
-// in docs/performance.md.)
+// in docs/performance.md.)  Fewer rows than threads: each row in one stretch per thread,
+// combined in order.  The logits' float32 copy just before wrote each half of a row from
+// the thread that now scans it, so no thread reads the other core's writes.
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0,
               "tokenloom_cpu::argmax_rows takes a non-empty float32 [rows, n] CPU tensor");
@@ -348,56 +409,27 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   auto out = at::empty({rows}, xc.options().dtype(at::kLong));
   const float* xp = xc.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = xp + r * n;
-      // Eight lanes, each the running max of its own stride-8 subsequence and where it was
-      // first seen; strictly greater replaces, so every lane keeps its first maximum.
-      __m256 best = _mm256_set1_ps(-INFINITY);
-      __m256i where = _mm256_set1_epi32(0);
-      __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-      const __m256i step = _mm256_set1_epi32(8);
-      __m256 nan = _mm256_setzero_ps();
-      int64_t j = 0;
-      const int64_t nv = n < (int64_t{1} << 31) ? n / 8 * 8 : 0;  // lane indices are int32
-      for (; j < nv; j += 8) {
-        const __m256 v = _mm256_loadu_ps(xr + j);
-        const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        best = _mm256_blendv_ps(best, v, gt);
-        where = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(where), _mm256_castsi256_ps(idx), gt));
-        idx = _mm256_add_epi32(idx, step);
-      }
-      if (_mm256_movemask_ps(nan)) {  // rare: find the first NaN as torch does
-        int64_t k = 0;
-        while (!std::isnan(xr[k])) ++k;
-        op[r] = k;
-        continue;
-      }
-      alignas(32) float bv[8];
-      alignas(32) int32_t bi[8];
-      _mm256_store_ps(bv, best);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(bi), where);
-      float m = -INFINITY;
-      int64_t at = -1;
-      for (int u = 0; u < 8; ++u)
-        if (j > 0 && (at < 0 || bv[u] > m || (bv[u] == m && bi[u] < at))) {
-          m = bv[u];
-          at = bi[u];
-        }
-      for (; j < n; ++j) {  // the tail, in order
-        if (std::isnan(xr[j])) {
-          at = j;
-          break;
-        }
-        if (at < 0 || xr[j] > m) {
-          m = xr[j];
-          at = j;
-        }
-      }
-      op[r] = at;
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = rows < threads ? std::min<int64_t>(threads, std::max<int64_t>(1, n >> 12)) : 1;
+  std::vector<RowMax> part(rows * parts);
+  at::parallel_for(0, rows * parts, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = i / parts, s = i % parts;
+      part[i] = row_max(xp + r * n, n * s / parts, n * (s + 1) / parts);
     }
   });
+  for (int64_t r = 0; r < rows; ++r) {
+    RowMax best;
+    for (int64_t s = 0; s < parts; ++s) {
+      const RowMax& p = part[r * parts + s];
+      if (p.nan >= 0) {
+        best.at = p.nan;
+        break;
+      }
+      if (p.at >= 0 && (best.at < 0 || p.m > best.m)) best = p;
+    }
+    op[r] = best.at;
+  }
   return out;
 }
 
