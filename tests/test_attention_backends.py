@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.model.attention import AttentionBackend, LayerAttention
+from tokenloom.model.attention import GROUP_PADDING, AttentionBackend, LayerAttention, _causal_groups
 
 from test_parity import STRESS, _hf, _hf_greedy, _prompts
 
@@ -67,14 +67,14 @@ def test_a_backend_that_cannot_run_is_refused(model_factory):
 
 
 @settings(max_examples=20, deadline=None)
-@given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=4), block_size=st.sampled_from([1, 4, 16]),
-       groups=st.sampled_from([1, 3]), seed=st.integers(0, 2**16))
+@given(lens=st.lists(st.integers(1, 40) | st.integers(41, 160), min_size=1, max_size=5),
+       block_size=st.sampled_from([1, 4, 16]), groups=st.sampled_from([1, 3]), seed=st.integers(0, 2**16))
 def test_prefill_from_each_requests_first_token_is_causal_attention_over_its_own_keys(
         lens: list[int], block_size: int, groups: int, seed: int) -> None:
     """Chunks that start their requests (nothing cached) take SDPA's causal path, no mask:
     every real row equals float64 causal attention over its own request's keys (GQA, blocks
-    scattered in the cache, requests of different lengths padded to the longest, or of equal
-    ones read in place)."""
+    scattered in the cache, requests of near-equal lengths padded to the longest, of unequal
+    ones in length groups each padded to its own longest, of equal ones read in place)."""
     g = torch.Generator().manual_seed(seed)
     hk, d = 2, 16
     hq = hk * groups
@@ -93,6 +93,10 @@ def test_prefill_from_each_requests_first_token_is_causal_attention_over_its_own
                             prefill_ctx_lens=torch.zeros(len(lens), dtype=torch.long))
     assert meta.prefill_from_zero and not meta.prefill_masks
     assert meta.prefill_dense == (len(set(lens)) == 1)  # equal chunks: a view of the rows, no gather
+    split = _causal_groups(lens)
+    assert sorted(i for g in split for i in g) == list(range(len(lens)))  # each chunk in one group
+    assert all(lens[g[0]] ** 2 - lens[i] ** 2 <= GROUP_PADDING for g in split for i in g)
+    assert len(meta.prefill_groups) == (len(split) if len(split) > 1 else 0)
     out = torch.zeros_like(q)
     backend.prefill(q, k_cache, v_cache, meta, d ** -0.5, out, LayerAttention())
     for i, n in enumerate(lens):
@@ -103,3 +107,18 @@ def test_prefill_from_each_requests_first_token_is_causal_attention_over_its_own
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
         ref = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
         torch.testing.assert_close(out[starts[i]:starts[i] + n].double(), ref, rtol=0, atol=1e-5)
+
+
+def test_prefill_in_length_groups_matches_transformers(model_factory):
+    """Prompts far apart in length prefilled in one step: SDPA per length group (each padded
+    to its own longest, `_causal_groups`), the rows put back in token order, give
+    transformers' greedy tokens."""
+    lens = [150, 5, 110, 62, 111]
+    assert _causal_groups(lens) == [[0], [4, 2], [3, 1]]  # 150 | 111, 110 | 62, 5
+    path = model_factory("tiny-llama")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(5, 1000, (n,), generator=g).tolist() for n in lens]
+    llm = LLM(str(path), device="cpu", max_model_len=256, max_num_batched_tokens=1024)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(_hf(path), prompts, NEW_TOKENS)

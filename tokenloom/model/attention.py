@@ -93,10 +93,45 @@ class AttentionMetadata:
     # the chunks are max_q rows each, one after another: the padded layout is a view of the rows
     # (one long prompt, or equal ones), gathered and scattered by nobody
     prefill_dense: bool = False
+    # prefill_from_zero with chunks of unequal lengths: the chunks in groups of near-equal length,
+    # each padded only to its own longest (`_causal_groups`), and the order that puts the groups'
+    # rows back in token order
+    prefill_groups: list["PrefillGroup"] = field(default_factory=list)
+    prefill_group_order: torch.Tensor | None = None  # [Tp] long
 
     @property
     def has_prefill(self) -> bool:
         return self.prefill_block_tables is not None
+
+
+@dataclass
+class PrefillGroup:
+    """Prefill chunks attended in one padded SDPA call: their padded query rows and block tables."""
+    gather: torch.Tensor  # [n, max_q] long: flat token index of each padded query row
+    block_tables: torch.Tensor  # [n, blocks covering max_q]
+    max_q: int
+
+
+# Padding a chunk of L rows to a group's longest, Lmax, costs attention work ~ Lmax^2 - L^2;
+# a call of its own costs a few small ops per layer.  Below this many rows^2 of padding (a
+# 64-row chunk beside a 90-row one) a chunk joins the longer one's call.
+GROUP_PADDING = 4096
+
+
+def _causal_groups(lens: list[int]) -> list[list[int]]:
+    """Chunk indices in groups for `_sdpa_prefill`'s causal path: longest first, each chunk in
+    the current group while its padding to the group's longest stays under GROUP_PADDING.
+    Padding every chunk of a step to the longest one made attention about half of a prefill
+    step's time outside the GEMMs (docs/performance.md, "Prefill attention in length groups")."""
+    groups: list[list[int]] = []
+    longest = 0
+    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+        if groups and longest * longest - lens[i] * lens[i] <= GROUP_PADDING:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            longest = lens[i]
+    return groups
 
 
 def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -152,18 +187,34 @@ def _prefill_rows(op: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     return rows if meta.prefill_dense else rows[meta.prefill_scatter]
 
 
+def _causal_chunks(qp, k_cache, v_cache, block_tables, n: int, scale: float) -> torch.Tensor:
+    """Causal attention of padded chunks qp [P, Hq, n, Dh] that start their requests, over the
+    first n keys of their blocks: [P, Hq, n, Dh]."""
+    tables = block_tables[:, :(n + k_cache.shape[1] - 1) // k_cache.shape[1]]
+    kp, vp = _gather_kv(k_cache, tables)[:, :, :n], _gather_kv(v_cache, tables)[:, :, :n]
+    return F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+
+
+def _causal_prefill_groups(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """`_causal_chunks` per length group (`_causal_groups`), the rows back in token order."""
+    rows = []
+    for g in meta.prefill_groups:
+        out = _causal_chunks(q[g.gather].transpose(1, 2), k_cache, v_cache, g.block_tables, g.max_q, scale)
+        rows.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]))
+    return torch.cat(rows)[meta.prefill_group_order]
+
+
 def _sdpa_prefill(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kind: LayerAttention) -> torch.Tensor:
     """The prefill rows' output [Tp, Hq, D], through SDPA over gathered blocks."""
+    if meta.prefill_groups and _causal_from_zero(meta, kind):
+        return _causal_prefill_groups(q, k_cache, v_cache, meta, scale)
     qp = _prefill_queries(q, meta)  # [P, Hq, max_q, Dh]
     if _causal_from_zero(meta, kind):
         # Query row i of a chunk is the request's token i and sees its keys 0..i: SDPA's causal
         # (top-left) mask over the first max_q keys, no mask built or read, the blocks above the
         # diagonal skipped.  A padded row sees keys past its request's end; it is dropped below.
-        n, bs = meta.prefill_max_q, k_cache.shape[1]
-        tables = meta.prefill_block_tables[:, :(n + bs - 1) // bs]
-        kp, vp = _gather_kv(k_cache, tables)[:, :, :n], _gather_kv(v_cache, tables)[:, :, :n]
-        return _prefill_rows(F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True),
-                             meta)
+        return _prefill_rows(_causal_chunks(qp, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_max_q,
+                                            scale), meta)
     kp = _gather_kv(k_cache, meta.prefill_block_tables)
     vp = _gather_kv(v_cache, meta.prefill_block_tables)
     mask = meta.prefill_masks[kind.window]
@@ -249,7 +300,31 @@ class AttentionBackend:
                 meta.prefill_dense = torch.equal(gather.flatten(), torch.arange(num_decode, num_decode + p * max_q))
                 meta.prefill_gather = _to(gather, device)
                 meta.prefill_scatter = _to(torch.arange(p * max_q).view(p, max_q)[valid], device)
+                if meta.prefill_from_zero and not meta.prefill_dense:
+                    self._group_chunks(meta, gather, prefill_block_tables, ns.tolist(), block_size, device)
         return meta
+
+    @staticmethod
+    def _group_chunks(meta: AttentionMetadata, gather: torch.Tensor, block_tables: torch.Tensor, lens: list[int],
+                      block_size: int, device: torch.device) -> None:
+        """`meta.prefill_groups` and the order that puts their rows back, where the chunks fall
+        in more than one length group."""
+        groups = _causal_groups(lens)
+        if len(groups) < 2:
+            return
+        starts = [0] * len(lens)  # each chunk's first row in the groups' concatenated rows
+        at = 0
+        for g in groups:
+            n = lens[g[0]]  # the group's longest comes first
+            for j, c in enumerate(g):
+                starts[c] = at + j * n
+            at += len(g) * n
+            idx = torch.tensor(g)
+            meta.prefill_groups.append(PrefillGroup(gather=_to(gather[idx, :n], device),
+                                                    block_tables=_to(block_tables[idx, :(n + block_size - 1) // block_size], device),
+                                                    max_q=n))
+        order = torch.cat([torch.arange(starts[c], starts[c] + lens[c]) for c in range(len(lens))])
+        meta.prefill_group_order = _to(order, device)
 
     def decode_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: torch.Tensor) -> AttentionMetadata:
