@@ -386,31 +386,32 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
     alignas(64) float acc[32 * 64];
     alignas(64) float ctile[4 * 256];
     int64_t p0, p1;
-    while (pieces.next(p0, p1))
-    for (int64_t r0 = 0; r0 < M; r0 += mb) {
-      for (int64_t p = p0; p < p1; ++p) {
-        if (pairs && p + 1 < p1) {  // this panel and the next, one activation load for both
-          const auto block = [&](int64_t which, int64_t kb) { return src.block(p + which, kb, kbuf[which]); };
-          std::fill(acc, acc + (M + 15) / 16 * 16 * 64, 0.f);
-          for (int64_t kc = 0; kc < nkb; kc += chunk)
-            for (int64_t m0 = 0; m0 < M; m0 += 16)
-              panel_pair_rows(ap, m0, M, block, kc, std::min(nkb, kc + chunk), scale, p, acc + m0 * 64, ctile);
-          emit(p, 0, acc, 64);
-          emit(p + 1, 0, acc + 32, 64);
-          ++p;
-          continue;
-        }
-        // One row tile pair (a decode step): each k-block is widened just before its multiplies,
-        // into a buffer that stays in L1 (two, alternating), not the whole panel into L2 first.
-        const uint16_t* b = stream ? nullptr : src.panel(p, buf.data());
-        const auto whole = [&](int64_t kb) { return b + kb * KB * PANEL * 2; };
-        const auto streamed = [&](int64_t kb) { return src.block(p, kb, kbuf[kb & 1]); };
-        for (int64_t m0 = r0; m0 < std::min(M, r0 + mb); m0 += 32) {
-          if (stream)
-            panel_rows(ap, alo, M, m0, streamed, nkb, scale, p, acc, ctile);
-          else
-            panel_rows(ap, alo, M, m0, whole, nkb, scale, p, acc, ctile);
-          emit(p, m0, acc, 32);
+    while (pieces.next(p0, p1)) {
+      for (int64_t r0 = 0; r0 < M; r0 += mb) {
+        for (int64_t p = p0; p < p1; ++p) {
+          if (pairs && p + 1 < p1) {  // this panel and the next, one activation load for both
+            const auto block = [&](int64_t which, int64_t kb) { return src.block(p + which, kb, kbuf[which]); };
+            std::fill(acc, acc + (M + 15) / 16 * 16 * 64, 0.f);
+            for (int64_t kc = 0; kc < nkb; kc += chunk)
+              for (int64_t m0 = 0; m0 < M; m0 += 16)
+                panel_pair_rows(ap, m0, M, block, kc, std::min(nkb, kc + chunk), scale, p, acc + m0 * 64, ctile);
+            emit(p, 0, acc, 64);
+            emit(p + 1, 0, acc + 32, 64);
+            ++p;
+            continue;
+          }
+          // One row tile pair (a decode step): each k-block is widened just before its multiplies,
+          // into a buffer that stays in L1 (two, alternating), not the whole panel into L2 first.
+          const uint16_t* b = stream ? nullptr : src.panel(p, buf.data());
+          const auto whole = [&](int64_t kb) { return b + kb * KB * PANEL * 2; };
+          const auto streamed = [&](int64_t kb) { return src.block(p, kb, kbuf[kb & 1]); };
+          for (int64_t m0 = r0; m0 < std::min(M, r0 + mb); m0 += 32) {
+            if (stream)
+              panel_rows(ap, alo, M, m0, streamed, nkb, scale, p, acc, ctile);
+            else
+              panel_rows(ap, alo, M, m0, whole, nkb, scale, p, acc, ctile);
+            emit(p, m0, acc, 32);
+          }
         }
       }
     }
@@ -543,53 +544,54 @@ at::Tensor linear_int8_tiles(const at::Tensor& x, const at::Tensor& q, const at:
     std::vector<int8_t> buf(K4 == K4p ? 0 : K4p * PANEL * 4);
     alignas(64) int32_t ct[4 * 256];
     int64_t p0, p1;
-    while (pieces.next(p0, p1))
-    for (int64_t p = p0; p < p1; ++p) {
-      const int8_t* b = wp + p * K4 * PANEL * 4;
-      if (K4 != K4p) {
-        std::memcpy(buf.data(), b, K4 * PANEL * 4);
-        std::memset(buf.data() + K4 * PANEL * 4, 0, (K4p - K4) * PANEL * 4);
-        b = buf.data();
-      }
-      const int64_t ncols = std::min<int64_t>(PANEL, n - p * PANEL);
-      const __mmask16 mk[2] = {static_cast<__mmask16>(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1),
-                               static_cast<__mmask16>(ncols >= 32   ? 0xFFFF
-                                                      : ncols > 16 ? (1u << (ncols - 16)) - 1
-                                                                   : 0)};
-      __m512 cs[2], bs[2];
-      for (int h = 0; h < 2; ++h) {
-        cs[h] = _mm512_loadu_ps(sp + p * PANEL + h * 16);
-        bs[h] = bp ? _mm512_maskz_loadu_ps(mk[h], bp + p * PANEL + h * 16) : _mm512_setzero_ps();
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += 16) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t kb = 0; kb < nkb; ++kb) {
-          const int8_t* bt = b + kb * 16 * PANEL * 4;
-          _tile_loadd(6, bt, PANEL * 4);
-          _tile_loadd(7, bt + 64, PANEL * 4);
-          _tile_loadd(4, hp + m0 * Kq + kb * 64, Kq);
-          _tile_loadd(5, lp + m0 * Kq + kb * 64, Kq);
-          _tile_dpbssd(0, 4, 6);
-          _tile_dpbssd(1, 4, 7);
-          _tile_dpbssd(2, 5, 6);
-          _tile_dpbssd(3, 5, 7);
+    while (pieces.next(p0, p1)) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int8_t* b = wp + p * K4 * PANEL * 4;
+        if (K4 != K4p) {
+          std::memcpy(buf.data(), b, K4 * PANEL * 4);
+          std::memset(buf.data() + K4 * PANEL * 4, 0, (K4p - K4) * PANEL * 4);
+          b = buf.data();
         }
-        _tile_stored(0, ct, 64);
-        _tile_stored(1, ct + 256, 64);
-        _tile_stored(2, ct + 512, 64);
-        _tile_stored(3, ct + 768, 64);
-        for (int64_t i = 0; i < std::min<int64_t>(16, M - m0); ++i) {
-          const __m512 sh = _mm512_set1_ps(a.s[m0 + i]), sl = _mm512_set1_ps(a.s[m0 + i] / 254.f);
-          float* yi = yp + (m0 + i) * n + p * PANEL;
-          for (int h = 0; h < 2; ++h) {
-            if (!mk[h]) continue;
-            const __m512 hi = _mm512_cvtepi32_ps(_mm512_loadu_si512(ct + h * 256 + i * 16));
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_loadu_si512(ct + 512 + h * 256 + i * 16));
-            const __m512 v = _mm512_fmadd_ps(_mm512_fmadd_ps(hi, sh, _mm512_mul_ps(lo, sl)), cs[h], bs[h]);
-            _mm512_mask_storeu_ps(yi + h * 16, mk[h], v);
+        const int64_t ncols = std::min<int64_t>(PANEL, n - p * PANEL);
+        const __mmask16 mk[2] = {static_cast<__mmask16>(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1),
+                                 static_cast<__mmask16>(ncols >= 32   ? 0xFFFF
+                                                        : ncols > 16 ? (1u << (ncols - 16)) - 1
+                                                                     : 0)};
+        __m512 cs[2], bs[2];
+        for (int h = 0; h < 2; ++h) {
+          cs[h] = _mm512_loadu_ps(sp + p * PANEL + h * 16);
+          bs[h] = bp ? _mm512_maskz_loadu_ps(mk[h], bp + p * PANEL + h * 16) : _mm512_setzero_ps();
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += 16) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t kb = 0; kb < nkb; ++kb) {
+            const int8_t* bt = b + kb * 16 * PANEL * 4;
+            _tile_loadd(6, bt, PANEL * 4);
+            _tile_loadd(7, bt + 64, PANEL * 4);
+            _tile_loadd(4, hp + m0 * Kq + kb * 64, Kq);
+            _tile_loadd(5, lp + m0 * Kq + kb * 64, Kq);
+            _tile_dpbssd(0, 4, 6);
+            _tile_dpbssd(1, 4, 7);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbssd(3, 5, 7);
+          }
+          _tile_stored(0, ct, 64);
+          _tile_stored(1, ct + 256, 64);
+          _tile_stored(2, ct + 512, 64);
+          _tile_stored(3, ct + 768, 64);
+          for (int64_t i = 0; i < std::min<int64_t>(16, M - m0); ++i) {
+            const __m512 sh = _mm512_set1_ps(a.s[m0 + i]), sl = _mm512_set1_ps(a.s[m0 + i] / 254.f);
+            float* yi = yp + (m0 + i) * n + p * PANEL;
+            for (int h = 0; h < 2; ++h) {
+              if (!mk[h]) continue;
+              const __m512 hi = _mm512_cvtepi32_ps(_mm512_loadu_si512(ct + h * 256 + i * 16));
+              const __m512 lo = _mm512_cvtepi32_ps(_mm512_loadu_si512(ct + 512 + h * 256 + i * 16));
+              const __m512 v = _mm512_fmadd_ps(_mm512_fmadd_ps(hi, sh, _mm512_mul_ps(lo, sl)), cs[h], bs[h]);
+              _mm512_mask_storeu_ps(yi + h * 16, mk[h], v);
+            }
           }
         }
       }

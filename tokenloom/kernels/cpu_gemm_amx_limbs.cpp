@@ -175,53 +175,54 @@ at::Tensor limb_linear(const at::Tensor& x, int64_t Kq, int64_t panels, int64_t 
     alignas(64) int32_t ct[4 * 256];
     alignas(64) float acc[16 * PANEL];
     int64_t p0, p1;
-    while (pieces.next(p0, p1))
-    for (int64_t p = p0; p < p1; ++p) {
-      const int8_t* b = quads(p, buf.data());
-      const int64_t ncols = std::min<int64_t>(PANEL, n - p * PANEL);
-      for (int64_t m0 = 0; m0 < M; m0 += 16) {
-        // Limbs a, b in one pass over the panel's weights, c, d in a second (from cache) where a
-        // row of the tile keeps them.
-        for (int pass = 0; pass < (a.wide[m0 / 16] ? 2 : 1); ++pass) {
-          const __m512 w0 = _mm512_set1_ps(pass ? 256.f : 16777216.f);  // 2^8, 2^24: limbs c, a
-          const __m512 w1 = _mm512_set1_ps(pass ? 1.f : 65536.f);      // 2^0, 2^16: limbs d, b
-          const int8_t* al = a.tile(2 * pass, m0, 0);
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          for (int64_t kb = 0; kb < nkb; ++kb) {
-            // The first pass streams the weights: prefetch them ahead (panel_linear.h), across
-            // panel ends too, since a thread's panels are contiguous; the second reads the cache.
-            if (pass == 0) {
-              tokenloom::prefetch_stream(b + kb * KBLK * PANEL, KBLK * PANEL);
-              block<true>(b + kb * KBLK * PANEL, al + kb * KBLK, a.Kq, a.plane());
-            } else {
-              block<false>(b + kb * KBLK * PANEL, al + kb * KBLK, a.Kq, a.plane());
+    while (pieces.next(p0, p1)) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int8_t* b = quads(p, buf.data());
+        const int64_t ncols = std::min<int64_t>(PANEL, n - p * PANEL);
+        for (int64_t m0 = 0; m0 < M; m0 += 16) {
+          // Limbs a, b in one pass over the panel's weights, c, d in a second (from cache) where a
+          // row of the tile keeps them.
+          for (int pass = 0; pass < (a.wide[m0 / 16] ? 2 : 1); ++pass) {
+            const __m512 w0 = _mm512_set1_ps(pass ? 256.f : 16777216.f);  // 2^8, 2^24: limbs c, a
+            const __m512 w1 = _mm512_set1_ps(pass ? 1.f : 65536.f);      // 2^0, 2^16: limbs d, b
+            const int8_t* al = a.tile(2 * pass, m0, 0);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kb = 0; kb < nkb; ++kb) {
+              // The first pass streams the weights: prefetch them ahead (panel_linear.h), across
+              // panel ends too, since a thread's panels are contiguous; the second reads the cache.
+              if (pass == 0) {
+                tokenloom::prefetch_stream(b + kb * KBLK * PANEL, KBLK * PANEL);
+                block<true>(b + kb * KBLK * PANEL, al + kb * KBLK, a.Kq, a.plane());
+              } else {
+                block<false>(b + kb * KBLK * PANEL, al + kb * KBLK, a.Kq, a.plane());
+              }
             }
+            _tile_stored(0, ct, 64);
+            _tile_stored(1, ct + 256, 64);
+            _tile_stored(2, ct + 512, 64);
+            _tile_stored(3, ct + 768, 64);
+            for (int h = 0; h < 2; ++h)
+              for (int i = 0; i < 16; ++i) {
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_load_si512(ct + h * 256 + i * 16));
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_load_si512(ct + 512 + h * 256 + i * 16));
+                const __m512 s = _mm512_fmadd_ps(hi, w0, _mm512_mul_ps(lo, w1));
+                float* ai = acc + i * PANEL + h * 16;
+                _mm512_store_ps(ai, pass ? _mm512_add_ps(s, _mm512_load_ps(ai)) : s);
+              }
           }
-          _tile_stored(0, ct, 64);
-          _tile_stored(1, ct + 256, 64);
-          _tile_stored(2, ct + 512, 64);
-          _tile_stored(3, ct + 768, 64);
-          for (int h = 0; h < 2; ++h)
-            for (int i = 0; i < 16; ++i) {
-              const __m512 hi = _mm512_cvtepi32_ps(_mm512_load_si512(ct + h * 256 + i * 16));
-              const __m512 lo = _mm512_cvtepi32_ps(_mm512_load_si512(ct + 512 + h * 256 + i * 16));
-              const __m512 s = _mm512_fmadd_ps(hi, w0, _mm512_mul_ps(lo, w1));
-              float* ai = acc + i * PANEL + h * 16;
-              _mm512_store_ps(ai, pass ? _mm512_add_ps(s, _mm512_load_ps(ai)) : s);
+          for (int h = 0; h < 2 && h * 16 < ncols; ++h) {
+            const int64_t cols = std::min<int64_t>(16, ncols - h * 16);
+            const __mmask16 mk = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+            const __m512 cs = _mm512_loadu_ps(col_scales + p * PANEL + h * 16);
+            const __m512 bs = bp ? _mm512_maskz_loadu_ps(mk, bp + p * PANEL + h * 16) : _mm512_setzero_ps();
+            for (int64_t i = 0; i < std::min<int64_t>(16, M - m0); ++i) {
+              const __m512 v = _mm512_fmadd_ps(
+                  _mm512_mul_ps(_mm512_load_ps(acc + i * PANEL + h * 16), _mm512_set1_ps(a.du[m0 + i])), cs, bs);
+              out.store((m0 + i) * n + p * PANEL + h * 16, mk, v);
             }
-        }
-        for (int h = 0; h < 2 && h * 16 < ncols; ++h) {
-          const int64_t cols = std::min<int64_t>(16, ncols - h * 16);
-          const __mmask16 mk = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
-          const __m512 cs = _mm512_loadu_ps(col_scales + p * PANEL + h * 16);
-          const __m512 bs = bp ? _mm512_maskz_loadu_ps(mk, bp + p * PANEL + h * 16) : _mm512_setzero_ps();
-          for (int64_t i = 0; i < std::min<int64_t>(16, M - m0); ++i) {
-            const __m512 v = _mm512_fmadd_ps(
-                _mm512_mul_ps(_mm512_load_ps(acc + i * PANEL + h * 16), _mm512_set1_ps(a.du[m0 + i])), cs, bs);
-            out.store((m0 + i) * n + p * PANEL + h * 16, mk, v);
           }
         }
       }
