@@ -7,6 +7,8 @@ checked in CI against transformers under chunked prefill, tiny blocks and preemp
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -95,7 +97,7 @@ def test_prefill_from_each_requests_first_token_is_causal_attention_over_its_own
     assert meta.prefill_dense == (len(set(lens)) == 1)  # equal chunks: a view of the rows, no gather
     split = _causal_groups(lens)
     assert sorted(i for g in split for i in g) == list(range(len(lens)))  # each chunk in one group
-    assert all(lens[g[0]] ** 2 - lens[i] ** 2 <= GROUP_PADDING for g in split for i in g)
+    assert all(lens[g[0]] ** 2 - lens[i] ** 2 <= max(GROUP_PADDING, lens[g[0]] ** 2 // 4) for g in split for i in g)
     assert len(meta.prefill_groups) == (len(split) if len(split) > 1 else 0)
     out = torch.zeros_like(q)
     backend.prefill(q, k_cache, v_cache, meta, d ** -0.5, out, LayerAttention())
@@ -122,3 +124,14 @@ def test_prefill_in_length_groups_matches_transformers(model_factory):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(_hf(path), prompts, NEW_TOKENS)
+
+
+def test_length_groups_stay_few_for_many_distinct_lengths():
+    """A step of many prompts, every length different: a few padded calls (each chunk padded by
+    at most a quarter of its group's longest rows^2 beyond GROUP_PADDING), not one per prompt."""
+    lens = list(range(100, 612, 2))  # 256 distinct lengths
+    split = _causal_groups(lens)
+    # each group's longest is under sqrt(3/4) of the one before: at most 1 + log_{sqrt(4/3)}(610 / 100)
+    assert len(split) <= 1 + math.log(610 / 100) / math.log(math.sqrt(4 / 3))
+    assert all(lens[g[0]] ** 2 - lens[i] ** 2 <= max(GROUP_PADDING, lens[g[0]] ** 2 // 4) for g in split for i in g)
+    assert _causal_groups([64, 90, 64]) == [[1, 0, 2]]  # under GROUP_PADDING: one call

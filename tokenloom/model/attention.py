@@ -114,19 +114,21 @@ class PrefillGroup:
 
 # Padding a chunk of L rows to a group's longest, Lmax, costs attention work ~ Lmax^2 - L^2;
 # a call of its own costs a few small ops per layer.  Below this many rows^2 of padding (a
-# 64-row chunk beside a 90-row one) a chunk joins the longer one's call.
+# 64-row chunk beside a 90-row one), or a quarter of Lmax^2 (so that many distinct long
+# lengths make a few calls, not one each), a chunk joins the longer one's call.
 GROUP_PADDING = 4096
 
 
 def _causal_groups(lens: list[int]) -> list[list[int]]:
     """Chunk indices in groups for `_sdpa_prefill`'s causal path: longest first, each chunk in
-    the current group while its padding to the group's longest stays under GROUP_PADDING.
+    the current group while its padding to the group's longest stays under GROUP_PADDING or
+    a quarter of the longest's rows^2.
     Padding every chunk of a step to the longest one made attention about half of a prefill
     step's time outside the GEMMs (docs/performance.md, "Prefill attention in length groups")."""
     groups: list[list[int]] = []
     longest = 0
     for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
-        if groups and longest * longest - lens[i] * lens[i] <= GROUP_PADDING:
+        if groups and longest * longest - lens[i] * lens[i] <= max(GROUP_PADDING, longest * longest // 4):
             groups[-1].append(i)
         else:
             groups.append([i])
