@@ -321,10 +321,9 @@ class AttentionBackend:
             for j, c in enumerate(g):
                 starts[c] = at + j * n
             at += len(g) * n
-            idx = torch.tensor(g)
+            idx, blocks = torch.tensor(g), (n + block_size - 1) // block_size
             meta.prefill_groups.append(PrefillGroup(gather=_to(gather[idx, :n], device),
-                                                    block_tables=_to(block_tables[idx, :(n + block_size - 1) // block_size], device),
-                                                    max_q=n))
+                                                    block_tables=_to(block_tables[idx, :blocks], device), max_q=n))
         order = torch.cat([torch.arange(starts[c], starts[c] + lens[c]) for c in range(len(lens))])
         meta.prefill_group_order = _to(order, device)
 
