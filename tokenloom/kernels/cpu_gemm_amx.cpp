@@ -420,10 +420,7 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t K, int64_t K2p, int64_t panel
   if (M <= mb && !std::is_same_v<Panels, Int4Panels>)
     tokenloom::for_panel_pieces(panels, body, pairs ? 2 : 1);
   else
-    tokenloom::for_panel_runs(panels, [&](int64_t p0, int64_t p1) {
-      tokenloom::OneRun run{p0, p1};
-      body(run);
-    });
+    tokenloom::for_whole_runs(panels, body);
   return out.result(x, n);
 }
 

@@ -192,7 +192,7 @@ at::Tensor limb_linear(const at::Tensor& x, int64_t Kq, int64_t panels, int64_t 
             _tile_zero(3);
             for (int64_t kb = 0; kb < nkb; ++kb) {
               // The first pass streams the weights: prefetch them ahead (panel_linear.h), across
-              // panel ends too, since a thread's panels are contiguous; the second reads the cache.
+              // panel ends too, since a thread's pieces mostly follow one another; the second reads the cache.
               if (pass == 0) {
                 tokenloom::prefetch_stream(b + kb * KBLK * PANEL, KBLK * PANEL);
                 block<true>(b + kb * KBLK * PANEL, al + kb * KBLK, a.Kq, a.plane());

@@ -144,14 +144,21 @@ struct OneRun {
   }
 };
 
+// A `for_panel_pieces` body over `for_panel_runs`' static runs, each run one piece: for calls
+// that keep their order (several row blocks over a thread's whole run).
+template <typename F>
+inline void for_whole_runs(int64_t panels, F&& body) {
+  for_panel_runs(panels, [&](int64_t p0, int64_t p1) {
+    OneRun run{p0, p1};
+    body(run);
+  });
+}
+
 template <typename F>
 inline void for_panel_pieces(int64_t panels, F&& body, int64_t align = 1) {
   const int64_t nt = std::min<int64_t>(at::get_num_threads(), (panels + align - 1) / align);
   if (nt < 2 || nt > PanelPieces::kMaxThreads || panels >= (int64_t(1) << 31)) {  // one run per thread
-    for_panel_runs(panels, [&](int64_t p0, int64_t p1) {
-      OneRun run{p0, p1};
-      body(run);
-    });
+    for_whole_runs(panels, body);
     return;
   }
   PanelPieces all(panels, nt, align);
