@@ -337,11 +337,13 @@ def test_fused_rope_matches_the_reference(t, hq, hk, d, seed):
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 5), n=st.integers(1, 300) | st.sampled_from([8191, 8192, 20001, 151936]),
        ties=st.booleans(), special=st.sampled_from(["", "nan", "-inf", "-inf then max"]),
-       threads=st.sampled_from([1, 2, 3, 4]), seed=st.integers(0, 2**16))
-def test_argmax_rows_matches_torch(rows, n, ties, special, threads, seed):
+       threads=st.sampled_from([1, 2, 3, 4]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_argmax_rows_matches_torch(rows, n, ties, special, threads, dtype, seed):
     """Greedy argmax: first index on ties, first NaN if any, 0 for a row of only -inf.  Rows
     fewer than threads are scanned in one stretch per thread (from 8,192 columns), combined in
-    order: ties across stretches, a NaN or the only maximum in a later one."""
+    order: ties across stretches, a NaN or the only maximum in a later one.  bfloat16 logits
+    (a greedy decode step's, read as the head wrote them) give their float32 copy's answer."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, n, generator=g)
     if ties:  # a few distinct values: many ties for the maximum
@@ -356,7 +358,9 @@ def test_argmax_rows_matches_torch(rows, n, ties, special, threads, seed):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
+        x = x.to(dtype)
         assert torch.equal(torch.ops.tokenloom_cpu.argmax_rows(x), x.argmax(dim=-1))
+        assert torch.equal(torch.ops.tokenloom_cpu.argmax_rows(x), x.float().argmax(dim=-1))
     finally:
         torch.set_num_threads(before)
 

@@ -341,10 +341,11 @@ def attention_op():
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(dim=-1) for [rows, n] logits; our kernel for float32 on CPU (PyTorch's scans
-    each row one element at a time), PyTorch's anywhere else.  Same answers, ties and NaN
-    included."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0 and fused_enabled():
+    """x.argmax(dim=-1) for [rows, n] logits; our kernel for float32 or bfloat16 on CPU
+    (PyTorch's scans each row one element at a time), PyTorch's anywhere else.  Same answers,
+    ties and NaN included."""
+    if (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.shape[1] > 0
+            and fused_enabled()):
         return torch.ops.tokenloom_cpu.argmax_rows(x)
     return x.argmax(dim=-1)
 

@@ -107,10 +107,14 @@ void attend_amx(const uint16_t* q, int64_t gn, int64_t D, const uint16_t* k_cach
   for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
     // the chunk's tokens, wherever their blocks lie; past the context, none
     const int64_t n = std::min(kChunk, ctx - c0);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t at = (table[(c0 + t) / bs] * bs + (c0 + t) % bs) * token_stride;
+    for (int64_t t = 0, blk = c0 / bs, off = c0 % bs; t < n; ++t) {  // one division a chunk, not two a token
+      const int64_t at = (table[blk] * bs + off) * token_stride;
       krow[t] = k_cache + at;
       vrow[t] = v_cache + at;
+      if (++off == bs) {
+        off = 0;
+        ++blk;
+      }
     }
     // K^T as dimension pairs: half h, piece p's tile row i is dims (32p + 2i, +1) of tokens 16h..16h+15
     for (int64_t h = 0; h < 2; ++h)

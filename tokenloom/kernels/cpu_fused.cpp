@@ -343,51 +343,66 @@ struct RowMax {
   int64_t nan = -1;  // the first NaN, or -1
 };
 
-RowMax row_max(const float* x, int64_t j0, int64_t j1) {
+template <typename E>
+RowMax row_max(const E* x, int64_t j0, int64_t j1) {
   RowMax r;
   if (j0 >= j1) return r;
-  // Eight lanes, each the running max of its own stride-8 subsequence and where it was first
-  // seen; strictly greater replaces, so every lane keeps its first maximum.
-  __m256 best = _mm256_set1_ps(-INFINITY);
-  __m256i where = _mm256_set1_epi32(0);
-  __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i step = _mm256_set1_epi32(8);
+  // Four sets of eight lanes, each lane the running max of its own stride-32 subsequence and
+  // where it was first seen; strictly greater replaces, so every lane keeps its first maximum.
+  // Four sets, not one: each set's compare and blend wait for its previous ones, and a
+  // single chain of them, not the memory, was the loop's bound.
+  constexpr int kSets = 4;
+  __m256 best[kSets];
+  __m256i where[kSets];
+  for (int a = 0; a < kSets; ++a) {
+    best[a] = _mm256_set1_ps(-INFINITY);
+    where[a] = _mm256_setzero_si256();
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 nan = _mm256_setzero_ps();
-  const float* xs = x + j0;
+  const E* xs = x + j0;
   const int64_t n = j1 - j0;
   int64_t j = 0;
   const int64_t nv = n < (int64_t{1} << 31) ? n / 8 * 8 : 0;  // lane indices are int32
-  for (; j < nv; j += 8) {
-    const __m256 v = _mm256_loadu_ps(xs + j);
-    const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+  const auto take = [&](int a, int64_t at) {
+    const __m256 v = load8(xs + at);
+    const __m256 gt = _mm256_cmp_ps(v, best[a], _CMP_GT_OQ);
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    best = _mm256_blendv_ps(best, v, gt);
-    where = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(where), _mm256_castsi256_ps(idx), gt));
-    idx = _mm256_add_epi32(idx, step);
-  }
+    best[a] = _mm256_blendv_ps(best[a], v, gt);
+    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(at)), lane);
+    where[a] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(where[a]), _mm256_castsi256_ps(idx), gt));
+  };
+  for (; j + 8 * kSets <= nv; j += 8 * kSets)
+    for (int a = 0; a < kSets; ++a) take(a, j + 8 * a);
+  for (; j < nv; j += 8) take(0, j);
   if (_mm256_movemask_ps(nan)) {  // rare: find the first NaN as torch does
     int64_t k = 0;
-    while (!std::isnan(xs[k])) ++k;
+    while (!std::isnan(static_cast<float>(xs[k]))) ++k;
     r.nan = j0 + k;
     return r;
   }
-  alignas(32) float bv[8];
-  alignas(32) int32_t bi[8];
-  _mm256_store_ps(bv, best);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(bi), where);
+  // A set that took nothing offers -inf at index 0, which loses to every value taken but an
+  // all -inf row's, whose answer is index 0 anyway.
+  alignas(32) float bv[8 * kSets];
+  alignas(32) int32_t bi[8 * kSets];
+  for (int a = 0; a < kSets; ++a) {
+    _mm256_store_ps(bv + 8 * a, best[a]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bi + 8 * a), where[a]);
+  }
   int64_t at = -1;
-  for (int u = 0; u < 8; ++u)
+  for (int u = 0; u < 8 * kSets; ++u)
     if (j > 0 && (at < 0 || bv[u] > r.m || (bv[u] == r.m && bi[u] < at))) {
       r.m = bv[u];
       at = bi[u];
     }
   for (; j < n; ++j) {  // the tail, in order
-    if (std::isnan(xs[j])) {
+    const float v = static_cast<float>(xs[j]);
+    if (std::isnan(v)) {
       r.nan = j0 + j;
       return r;
     }
-    if (at < 0 || xs[j] > r.m) {
-      r.m = xs[j];
+    if (at < 0 || v > r.m) {
+      r.m = v;
       at = j;
     }
   }
@@ -399,25 +414,32 @@ RowMax row_max(const float* x, int64_t j0, int64_t j1) {
 // torch.argmax: the first index on ties, and the first NaN if the row has one.  (PyTorch's
 // CPU argmax scans each row one element at a time, with no vector compares; the timing is
 // in docs/performance.md.)  Fewer rows than threads: each row in one stretch per thread,
-// combined in order.  The logits' float32 copy just before wrote each half of a row from
-// the thread that now scans it, so no thread reads the other core's writes.
+// combined in order.  bfloat16 logits (a greedy decode step's, straight from the head) are
+// widened as they are read: every bfloat16 is exactly a float32, so the answer is the same as
+// over their float32 copy, without making one.
 at::Tensor argmax_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0,
-              "tokenloom_cpu::argmax_rows takes a non-empty float32 [rows, n] CPU tensor");
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.dim() == 2 && x.size(1) > 0,
+              "tokenloom_cpu::argmax_rows takes a non-empty float32 or bfloat16 [rows, n] CPU tensor");
   const auto xc = x.contiguous();
   const int64_t rows = xc.size(0), n = xc.size(1);
   auto out = at::empty({rows}, xc.options().dtype(at::kLong));
-  const float* xp = xc.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t threads = at::get_num_threads();
   const int64_t parts = rows < threads ? std::min<int64_t>(threads, std::max<int64_t>(1, n >> 12)) : 1;
   std::vector<RowMax> part(rows * parts);
-  at::parallel_for(0, rows * parts, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = i / parts, s = i % parts;
-      part[i] = row_max(xp + r * n, n * s / parts, n * (s + 1) / parts);
-    }
-  });
+  const auto scan = [&](const auto* xp) {
+    at::parallel_for(0, rows * parts, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r = i / parts, s = i % parts;
+        part[i] = row_max(xp + r * n, n * s / parts, n * (s + 1) / parts);
+      }
+    });
+  };
+  if (xc.scalar_type() == at::kBFloat16)
+    scan(xc.data_ptr<bf16>());
+  else
+    scan(xc.data_ptr<float>());
   for (int64_t r = 0; r < rows; ++r) {
     RowMax best;
     for (int64_t s = 0; s < parts; ++s) {

@@ -337,16 +337,20 @@ class CausalLM(nn.Module):
         (the base model's `last_hidden_state` in transformers)."""
         return self.norm(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Logits of the rows of `hidden`, float32.  `float32=False` leaves them in the head's
+        own dtype (the values are the same: the float32 copy is exact) for a consumer that
+        widens them as it reads (a greedy step's argmax); a soft cap is applied in float32
+        either way."""
         h = self.norm(hidden)
         if self.lm_head is not None:
-            logits = self.lm_head(h).float()
+            logits = self.lm_head(h)
         else:
-            logits = torch.nn.functional.linear(h, self.embed_tokens.weight).float()  # tied embeddings
+            logits = torch.nn.functional.linear(h, self.embed_tokens.weight)  # tied embeddings
         cap = self.args.final_softcap
         if cap is not None:  # Gemma: cap * tanh(logits / cap), in the reference's order
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+            return torch.tanh(logits.float() / cap) * cap
+        return logits.float() if float32 else logits
 
     def prepack(self) -> int:
         """CPU fast path: oneDNN-packed weights for every matmul (see packed_linear.py).

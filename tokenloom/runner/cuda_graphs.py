@@ -91,7 +91,9 @@ class DecodeGraphs:
         """Logits [b, vocab] of the first b buffer rows: what a graph records."""
         meta = self.backend.decode_metadata(self.slots[:b], self.tables[:b], self.lens[:b])
         hidden = self.model(self.ids[:b], self.positions[:b], self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden)
+        # In the head's dtype: a greedy step's argmax reads them so (runner/sampler.py), and
+        # the float32 buffer below converts them as it copies.
+        logits = self.model.compute_logits(hidden, float32=False)
         if self._logits is None:
             return logits
         # Every graph's output in one buffer: each size's logits would otherwise stay

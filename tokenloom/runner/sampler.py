@@ -58,13 +58,25 @@ __all__ = ["SamplingRow", "SamplerOutput", "PendingSample", "sample", "sample_st
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | None = None) -> SamplerOutput:
-    """logits: [N, vocab] float32, one row per entry of `rows`.  `masks`: the grammar rows'
-    bitmask, started before the forward (`StepMasks.start`); filled here when None."""
+    """logits: [N, vocab], one row per entry of `rows`: float32, or the head's bfloat16 (a
+    decode step's, runner/cuda_graphs.py), widened here unless every row only takes its
+    argmax.  `masks`: the grammar rows' bitmask, started before the forward
+    (`StepMasks.start`); filled here when None."""
     return sample_start(logits, rows, masks).finish()
+
+
+def _argmax_only(r: SamplingRow) -> bool:
+    """The row's token is its logits' argmax and nothing else reads them."""
+    p = r.params
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and len(r.output_token_ids) >= p.min_tokens and not p.constrains_logits
+            and r.grammar is None)
 
 
 def sample_start(logits: torch.Tensor, rows: list[SamplingRow], masks: StepMasks | None = None) -> PendingSample:
     """`sample`, stopping before anything waits for the device: the tokens stay a tensor."""
+    if logits.dtype != torch.float32 and not all(_argmax_only(r) for r in rows):
+        logits = logits.float()  # exact; a greedy batch's argmax reads the head's dtype as it is
     raw = logits  # logprobs are the raw logits' (every change below works on a copy)
 
     if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty for r in rows):
