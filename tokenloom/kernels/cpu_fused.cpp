@@ -58,18 +58,25 @@ inline void bf16_store8(bf16* p, __m256 v) {
                    _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
 
-// yr = w * (xr / sqrt(mean(xr^2) + eps)) for one row of H.
-inline void norm_row(const float* xr, const float* wp, float* yr, int64_t H, float eps) {
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) { return bf16_load8(p); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(bf16* p, __m256 v) { bf16_store8(p, v); }
+
+// The sum of a row's squares, in float32: eight independent sums (no wait on the FMA latency),
+// added in a fixed order.
+template <typename E>
+float square_sum(const E* xr, int64_t H) {
   __m256 acc[8];
   for (auto& a : acc) a = _mm256_setzero_ps();
   int64_t j = 0;
-  for (; j + 64 <= H; j += 64)  // eight independent sums: no wait on the FMA latency
+  for (; j + 64 <= H; j += 64)
     for (int u = 0; u < 8; ++u) {
-      const __m256 v = _mm256_loadu_ps(xr + j + 8 * u);
+      const __m256 v = load8(xr + j + 8 * u);
       acc[u] = _mm256_fmadd_ps(v, v, acc[u]);
     }
   for (; j + 8 <= H; j += 8) {
-    const __m256 v = _mm256_loadu_ps(xr + j);
+    const __m256 v = load8(xr + j);
     acc[0] = _mm256_fmadd_ps(v, v, acc[0]);
   }
   // hsum8 gives each accumulator's sum in its own lane: add the eight lanes
@@ -77,10 +84,15 @@ inline void norm_row(const float* xr, const float* wp, float* yr, int64_t H, flo
   _mm256_store_ps(sums, tokenloom::hsum8(acc));
   float ss = 0.0f;
   for (float v : sums) ss += v;
-  for (; j < H; ++j) ss += xr[j] * xr[j];
-  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (; j < H; ++j) ss += static_cast<float>(xr[j]) * static_cast<float>(xr[j]);
+  return ss;
+}
+
+// yr = w * (xr / sqrt(mean(xr^2) + eps)) for one row of H.
+inline void norm_row(const float* xr, const float* wp, float* yr, int64_t H, float eps) {
+  const float inv = 1.0f / std::sqrt(square_sum(xr, H) / static_cast<float>(H) + eps);
   const __m256 iv = _mm256_set1_ps(inv);
-  j = 0;
+  int64_t j = 0;
   for (; j + 8 <= H; j += 8)
     _mm256_storeu_ps(yr + j, _mm256_mul_ps(_mm256_loadu_ps(wp + j), _mm256_mul_ps(_mm256_loadu_ps(xr + j), iv)));
   for (; j < H; ++j) yr[j] = wp[j] * (xr[j] * inv);
@@ -89,27 +101,13 @@ inline void norm_row(const float* xr, const float* wp, float* yr, int64_t H, flo
 // bfloat16 norm_row, rounding where the reference does: the normalized row (computed in
 // float32) to bf16, then w * that to bf16.
 inline void norm_row(const bf16* xr, const bf16* wp, bf16* yr, int64_t H, float eps) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= H; j += 8) {
-    const __m256 v = bf16_load8(xr + j);
-    acc = _mm256_fmadd_ps(v, v, acc);
-  }
-  __m256 a8[8] = {acc, acc, acc, acc, acc, acc, acc, acc};
-  float ss = _mm256_cvtss_f32(tokenloom::hsum8(a8));
-  for (; j < H; ++j) ss += static_cast<float>(xr[j]) * static_cast<float>(xr[j]);
-  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  const float inv = 1.0f / std::sqrt(square_sum(xr, H) / static_cast<float>(H) + eps);
   const __m256 iv = _mm256_set1_ps(inv);
-  j = 0;
+  int64_t j = 0;
   for (; j + 8 <= H; j += 8)
     bf16_store8(yr + j, _mm256_mul_ps(bf16_load8(wp + j), bf16_round8(_mm256_mul_ps(bf16_load8(xr + j), iv))));
   for (; j < H; ++j) yr[j] = static_cast<float>(wp[j]) * static_cast<float>(bf16(static_cast<float>(xr[j]) * inv));
 }
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) { return bf16_load8(p); }
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(bf16* p, __m256 v) { bf16_store8(p, v); }
 
 // The row-wise driver of both norms, float32 or bfloat16 (E): y = norm(x), or with a
 // residual, s = x + residual (rounded to E, as the reference's add is) and y = norm(s).
