@@ -409,3 +409,32 @@ def test_amx_decode_attention_matches_sdpa(n, kv_heads, group, head_dim, block_s
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
     # bf16 output (2^-9 of |v| <= ~4.5) and P rounded to bf16 (2^-9 of each weight)
     assert torch.allclose(out.float(), ref, atol=2e-2, rtol=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(2, 6), kv_heads=st.sampled_from([1, 2, 3, 4]), group=st.sampled_from([1, 3, 4, 7, 8, 12, 16]),
+       head_dim=st.sampled_from([32, 64, 128]), block_size=st.sampled_from([16, 32, 48]),
+       seed=st.integers(0, 2**16))
+def test_amx_decode_attention_keys_in_place_ignore_unwritten_slots(n, kv_heads, group, head_dim, block_size,
+                                                                    seed) -> None:
+    """Block sizes of whole 16-token tiles: keys read in place from the cache (16 tokens a
+    tile, whatever the slots past the context hold), several KV heads a pass where their query
+    heads fill the lanes (7 + 7 of 16).  Every slot past a request's context is NaN, as an
+    unwritten cache may be: masked out of the softmax, its value read as zero."""
+    _amx_or_skip()
+    g = torch.Generator().manual_seed(seed)
+    per_req = 4
+    k_cache = torch.randn(n * per_req, block_size, kv_heads, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(n * per_req, block_size, kv_heads, head_dim, generator=g).bfloat16()
+    q = torch.randn(n, kv_heads * group, head_dim, generator=g).bfloat16()
+    tables = torch.randperm(n * per_req, generator=g).view(n, per_req)  # no block shared
+    ctx = torch.randint(1, per_req * block_size + 1, (n,), generator=g)
+    for r in range(n):
+        for t in range(int(ctx[r]), per_req * block_size):
+            k_cache[tables[r, t // block_size], t % block_size] = float("nan")
+            v_cache[tables[r, t // block_size], t % block_size] = float("nan")
+    scale = head_dim**-0.5
+    out = torch.ops.tokenloom_amx.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale)
+    ref = paged_sdpa(q, k_cache.nan_to_num(0), v_cache.nan_to_num(0), tables, ctx, scale)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.float(), ref, atol=2e-2, rtol=0)

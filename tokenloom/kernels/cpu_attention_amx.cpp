@@ -16,6 +16,8 @@
 //                                                        values as token pairs (interleaved rows)
 //
 // Sums are float32.  Rows past G and tokens past the context are zeros in both operands.
+// Block sizes of whole 16-token tiles take `attend_amx_set` where it fills the lanes: keys read
+// in place as the A operand, several KV heads a pass (below).
 // Registers tokenloom_amx::paged_decode_attention (same schema as the others), for bf16 q and
 // caches and a head size that is a multiple of 32.
 
@@ -40,10 +42,12 @@ using tokenloom::amx::TileConfig;
 constexpr int64_t kChunk = 32;  // tokens per step: two B tiles of 16 keys, one A tile of 32 weights
 constexpr int64_t kRows = 16;   // query heads per tile (more are done 16 at a time)
 
-// 0: q, 32 dims of 16 heads; 1: k, 16 dim pairs x 16 tokens; 2, 3: S [16 x 16] float32 of the
-// chunk's two halves; 4: P, 16 heads x 32 tokens bf16; 5: v, 16 token pairs x 16 dims; 6: O,
-// 16 heads x 16 dims.  Every tile is 16 rows of 64 bytes.
-alignas(64) static const TileConfig kConfig = tokenloom::amx::uniform_config(7, 16, 64);
+// `attend_amx`: 0: q, 32 dims of 16 heads; 1: k, 16 dim pairs x 16 tokens; 2, 3: S [16 x 16]
+// float32 of the chunk's two halves; 4: P, 16 heads x 32 tokens bf16; 5: v, 16 token pairs x 16
+// dims; 6: O, 16 heads x 16 dims.  `attend_amx_set`: 0, 5: 16 tokens' keys (32 dims), 1: q^T,
+// 2, 3: S^T of the two halves, then with 6, 7 four O tiles; 4: P; 0, 1, 5: v.  Every tile is 16
+// rows of 64 bytes.
+alignas(64) static const TileConfig kConfig = tokenloom::amx::uniform_config(8, 16, 64);
 
 // The 16 x 16 matrix of 32-bit elements in r transposed in place (three rounds of unpacks and
 // lane shuffles).
@@ -74,6 +78,13 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
+// Indices that interleave two token rows' 16 dims from half h of a 32-dim vector (0: dims
+// 0-15, 1: 16-31): the values as token pairs.
+alignas(64) static const uint16_t kPairIdx[2][32] = {
+    {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+    {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+     24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+
 // One (request, KV head, up to 16 of its query heads): q [gn, D] bf16, out [gn, D] float32.
 // Scratch: kt (2 halves x D / 32 tiles of 16 x 64 bytes), vp (D / 16 tiles of 16 x 64 bytes),
 // qt (16 x D bf16), pt (16 x 32 bf16), s (16 x 32) and o (16 x D) float32, acc (16 x D).
@@ -96,11 +107,6 @@ void attend_amx(const uint16_t* q, int64_t gn, int64_t D, const uint16_t* k_cach
   std::fill(m, m + kRows, -std::numeric_limits<float>::infinity());
   std::fill(l, l + kRows, 0.0f);
   const int64_t pieces = D / 32;
-  // interleave two token rows' 16 dims from `half` (0: dims 0-15 of a 32-dim vector, 1: 16-31)
-  alignas(64) static const uint16_t kPairIdx[2][32] = {
-      {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
-      {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
   const __m512i pair_idx[2] = {_mm512_load_si512(kPairIdx[0]), _mm512_load_si512(kPairIdx[1])};
   const uint16_t* krow[kChunk];
   const uint16_t* vrow[kChunk];
@@ -190,6 +196,172 @@ void attend_amx(const uint16_t* q, int64_t gn, int64_t D, const uint16_t* k_cach
   }
 }
 
+// Keys read in place, several KV heads a pass (block sizes of whole 16-token tiles, up to 16
+// query heads in the pass).  `attend_amx` transposes every cached key into dimension pairs on
+// every step (a quarter of its time); here the keys are the *A* operand, 16 tokens of a block
+// straight from the cache (a tile load takes a row stride), and the query heads the B operand:
+//
+//   S^T [16 tokens x 16 lanes] = K [tokens x D] . Q^T    lane = one query head of the set's
+//                                                        KV heads (KV head h's lanes take its
+//                                                        keys: the other heads' B columns are 0)
+//   online softmax per lane (a query head) over the chunk's token rows, as `attend_amx`
+//   O [16 lanes x D] += P_h . V_h over the set's heads    P_h = P's rows of h's lanes (others 0),
+//                                                        transposed from the token rows once a
+//                                                        chunk; V_h as token pairs
+//
+// With grouped-query attention of 7 query heads per KV head, two KV heads fill 14 of the 16
+// lanes: a request's softmax is 33 16-lane exponentials a 32-token chunk for both KV heads, as
+// `attend_amx` spends 14 per KV head.  Tokens past the context are masked out of the softmax
+// (their keys may be any bits: an unwritten slot) and their values read as zeros.
+struct SetScratch {
+  std::vector<uint16_t> bq, pt, vp;
+  std::vector<float> s, o, acc;
+  SetScratch(int64_t ns, int64_t D)
+      : bq(ns * (D / 32) * 512), pt(ns * kRows * kChunk), vp(2 * ns * (D / 16) * 512), s(kChunk * kRows), o(kRows * D),
+        acc(kRows * D) {}
+};
+
+void attend_amx_set(const uint16_t* q, int64_t ns, int64_t G, int64_t D, const uint16_t* k_cache,
+                    const uint16_t* v_cache, const int64_t* table, int64_t ctx, int64_t bs, int64_t token_stride,
+                    float scale, float* out, SetScratch& w) {
+  const int64_t pieces = D / 32, lanes = ns * G;
+  // Q^T per KV head and piece: tile row i is dims (32p + 2i, +1) of every lane of that head
+  for (int64_t h = 0; h < ns; ++h)
+    for (int64_t p = 0; p < pieces; ++p) {
+      __m512i r[16];
+      for (int64_t c = 0; c < 16; ++c)
+        r[c] = c / G == h && c < lanes ? _mm512_loadu_si512(q + c * D + 32 * p) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(w.bq.data() + ((h * pieces + p) * 16 + i) * 32, r[i]);
+    }
+  std::fill(w.pt.begin(), w.pt.end(), 0);  // each head's P keeps only its own lanes' rows
+  std::fill(w.acc.begin(), w.acc.end(), 0.0f);
+  __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+  const __m512 sv = _mm512_set1_ps(scale);
+  const __m512i pair_idx[2] = {_mm512_load_si512(kPairIdx[0]), _mm512_load_si512(kPairIdx[1])};
+  const int64_t kstride = token_stride * 2;  // bytes from one token's row to the next in a block
+  const int64_t vtiles = ns * (D / 16);
+  // The chunk at c0's tokens of a half (16 tokens of one block: bs is a multiple of 16), from k or v.
+  const auto half = [&](const uint16_t* cache, int64_t c0, int64_t hf) {
+    const int64_t t = c0 + 16 * hf;
+    return cache + (table[t / bs] * bs + t % bs) * token_stride;
+  };
+  // V_h of the chunk at c0 as token pairs into buffer `buf`: tile (h, d16)'s row j is dims
+  // 16 d16 .. +15 of tokens 2j and 2j + 1 (zeros past the context).  Written a chunk ahead, so
+  // that the stores have left for the cache before the tile loads read them.
+  const auto pair_values = [&](int64_t c0, int64_t buf) {
+    const int64_t n = std::min(kChunk, ctx - c0);
+    const uint16_t* vbase[2] = {half(v_cache, c0, 0), n > 16 ? half(v_cache, c0, 1) : nullptr};
+    uint16_t* vp = w.vp.data() + buf * vtiles * 512;
+    for (int64_t h = 0; h < ns; ++h)
+      for (int64_t j = 0; j < kChunk / 2; ++j) {
+        const int64_t t = 2 * j;
+        const uint16_t* ra = t < n ? vbase[t / 16] + (t % 16) * token_stride + h * D : nullptr;
+        const uint16_t* rb = t + 1 < n ? vbase[t / 16] + (t % 16 + 1) * token_stride + h * D : nullptr;
+        for (int64_t p = 0; p < pieces; ++p) {
+          const __m512i a = ra ? _mm512_loadu_si512(ra + 32 * p) : _mm512_setzero_si512();
+          const __m512i b = rb ? _mm512_loadu_si512(rb + 32 * p) : _mm512_setzero_si512();
+          for (int hh = 0; hh < 2; ++hh)
+            _mm512_storeu_si512(vp + ((h * D / 16 + 2 * p + hh) * 16 + j) * 32, _mm512_permutex2var_epi16(a, pair_idx[hh], b));
+        }
+      }
+  };
+  pair_values(0, 0);
+  for (int64_t c0 = 0, buf = 0; c0 < ctx; c0 += kChunk, buf ^= 1) {
+    const int64_t n = std::min(kChunk, ctx - c0);
+    const int64_t halves = (n + 15) / 16;
+    const uint16_t* kbase[2] = {half(k_cache, c0, 0), halves > 1 ? half(k_cache, c0, 1) : nullptr};
+    // S^T, a tile per half (2: tokens 0-15, 3: 16-31), both halves beside each other: two
+    // chains of tile products, one query tile load for both
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t h = 0; h < ns; ++h)
+      for (int64_t p = 0; p < pieces; ++p) {
+        _tile_loadd(1, w.bq.data() + (h * pieces + p) * 16 * 32, 64);
+        _tile_loadd(0, kbase[0] + h * D + 32 * p, kstride);
+        _tile_dpbf16ps(2, 0, 1);
+        if (halves > 1) {
+          _tile_loadd(5, kbase[1] + h * D + 32 * p, kstride);
+          _tile_dpbf16ps(3, 5, 1);
+        }
+      }
+    _tile_stored(2, w.s.data(), 64);
+    if (halves > 1) _tile_stored(3, w.s.data() + 16 * kRows, 64);
+    // online softmax per lane over the chunk's n token rows
+    __m512 mc = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < n; ++t) mc = _mm512_max_ps(mc, _mm512_mul_ps(_mm512_loadu_ps(w.s.data() + t * kRows), sv));
+    const __m512 mb = _mm512_max_ps(m, mc);
+    // exp(-inf - mb) on the first chunk: exp16 clamps, so the old sums (zeros) are scaled by ~1e-38
+    const __m512 alpha = tokenloom::exp16(_mm512_sub_ps(m, mb));
+    m = mb;
+    __m512 lc = _mm512_setzero_ps();
+    __m512i pairs[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      __m512i two[2];
+      for (int u = 0; u < 2; ++u) {
+        const int64_t t = 2 * i + u;
+        __m512 e = _mm512_setzero_ps();
+        if (t < n) e = tokenloom::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(w.s.data() + t * kRows), sv, mb));
+        lc = _mm512_add_ps(lc, e);
+        two[u] = _mm512_cvtepu16_epi32(tokenloom::round_to_bf16(e));
+      }
+      pairs[i] = _mm512_or_si512(two[0], _mm512_slli_epi32(two[1], 16));  // lane c: tokens 2i, 2i + 1
+    }
+    l = _mm512_fmadd_ps(l, alpha, lc);
+    transpose16(pairs);  // row c: lane c's 32 weights, token pairs in order
+    for (int64_t c = 0; c < lanes; ++c)
+      _mm512_storeu_si512(w.pt.data() + ((c / G) * kRows + c) * kChunk, pairs[c]);
+    if (c0 + kChunk < ctx) pair_values(c0 + kChunk, buf ^ 1);
+    // O = sum over the set's heads of P_h V_h, up to 64 dims at a time in four sum tiles (2, 3,
+    // 6, 7: independent chains of products), added to the running output
+    for (int64_t g0 = 0; g0 < D / 16; g0 += 4) {
+      const int64_t cnt = std::min<int64_t>(4, D / 16 - g0);
+      _tile_zero(2);
+      if (cnt > 1) _tile_zero(3);
+      if (cnt > 2) _tile_zero(6);
+      if (cnt > 3) _tile_zero(7);
+      for (int64_t h = 0; h < ns; ++h) {
+        _tile_loadd(4, w.pt.data() + h * kRows * kChunk, kChunk * 2);
+        const uint16_t* vt = w.vp.data() + (buf * vtiles + h * D / 16 + g0) * 16 * 32;
+        _tile_loadd(5, vt, 64);
+        _tile_dpbf16ps(2, 4, 5);
+        if (cnt > 1) {
+          _tile_loadd(0, vt + 512, 64);
+          _tile_dpbf16ps(3, 4, 0);
+        }
+        if (cnt > 2) {
+          _tile_loadd(1, vt + 1024, 64);
+          _tile_dpbf16ps(6, 4, 1);
+        }
+        if (cnt > 3) {
+          _tile_loadd(5, vt + 1536, 64);
+          _tile_dpbf16ps(7, 4, 5);
+        }
+      }
+      _tile_stored(2, w.o.data() + g0 * 16, D * 4);
+      if (cnt > 1) _tile_stored(3, w.o.data() + (g0 + 1) * 16, D * 4);
+      if (cnt > 2) _tile_stored(6, w.o.data() + (g0 + 2) * 16, D * 4);
+      if (cnt > 3) _tile_stored(7, w.o.data() + (g0 + 3) * 16, D * 4);
+    }
+    // the running output rescaled to the new maxima, plus the chunk's
+    alignas(64) float av[16];
+    _mm512_store_ps(av, alpha);
+    for (int64_t c = 0; c < lanes; ++c) {
+      const __m512 a = _mm512_set1_ps(av[c]);
+      for (int64_t d = 0; d < D; d += 16) {
+        float* ac = w.acc.data() + c * D + d;
+        _mm512_storeu_ps(ac, _mm512_fmadd_ps(_mm512_loadu_ps(ac), a, _mm512_loadu_ps(w.o.data() + c * D + d)));
+      }
+    }
+  }
+  alignas(64) float lv[16];
+  _mm512_store_ps(lv, l);
+  for (int64_t c = 0; c < lanes; ++c) {
+    const float inv = lv[c] > 0.0f ? 1.0f / lv[c] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) out[c * D + d] = w.acc[c * D + d] * inv;
+  }
+}
+
 // q [N, Hq, D] bf16; k_cache, v_cache [num_blocks, block_size, Hk, D] bf16; block_tables
 // [N, max_blocks] int64; context_lens [N] int64.  Returns [N, Hq, D] bf16.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -215,6 +387,30 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t* btp = bt.data_ptr<int64_t>();
   const int64_t* clp = cl.data_ptr<int64_t>();
   const int64_t nb = bt.size(1), token_stride = Hk * D, groups = (G + kRows - 1) / kRows;
+  // Keys in place (`attend_amx_set`) where a pass fills most of the 16 lanes: as many KV heads
+  // a pass as fit, while every thread still gets a pass.  Fewer live lanes (a batch-1 step's one
+  // KV head a thread) spend more exponentials per head than `attend_amx`'s rows, which wins there.
+  int64_t ns = G <= kRows ? std::min(Hk, kRows / G) : 1;
+  while (ns > 1 && N * ((Hk + ns - 1) / ns) < at::get_num_threads()) --ns;
+  if (bs % 16 == 0 && G <= kRows && ns * G >= 12) {
+    const int64_t sets = (Hk + ns - 1) / ns;
+    at::parallel_for(0, N * sets, 1, [&](int64_t i0, int64_t i1) {
+      TORCH_CHECK(tokenloom::amx::request_tiles(), "tokenloom_amx: the kernel refused AMX tile permission");
+      _tile_loadconfig(&kConfig);
+      SetScratch w(ns, D);
+      std::vector<float> o32(kRows * D);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r = i / sets, h0 = i % sets * ns, nh = std::min(ns, Hk - h0), ctx = clp[r];
+        TORCH_CHECK(ctx >= 0 && ctx <= nb * bs, "context length exceeds the block table");
+        const int64_t off = (r * Hq + h0 * G) * D;
+        attend_amx_set(qp + off, nh, G, D, kc + h0 * D, vc + h0 * D, btp + r * nb, ctx, bs, token_stride,
+                       static_cast<float>(scale), o32.data(), w);
+        for (int64_t j = 0; j < nh * G * D; ++j) op[off + j] = at::BFloat16(o32[j]);
+      }
+      _tile_release();
+    });
+    return out;
+  }
   at::parallel_for(0, N * Hk * groups, 1, [&](int64_t i0, int64_t i1) {
     TORCH_CHECK(tokenloom::amx::request_tiles(), "tokenloom_amx: the kernel refused AMX tile permission");
     _tile_loadconfig(&kConfig);
