@@ -85,6 +85,18 @@ alignas(64) static const uint16_t kPairIdx[2][32] = {
     {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
 
+// Row j of the value tiles at vp (tile d16: dims 16 d16 .. +15) from two token rows of D = 32
+// pieces dims: ra's and rb's values interleaved, zeros for a missing row (past the context).
+inline void pair_row(const uint16_t* ra, const uint16_t* rb, int64_t pieces, const __m512i pair_idx[2], uint16_t* vp,
+                     int64_t j) {
+  for (int64_t p = 0; p < pieces; ++p) {
+    const __m512i a = ra ? _mm512_loadu_si512(ra + 32 * p) : _mm512_setzero_si512();
+    const __m512i b = rb ? _mm512_loadu_si512(rb + 32 * p) : _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h)
+      _mm512_storeu_si512(vp + ((2 * p + h) * 16 + j) * 32, _mm512_permutex2var_epi16(a, pair_idx[h], b));
+  }
+}
+
 // One (request, KV head, up to 16 of its query heads): q [gn, D] bf16, out [gn, D] float32.
 // Scratch: kt (2 halves x D / 32 tiles of 16 x 64 bytes), vp (D / 16 tiles of 16 x 64 bytes),
 // qt (16 x D bf16), pt (16 x 32 bf16), s (16 x 32) and o (16 x D) float32, acc (16 x D).
@@ -133,12 +145,8 @@ void attend_amx(const uint16_t* q, int64_t gn, int64_t D, const uint16_t* k_cach
       }
     // V as token pairs: tile d16's row j is dims 16 d16 .. +15 of tokens 2j and 2j + 1, interleaved
     for (int64_t j = 0; j < kChunk / 2; ++j)
-      for (int64_t p = 0; p < pieces; ++p) {
-        const __m512i a = 2 * j < n ? _mm512_loadu_si512(vrow[2 * j] + 32 * p) : _mm512_setzero_si512();
-        const __m512i b = 2 * j + 1 < n ? _mm512_loadu_si512(vrow[2 * j + 1] + 32 * p) : _mm512_setzero_si512();
-        for (int h = 0; h < 2; ++h)
-          _mm512_storeu_si512(w.vp.data() + ((2 * p + h) * 16 + j) * 32, _mm512_permutex2var_epi16(a, pair_idx[h], b));
-      }
+      pair_row(2 * j < n ? vrow[2 * j] : nullptr, 2 * j + 1 < n ? vrow[2 * j + 1] : nullptr, pieces, pair_idx,
+               w.vp.data(), j);
     // S = Q K^T, the chunk's two halves of 16 tokens
     _tile_zero(2);
     _tile_zero(3);
@@ -256,14 +264,9 @@ void attend_amx_set(const uint16_t* q, int64_t ns, int64_t G, int64_t D, const u
     for (int64_t h = 0; h < ns; ++h)
       for (int64_t j = 0; j < kChunk / 2; ++j) {
         const int64_t t = 2 * j;
-        const uint16_t* ra = t < n ? vbase[t / 16] + (t % 16) * token_stride + h * D : nullptr;
-        const uint16_t* rb = t + 1 < n ? vbase[t / 16] + (t % 16 + 1) * token_stride + h * D : nullptr;
-        for (int64_t p = 0; p < pieces; ++p) {
-          const __m512i a = ra ? _mm512_loadu_si512(ra + 32 * p) : _mm512_setzero_si512();
-          const __m512i b = rb ? _mm512_loadu_si512(rb + 32 * p) : _mm512_setzero_si512();
-          for (int hh = 0; hh < 2; ++hh)
-            _mm512_storeu_si512(vp + ((h * D / 16 + 2 * p + hh) * 16 + j) * 32, _mm512_permutex2var_epi16(a, pair_idx[hh], b));
-        }
+        pair_row(t < n ? vbase[t / 16] + (t % 16) * token_stride + h * D : nullptr,
+                 t + 1 < n ? vbase[t / 16] + (t % 16 + 1) * token_stride + h * D : nullptr, pieces, pair_idx,
+                 vp + h * (D / 16) * 512, j);
       }
   };
   pair_values(0, 0);
