@@ -155,6 +155,32 @@ def test_greedy_is_argmax_and_mixed_batches_work():
     assert out[1] == logits[1].argmax().item()  # top_k=1 leaves only the argmax
 
 
+def test_bfloat16_logits_sample_as_their_float32_copy():
+    """A decode step hands the sampler the head's bfloat16 logits: a batch that only takes
+    argmaxes reads them as they are, any other row (sampling, logprobs, penalties, bias) gets
+    them widened first, so every row's token and logprobs are the float32 copy's."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 300, generator=g) * 3).bfloat16()
+    logits[0, 7] = logits[0, 250] = logits[0].max() + 1  # a tie: the first index wins either way
+
+    def rows():
+        return [_row(temperature=0.0), _row(temperature=0.0, logprobs=3), _row(temperature=0.7, seed=5),
+                _row(temperature=0.0, repetition_penalty=1.5), _row(temperature=0.0, logit_bias={11: 4.0}),
+                _row(temperature=0.0)]
+
+    def gen(rs):  # seeded rows draw from their own generator, as the runner gives them
+        for r in rs:
+            if r.params.seed is not None:
+                r.generator = torch.Generator().manual_seed(r.params.seed)
+        return rs
+
+    greedy_only = [_row(temperature=0.0), _row(temperature=0.0)]
+    assert sample(logits[[0, 5]], greedy_only).token_ids == logits[[0, 5]].float().argmax(-1).tolist()
+    assert sample(logits[[0]], greedy_only[:1]).token_ids == [7]
+    a, b = sample(logits, gen(rows())), sample(logits.float(), gen(rows()))
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
 def test_penalties_follow_their_definitions():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     r = SamplingRow("r", SamplingParams(repetition_penalty=2.0), [0], [1], frozenset(), None)
