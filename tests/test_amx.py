@@ -438,3 +438,40 @@ def test_amx_decode_attention_keys_in_place_ignore_unwritten_slots(n, kv_heads, 
     ref = paged_sdpa(q, k_cache.nan_to_num(0), v_cache.nan_to_num(0), tables, ctx, scale)
     assert torch.isfinite(out).all()
     assert torch.allclose(out.float(), ref, atol=2e-2, rtol=0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(chunks=st.lists(st.integers(1, 120), min_size=1, max_size=4), row0=st.integers(0, 3),
+       kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 7, 8]), head_dim=st.sampled_from([32, 64, 128]),
+       block_size=st.sampled_from([16, 32, 48]), seed=st.integers(0, 2**16))
+def test_amx_causal_prefill_matches_sdpa(chunks, row0, kv_heads, group, head_dim, block_size, seed) -> None:
+    """cpu_attention_amx.cpp `causal_prefill_attention`: prefill chunks that start their
+    requests, each query row over its own keys 0..i (16 rows a tile, keys in place, values
+    paired once per 32 keys), against SDPA's causal path in float32.  Rows before `row0` (a
+    step's decodes) are not the kernel's; every cache slot nobody wrote is NaN."""
+    import torch.nn.functional as F
+
+    _amx_or_skip()
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor(chunks)
+    per = (max(chunks) + block_size - 1) // block_size
+    blocks = len(chunks) * per + 2
+    k_cache = torch.full((blocks, block_size, kv_heads, head_dim), float("nan")).bfloat16()
+    v_cache = k_cache.clone()
+    tables = torch.randperm(blocks, generator=g)[:len(chunks) * per].view(len(chunks), per)
+    q = torch.randn(row0 + sum(chunks), kv_heads * group, head_dim, generator=g).bfloat16()
+    starts = row0 + torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)[:-1]])
+    ref = torch.empty(sum(chunks), kv_heads * group, head_dim)
+    for c, n in enumerate(chunks):
+        k, v = (torch.randn(n, kv_heads, head_dim, generator=g).bfloat16() for _ in range(2))
+        for t in range(n):
+            k_cache[tables[c, t // block_size], t % block_size] = k[t]
+            v_cache[tables[c, t // block_size], t % block_size] = v[t]
+        qc = q[starts[c]:starts[c] + n].float().transpose(0, 1)
+        kk, vv = (x.float().transpose(0, 1).repeat_interleave(group, 0) for x in (k, v))
+        o = F.scaled_dot_product_attention(qc, kk, vv, is_causal=True, scale=head_dim**-0.5)
+        ref[starts[c] - row0:starts[c] - row0 + n] = o.transpose(0, 1)
+    out = torch.ops.tokenloom_amx.causal_prefill_attention(q, k_cache, v_cache, tables, starts, lens, row0,
+                                                           head_dim**-0.5)
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert torch.allclose(out.float(), ref, atol=2e-2, rtol=0)

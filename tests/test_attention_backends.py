@@ -126,6 +126,38 @@ def test_prefill_in_length_groups_matches_transformers(model_factory):
     assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(_hf(path), prompts, NEW_TOKENS)
 
 
+def test_bf16_prefill_on_tiles_matches_transformers(model_factory, monkeypatch):
+    """bfloat16 prompts far apart in length prefilled in one step through the tile kernel
+    (`causal_prefill_attention`, where AMX runs; head size 32, 7 query heads per KV head as
+    Qwen2.5-0.5B): each prompt's next-token logprobs stay within bf16's reach of transformers'
+    bf16 forward."""
+    from tokenloom.kernels import amx
+
+    if amx.prefill_attention_op(torch.device("cpu"), torch.bfloat16, 32) is None:
+        pytest.skip("no usable AMX here: prefills take SDPA")
+    # weights scaled for the wider layers (the tiny presets' 0.25 at 448 features makes each
+    # linear a 5x gain, and bf16's rounding alone then moves a logprob by ~0.8)
+    path = model_factory("tiny-qwen2", init_std=0.1, overrides={"hidden_size": 448, "num_attention_heads": 14,
+                                                                "num_key_value_heads": 2, "intermediate_size": 256})
+    lens = [150, 5, 110, 62, 111]
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(5, 1000, (n,), generator=g).tolist() for n in lens]
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=256, max_num_batched_tokens=1024)
+    calls = []
+    backend = llm.llm_engine.runner.attn
+    op = backend.prefill_op
+    monkeypatch.setattr(backend, "prefill_op", lambda *a: calls.append(a[5].numel()) or op(*a))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)
+    assert calls and calls[0] == len(lens)  # one step, every prompt a chunk of the kernel's
+    hf16 = _hf(path, torch.bfloat16)
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf16(torch.tensor([p])).logits[0, -1].float().log_softmax(-1)
+        for tok, lp in o.outputs[0].logprobs[0].items():
+            assert abs(lp.logprob - ref[tok].item()) < 0.1  # bf16: ~3 significant digits
+
+
 def test_length_groups_stay_few_for_many_distinct_lengths():
     """A step of many prompts, every length different: a few padded calls (each chunk padded by
     at most a quarter of its group's longest rows^2 beyond GROUP_PADDING), not one per prompt."""

@@ -237,6 +237,17 @@ def linear_op(packed: torch.Tensor):
     return with_amx("bf16", ours) if packed.dim() == 4 else ours
 
 
+def prefill_attention_op(device: torch.device, dtype: torch.dtype, head_dim: int):
+    """The tile kernel for causal prefills from each request's first token (bf16 caches, head
+    sizes that are multiples of 32) where AMX runs, else None (SDPA).  The switches of
+    `decode_attention_op` turn it off too."""
+    if (device.type != "cpu" or dtype != torch.bfloat16 or head_dim % 32 != 0
+            or os.environ.get("TOKENLOOM_CPU_ATTENTION") in ("avx2", "avx512") or os.environ.get("TOKENLOOM_AMX") == "0"
+            or not enabled()):
+        return None
+    return torch.ops.tokenloom_amx.causal_prefill_attention
+
+
 def decode_attention_op(device: torch.device, dtype: torch.dtype, head_dim: int):
     """kernels/cpu.py `decode_attention_op`, with the tile build (`cpu_attention_amx.cpp`) for
     bf16 caches and head sizes that are multiples of 32 where AMX runs.

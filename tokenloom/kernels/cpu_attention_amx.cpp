@@ -27,6 +27,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -433,13 +434,209 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// Causal prefill from a request's first token, one (chunk, KV head, query head, 16 query rows)
+// at a time: `attend_amx_set`'s layout with the lanes 16 query positions of one head instead of
+// 16 heads of one position.  S^T [32 keys x 16 positions] = K (in place) . Q^T; key t reaches
+// lane c where t <= i0 + c (the causal mask, per row of S^T), and the chunks of keys stop at the
+// tile's last position.  The chunk's keys are already in the cache (written before attention);
+// its values come paired (`vpairs`: per 32 keys, D / 16 tiles of token pairs, zeros past the chunk),
+// once for every query head and tile that reads them.
+void prefill_tile(const uint16_t* q, int64_t q_stride, int64_t rows, int64_t i0, int64_t D, const uint16_t* k_cache,
+                  const uint16_t* vpairs, const int64_t* table, int64_t bs, int64_t token_stride, float scale,
+                  float* out, SetScratch& w) {
+  const int64_t pieces = D / 32;
+  for (int64_t p = 0; p < pieces; ++p) {  // Q^T: tile row i is dims (32p + 2i, +1) of the 16 positions
+    __m512i r[16];
+    for (int64_t c = 0; c < 16; ++c)
+      r[c] = c < rows ? _mm512_loadu_si512(q + c * q_stride + 32 * p) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(w.bq.data() + (p * 16 + i) * 32, r[i]);
+  }
+  std::fill(w.acc.begin(), w.acc.end(), 0.0f);
+  __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+  const __m512 sv = _mm512_set1_ps(scale);
+  const int64_t kstride = token_stride * 2, vtiles = D / 16, ctx = i0 + rows;  // keys up to the last position
+  const auto half = [&](int64_t c0, int64_t hf) {
+    const int64_t t = c0 + 16 * hf;
+    return k_cache + (table[t / bs] * bs + t % bs) * token_stride;
+  };
+  const __mmask16 live = static_cast<__mmask16>(rows >= 16 ? 0xFFFF : (1u << rows) - 1);
+  for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, ctx - c0), halves = (n + 15) / 16;
+    const uint16_t* kbase[2] = {half(c0, 0), halves > 1 ? half(c0, 1) : nullptr};
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t p = 0; p < pieces; ++p) {
+      _tile_loadd(1, w.bq.data() + p * 16 * 32, 64);
+      _tile_loadd(0, kbase[0] + 32 * p, kstride);
+      _tile_dpbf16ps(2, 0, 1);
+      if (halves > 1) {
+        _tile_loadd(5, kbase[1] + 32 * p, kstride);
+        _tile_dpbf16ps(3, 5, 1);
+      }
+    }
+    _tile_stored(2, w.s.data(), 64);
+    if (halves > 1) _tile_stored(3, w.s.data() + 16 * kRows, 64);
+    // key c0 + t reaches lanes c >= c0 + t - i0 (and the live ones)
+    const auto reach = [&](int64_t t) -> __mmask16 {
+      const int64_t first = c0 + t - i0;
+      return first <= 0 ? live : first >= 16 ? 0 : static_cast<__mmask16>(live & (0xFFFFu << first));
+    };
+    __m512 mc = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < n; ++t)
+      mc = _mm512_mask_max_ps(mc, reach(t), mc, _mm512_mul_ps(_mm512_loadu_ps(w.s.data() + t * kRows), sv));
+    const __m512 mb = _mm512_max_ps(m, mc);
+    const __m512 alpha = tokenloom::exp16(_mm512_sub_ps(m, mb));
+    m = mb;
+    __m512 lc = _mm512_setzero_ps();
+    __m512i pairs[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      __m512i two[2];
+      for (int u = 0; u < 2; ++u) {
+        const int64_t t = 2 * i + u;
+        __m512 e = _mm512_setzero_ps();
+        if (t < n) e = _mm512_maskz_mov_ps(reach(t), tokenloom::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(w.s.data() + t * kRows), sv, mb)));
+        lc = _mm512_add_ps(lc, e);
+        two[u] = _mm512_cvtepu16_epi32(tokenloom::round_to_bf16(e));
+      }
+      pairs[i] = _mm512_or_si512(two[0], _mm512_slli_epi32(two[1], 16));
+    }
+    l = _mm512_fmadd_ps(l, alpha, lc);
+    transpose16(pairs);
+    for (int64_t c = 0; c < 16; ++c) _mm512_storeu_si512(w.pt.data() + c * kChunk, pairs[c]);
+    for (int64_t g0 = 0; g0 < vtiles; g0 += 4) {
+      const int64_t cnt = std::min<int64_t>(4, vtiles - g0);
+      const uint16_t* vt = vpairs + (c0 / kChunk * vtiles + g0) * 16 * 32;
+      _tile_loadd(4, w.pt.data(), kChunk * 2);
+      _tile_zero(2);
+      _tile_loadd(5, vt, 64);
+      _tile_dpbf16ps(2, 4, 5);
+      if (cnt > 1) {
+        _tile_zero(3);
+        _tile_loadd(0, vt + 512, 64);
+        _tile_dpbf16ps(3, 4, 0);
+      }
+      if (cnt > 2) {
+        _tile_zero(6);
+        _tile_loadd(1, vt + 1024, 64);
+        _tile_dpbf16ps(6, 4, 1);
+      }
+      if (cnt > 3) {
+        _tile_zero(7);
+        _tile_loadd(5, vt + 1536, 64);
+        _tile_dpbf16ps(7, 4, 5);
+      }
+      _tile_stored(2, w.o.data() + g0 * 16, D * 4);
+      if (cnt > 1) _tile_stored(3, w.o.data() + (g0 + 1) * 16, D * 4);
+      if (cnt > 2) _tile_stored(6, w.o.data() + (g0 + 2) * 16, D * 4);
+      if (cnt > 3) _tile_stored(7, w.o.data() + (g0 + 3) * 16, D * 4);
+    }
+    alignas(64) float av[16];
+    _mm512_store_ps(av, alpha);
+    for (int64_t c = 0; c < rows; ++c) {
+      const __m512 a = _mm512_set1_ps(av[c]);
+      for (int64_t d = 0; d < D; d += 16) {
+        float* ac = w.acc.data() + c * D + d;
+        _mm512_storeu_ps(ac, _mm512_fmadd_ps(_mm512_loadu_ps(ac), a, _mm512_loadu_ps(w.o.data() + c * D + d)));
+      }
+    }
+  }
+  alignas(64) float lv[16];
+  _mm512_store_ps(lv, l);
+  for (int64_t c = 0; c < rows; ++c) {
+    const float inv = lv[c] > 0.0f ? 1.0f / lv[c] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) out[c * D + d] = w.acc[c * D + d] * inv;
+  }
+}
+
+// Causal attention of prefill chunks that start their requests: q [T, Hq, D] bf16 (rows from
+// `row0` on are the chunks', chunk i at rows starts[i] .. + lens[i]), each over its own first
+// lens[i] keys, already written to the caches (block tables [P, max_blocks]).  Returns the
+// chunks' rows [T - row0, Hq, D] bf16.  Block sizes of whole 16-token tiles, head sizes a
+// multiple of 32.
+at::Tensor causal_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                    const at::Tensor& block_tables, const at::Tensor& starts, const at::Tensor& lens,
+                                    int64_t row0, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16, "tokenloom_amx prefill attention takes bfloat16");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), bs = k_cache.size(1), Hk = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && D % 32 == 0 && Hq % Hk == 0 && bs % 16 == 0,
+              "head size a multiple of 32 and blocks of whole 16-token tiles");
+  const int64_t G = Hq / Hk;
+  const auto qc = q.contiguous();
+  const auto bt = block_tables.to(at::kLong).contiguous();
+  const auto st = starts.to(at::kLong).contiguous(), ln = lens.to(at::kLong).contiguous();
+  const int64_t P = bt.size(0), nb = bt.size(1), token_stride = Hk * D;
+  TORCH_CHECK(st.numel() == P && ln.numel() == P && row0 >= 0 && row0 <= T, "one start and length per chunk");
+  const int64_t* stp = st.data_ptr<int64_t>();
+  const int64_t* lnp = ln.data_ptr<int64_t>();
+  // work items: (chunk, KV head, query head, tile of 16 rows), the longest tiles first
+  std::vector<std::array<int64_t, 4>> items;
+  for (int64_t c = 0; c < P; ++c) {
+    TORCH_CHECK(stp[c] >= row0 && lnp[c] >= 0 && stp[c] + lnp[c] <= T && lnp[c] <= nb * bs, "chunk out of range");
+    for (int64_t i0 = 0; i0 < lnp[c]; i0 += 16)
+      for (int64_t h = 0; h < Hk; ++h)
+        for (int64_t g = 0; g < G; ++g) items.push_back({c, h, g, i0});
+  }
+  std::stable_sort(items.begin(), items.end(), [](const auto& a, const auto& b) { return a[3] > b[3]; });
+  auto out = at::zeros({T - row0, Hq, D}, qc.options());
+  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
+  auto* op = out.data_ptr<at::BFloat16>();
+  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  const int64_t* btp = bt.data_ptr<int64_t>();
+  // each chunk's values as token pairs, once per (chunk, KV head, 32 keys) for all its query tiles
+  const int64_t vtiles = D / 16;
+  std::vector<int64_t> vbase(P + 1, 0);  // first 32-key block of chunk c, over all chunks
+  for (int64_t c = 0; c < P; ++c) vbase[c + 1] = vbase[c] + (lnp[c] + kChunk - 1) / kChunk;
+  std::vector<uint16_t> vpairs(vbase[P] * Hk * vtiles * 512);
+  const auto pairs_of = [&](int64_t c, int64_t h) { return vpairs.data() + (vbase[c] * Hk + h * (vbase[c + 1] - vbase[c])) * vtiles * 512; };
+  at::parallel_for(0, vbase[P] * Hk, 1, [&](int64_t b0, int64_t b1) {
+    const __m512i pair_idx[2] = {_mm512_load_si512(kPairIdx[0]), _mm512_load_si512(kPairIdx[1])};
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t k = b / Hk, h = b % Hk;
+      const int64_t c = std::upper_bound(vbase.begin(), vbase.end(), k) - vbase.begin() - 1, c0 = (k - vbase[c]) * kChunk;
+      const int64_t n = std::min(kChunk, lnp[c] - c0);
+      uint16_t* dst = pairs_of(c, h) + (c0 / kChunk) * vtiles * 512;
+      const auto row = [&](int64_t t) {
+        return t < n ? vc + (btp[c * nb + (c0 + t) / bs] * bs + (c0 + t) % bs) * token_stride + h * D : nullptr;
+      };
+      for (int64_t j = 0; j < kChunk / 2; ++j) pair_row(row(2 * j), row(2 * j + 1), D / 32, pair_idx, dst, j);
+    }
+  });
+  const int64_t n_items = static_cast<int64_t>(items.size()), threads = at::get_num_threads();
+  // thread t takes items t, t + threads, ...: each gets its share of the long tiles
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    TORCH_CHECK(tokenloom::amx::request_tiles(), "tokenloom_amx: the kernel refused AMX tile permission");
+    _tile_loadconfig(&kConfig);
+    SetScratch w(1, D);
+    std::vector<float> o32(kRows * D);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = t; i < n_items; i += threads) {
+        const auto [c, h, g, i0] = items[i];
+        const int64_t rows = std::min<int64_t>(16, lnp[c] - i0), head = h * G + g;
+        prefill_tile(qp + ((stp[c] + i0) * Hq + head) * D, Hq * D, rows, i0, D, kc + h * D, pairs_of(c, h), btp + c * nb,
+                     bs, token_stride, static_cast<float>(scale), o32.data(), w);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t d = 0; d < D; ++d) op[((stp[c] - row0 + i0 + r) * Hq + head) * D + d] = at::BFloat16(o32[r * D + d]);
+      }
+    _tile_release();
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenloom_amx, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
+  m.def("causal_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor starts, "
+        "Tensor lens, int row0, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_amx, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("causal_prefill_attention", &causal_prefill_attention);
 }

@@ -372,8 +372,12 @@ class CpuAttention(AttentionBackend):
 
     name = "cpu"
 
-    def __init__(self, decode_op: Callable, kinds: Sequence[LayerAttention] | None = None):
+    def __init__(self, decode_op: Callable, kinds: Sequence[LayerAttention] | None = None,
+                 prefill_op: Callable | None = None):
         self.decode_op = decode_op  # (q, k_cache, v_cache, block_tables, context_lens, scale) -> out
+        # (q, k_cache, v_cache, block_tables, starts, lens, row0, scale) -> the prefill rows: plain
+        # causal prefills from each request's first token (kernels/amx.py), or None
+        self.prefill_op = prefill_op
         super().__init__(kinds)
 
     def decodes_by_reference(self, kind):
@@ -394,6 +398,14 @@ class CpuAttention(AttentionBackend):
         if self.decodes_by_reference(kind):
             return _sdpa_decode(q, k_cache, v_cache, meta, scale, kind)
         return self.decode_op(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+
+    def prefill(self, q, k_cache, v_cache, meta, scale, out, kind):
+        if (self.prefill_op is not None and _causal_from_zero(meta, kind) and q.dtype == torch.bfloat16
+                and k_cache.shape[1] % 16 == 0):
+            out[meta.num_decode:] = self.prefill_op(q, k_cache, v_cache, meta.prefill_block_tables,
+                                                    meta.prefill_q_starts, meta.prefill_q_lens, meta.num_decode, scale)
+        else:
+            super().prefill(q, k_cache, v_cache, meta, scale, out, kind)
 
 
 class TritonAttention(AttentionBackend):
@@ -480,6 +492,8 @@ def build_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim:
     if name == "cpu":
         from tokenloom.kernels import amx as amx_kernels
 
-        # our decode kernel for this CPU: AMX tiles for bf16 caches where they run, else AVX-512 / AVX2
-        return CpuAttention(amx_kernels.decode_attention_op(device, dtype, head_dim), kinds)
+        # our decode kernel for this CPU: AMX tiles for bf16 caches where they run, else AVX-512 / AVX2;
+        # causal prefills on tiles there too
+        return CpuAttention(amx_kernels.decode_attention_op(device, dtype, head_dim), kinds,
+                            amx_kernels.prefill_attention_op(device, dtype, head_dim))
     return AttentionBackend(kinds)
