@@ -290,6 +290,24 @@ def test_fused_silu_and_mul_matches_the_reference(rows, inter, dtype, seed):
             assert torch.equal(wide, out)
 
 
+def test_avx512_silu_rounds_odd_values_as_the_avx2_op():
+    """bfloat16 SwiGLU where the CPU converts to bfloat16 itself (AVX512-BF16): the conversion
+    takes denormals as zero and keeps NaN payloads, so vectors holding those (or zeros) round
+    as the AVX2 op does; every bit equal, with a gate of -200 beside small ups (denormal
+    products), zero gates, denormal ups and a NaN."""
+    if not cpu_kernels.avx512_enabled():
+        pytest.skip("no AVX-512 here")
+    g = torch.Generator().manual_seed(0)
+    gu = torch.randn(9, 2 * 4864, generator=g) * 4
+    gu[0, :300] = -200.0
+    gu[1, :300] = 0.0
+    gu[2, 4864:5100] = 1e-39
+    gu[3, 10] = float("nan")
+    x = gu.bfloat16()
+    wide, ref = torch.ops.tokenloom_avx512.silu_and_mul(x), torch.ops.tokenloom_cpu.silu_and_mul(x)
+    assert torch.equal(wide.view(torch.int16), ref.view(torch.int16))
+
+
 @settings(max_examples=30, deadline=None)
 @given(t=st.integers(0, 7), hq=st.sampled_from([1, 4, 14]), hk=st.sampled_from([1, 2]),
        d=st.sampled_from([2, 8, 64, 128]), seed=st.integers(0, 2**16))

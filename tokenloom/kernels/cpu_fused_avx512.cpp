@@ -1,6 +1,7 @@
 // SiLU(gate) * up on sixteen lanes, for x86 CPUs with AVX-512: cpu_fused.cpp's `silu_and_mul`
 // (same arithmetic, same order, same roundings: the two agree bit for bit wherever that one
-// is vectorized, every row length a multiple of 8; its scalar tail uses std::exp) in the AVX-512
+// is vectorized, every row length a multiple of 8, but for denormal values and NaN payloads
+// where the CPU's own bf16 conversion runs; its scalar tail uses std::exp) in the AVX-512
 // extension, where a prefill step's [tokens, 2 x intermediate] activation takes half the
 // instructions.  SiLU is element-wise arithmetic (an exponential and a division per value),
 // bound by the vector units, which the two vCPUs of a core share.
@@ -69,9 +70,43 @@ void silu_rows(const E* xp, E* yp, int64_t rows, int64_t I) {
   });
 }
 
+// bfloat16 rows on CPUs with AVX512-BF16: each rounding to bfloat16 one conversion instruction
+// (to nearest even, as bf16_bits16) instead of seven integer ones.  The instruction takes
+// denormal floats as zero and keeps a NaN's payload; a vector holding either (or a zero, which
+// the test cannot tell from a denormal) is rounded by bf16_bits16 instead, so the two agree bit
+// for bit.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) inline __m256i bf16_cvt16(__m512 v) {
+  // fpclass 0xA7: a quiet or signalling NaN, +0, -0 or a denormal, in one instruction
+  if (_mm512_fpclass_ps_mask(v, 0xA7)) return _mm512_cvtepi32_epi16(bf16_bits16(v));
+  return (__m256i)_mm512_cvtneps_pbh(v);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void silu_row_cvt(const bf16* g, const bf16* u, bf16* yr,
+                                                                                     int64_t I) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t j = 0; j < I; j += 16) {
+    const __mmask16 m = static_cast<__mmask16>(I - j >= 16 ? 0xFFFF : (1u << (I - j)) - 1);
+    const __m512 gv = load16(g + j, m);
+    const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, tokenloom::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+    const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_cvt16(_mm512_mul_ps(gv, sig))), 16));
+    _mm256_mask_storeu_epi16(yr + j, m, bf16_cvt16(_mm512_mul_ps(sr, load16(u + j, m))));
+  }
+}
+
+void silu_rows_cvt(const bf16* xp, bf16* yp, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) silu_row_cvt(xp + r * 2 * I, xp + r * 2 * I + I, yp + r * I, I);
+  });
+}
+
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  return tokenloom::silu_and_mul_op(x, "tokenloom_avx512::silu_and_mul",
-                                    [](auto* xp, auto* yp, int64_t rows, int64_t I) { silu_rows(xp, yp, rows, I); });
+  static const bool cvt = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq");
+  return tokenloom::silu_and_mul_op(x, "tokenloom_avx512::silu_and_mul", [](auto* xp, auto* yp, int64_t rows, int64_t I) {
+    if constexpr (std::is_same_v<std::remove_const_t<std::remove_pointer_t<decltype(xp)>>, bf16>) {
+      if (cvt) return silu_rows_cvt(xp, yp, rows, I);
+    }
+    silu_rows(xp, yp, rows, I);
+  });
 }
 
 }  // namespace
