@@ -58,8 +58,8 @@ MIN_QUANT_ROWS = 9
 # each value, where our dequantized-block path multiplies them in float32.
 MIN_QUANT_ROWS_FLOAT32 = 16
 CALIBRATION_SHAPE = (896, 4864)  # (K, N) of the matrices timed: Qwen2.5-0.5B's MLP
-_AMX_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni",
-              "-mavx512vbmi", "-mamx-tile", "-mamx-int8", "-mamx-bf16"]
+_AMX_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+              "-mavx512vnni", "-mavx512vbmi", "-mamx-tile", "-mamx-int8", "-mamx-bf16"]
 
 
 @functools.cache

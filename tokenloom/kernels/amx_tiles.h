@@ -48,6 +48,16 @@ inline bool request_tiles() {
   return granted == 1;
 }
 
+// n float32 values to bfloat16, rounded as `round_to_bf16` (by `convert_to_bf16`: AMX CPUs have AVX512-BF16).
+inline void store_bf16(uint16_t* dst, const float* src, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), convert_to_bf16(_mm512_loadu_ps(src + j)));
+  if (j < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - j)) - 1);
+    _mm256_mask_storeu_epi16(dst + j, m, convert_to_bf16(_mm512_maskz_loadu_ps(m, src + j)));
+  }
+}
+
 // An AMX GEMM's output y [M, n] and its bias: a bf16 x gets its bf16 y written directly,
 // rounded once (no float32 copy to convert after); any other x a float32 y.  `store` writes 16
 // sums (plus nothing: the caller adds `bias()`) at element `at` under a column mask.
@@ -65,7 +75,7 @@ class Output {
   }
   const float* bias() const { return bp_; }
   void store(int64_t at, __mmask16 mk, __m512 v) const {
-    if (yh_) _mm256_mask_storeu_epi16(yh_ + at, mk, tokenloom::round_to_bf16(v));
+    if (yh_) _mm256_mask_storeu_epi16(yh_ + at, mk, convert_to_bf16(v));
     else _mm512_mask_storeu_ps(yf_ + at, mk, v);
   }
   // y shaped as x with n features, in x's dtype.

@@ -177,8 +177,8 @@ void attend_amx(const uint16_t* q, int64_t gn, int64_t D, const uint16_t* k_cach
       l[g] = l[g] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
       m[g] = mb;
       uint16_t* pg = w.pt.data() + g * kChunk;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg), tokenloom::round_to_bf16(e0));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + 16), tokenloom::round_to_bf16(e1));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg), tokenloom::convert_to_bf16(e0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + 16), tokenloom::convert_to_bf16(e1));
       if (alpha != 1.0f) {
         const __m512 av = _mm512_set1_ps(alpha);
         float* ag = w.acc.data() + g * D;
@@ -307,7 +307,7 @@ void attend_amx_set(const uint16_t* q, int64_t ns, int64_t G, int64_t D, const u
         __m512 e = _mm512_setzero_ps();
         if (t < n) e = tokenloom::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(w.s.data() + t * kRows), sv, mb));
         lc = _mm512_add_ps(lc, e);
-        two[u] = _mm512_cvtepu16_epi32(tokenloom::round_to_bf16(e));
+        two[u] = _mm512_cvtepu16_epi32(tokenloom::convert_to_bf16(e));
       }
       pairs[i] = _mm512_or_si512(two[0], _mm512_slli_epi32(two[1], 16));  // lane c: tokens 2i, 2i + 1
     }
@@ -409,7 +409,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
         const int64_t off = (r * Hq + h0 * G) * D;
         attend_amx_set(qp + off, nh, G, D, kc + h0 * D, vc + h0 * D, btp + r * nb, ctx, bs, token_stride,
                        static_cast<float>(scale), o32.data(), w);
-        for (int64_t j = 0; j < nh * G * D; ++j) op[off + j] = at::BFloat16(o32[j]);
+        tokenloom::amx::store_bf16(reinterpret_cast<uint16_t*>(op + off), o32.data(), nh * G * D);
       }
       _tile_release();
     });
@@ -427,7 +427,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       const int64_t off = (r * Hq + h * G + g0) * D;
       attend_amx(qp + off, gn, D, kc + h * D, vc + h * D, btp + r * nb, ctx, bs, token_stride,
                  static_cast<float>(scale), o32.data(), w);
-      for (int64_t j = 0; j < gn * D; ++j) op[off + j] = at::BFloat16(o32[j]);
+      tokenloom::amx::store_bf16(reinterpret_cast<uint16_t*>(op + off), o32.data(), gn * D);
     }
     _tile_release();
   });
@@ -497,7 +497,7 @@ void prefill_tile(const uint16_t* q, int64_t q_stride, int64_t rows, int64_t i0,
         __m512 e = _mm512_setzero_ps();
         if (t < n) e = _mm512_maskz_mov_ps(reach(t), tokenloom::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(w.s.data() + t * kRows), sv, mb)));
         lc = _mm512_add_ps(lc, e);
-        two[u] = _mm512_cvtepu16_epi32(tokenloom::round_to_bf16(e));
+        two[u] = _mm512_cvtepu16_epi32(tokenloom::convert_to_bf16(e));
       }
       pairs[i] = _mm512_or_si512(two[0], _mm512_slli_epi32(two[1], 16));
     }
@@ -620,7 +620,8 @@ at::Tensor causal_prefill_attention(const at::Tensor& q, const at::Tensor& k_cac
         prefill_tile(qp + ((stp[c] + i0) * Hq + head) * D, Hq * D, rows, i0, D, kc + h * D, pairs_of(c, h), btp + c * nb,
                      bs, token_stride, static_cast<float>(scale), o32.data(), w);
         for (int64_t r = 0; r < rows; ++r)
-          for (int64_t d = 0; d < D; ++d) op[((stp[c] - row0 + i0 + r) * Hq + head) * D + d] = at::BFloat16(o32[r * D + d]);
+          tokenloom::amx::store_bf16(reinterpret_cast<uint16_t*>(op + ((stp[c] - row0 + i0 + r) * Hq + head) * D),
+                                     o32.data() + r * D, D);
       }
     _tile_release();
   });

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "panel_linear.h"
 #include "simd_avx512.h"
 #include "swiglu_op.h"
 
@@ -70,17 +71,8 @@ void silu_rows(const E* xp, E* yp, int64_t rows, int64_t I) {
   });
 }
 
-// bfloat16 rows on CPUs with AVX512-BF16: each rounding to bfloat16 one conversion instruction
-// (to nearest even, as bf16_bits16) instead of seven integer ones.  The instruction takes
-// denormal floats as zero and keeps a NaN's payload; a vector holding either (or a zero, which
-// the test cannot tell from a denormal) is rounded by bf16_bits16 instead, so the two agree bit
-// for bit.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) inline __m256i bf16_cvt16(__m512 v) {
-  // fpclass 0xA7: a quiet or signalling NaN, +0, -0 or a denormal, in one instruction
-  if (_mm512_fpclass_ps_mask(v, 0xA7)) return _mm512_cvtepi32_epi16(bf16_bits16(v));
-  return (__m256i)_mm512_cvtneps_pbh(v);
-}
-
+// bfloat16 rows on CPUs with AVX512-BF16: each rounding to bfloat16 by the CPU's conversion
+// (panel_linear.h `convert_to_bf16`: bit for bit bf16_bits16's).
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void silu_row_cvt(const bf16* g, const bf16* u, bf16* yr,
                                                                                      int64_t I) {
   const __m512 one = _mm512_set1_ps(1.0f);
@@ -88,8 +80,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void si
     const __mmask16 m = static_cast<__mmask16>(I - j >= 16 ? 0xFFFF : (1u << (I - j)) - 1);
     const __m512 gv = load16(g + j, m);
     const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, tokenloom::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-    const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_cvt16(_mm512_mul_ps(gv, sig))), 16));
-    _mm256_mask_storeu_epi16(yr + j, m, bf16_cvt16(_mm512_mul_ps(sr, load16(u + j, m))));
+    const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(tokenloom::convert_to_bf16(_mm512_mul_ps(gv, sig))), 16));
+    _mm256_mask_storeu_epi16(yr + j, m, tokenloom::convert_to_bf16(_mm512_mul_ps(sr, load16(u + j, m))));
   }
 }
 
