@@ -221,7 +221,8 @@ void attend_amx(const uint16_t* q, int64_t gn, int64_t D, const uint16_t* k_cach
 // With grouped-query attention of 7 query heads per KV head, two KV heads fill 14 of the 16
 // lanes: a request's softmax is 33 16-lane exponentials a 32-token chunk for both KV heads, as
 // `attend_amx` spends 14 per KV head.  Tokens past the context are masked out of the softmax
-// (their keys may be any bits: an unwritten slot) and their values read as zeros.
+// (their keys may be any bits: an unwritten slot) and their values read as zeros.  The causal
+// prefill (`prefill_tile`) runs the same loop with 16 query positions of one head for lanes.
 struct SetScratch {
   std::vector<uint16_t> bq, pt, vp;
   std::vector<float> s, o, acc;
@@ -230,51 +231,44 @@ struct SetScratch {
         acc(kRows * D) {}
 };
 
-void attend_amx_set(const uint16_t* q, int64_t ns, int64_t G, int64_t D, const uint16_t* k_cache,
-                    const uint16_t* v_cache, const int64_t* table, int64_t ctx, int64_t bs, int64_t token_stride,
-                    float scale, float* out, SetScratch& w) {
-  const int64_t pieces = D / 32, lanes = ns * G;
-  // Q^T per KV head and piece: tile row i is dims (32p + 2i, +1) of every lane of that head
+// Q^T as B tiles into bq, per KV head h < ns and 32-dim piece: tile row i is dims (32p + 2i, +1)
+// of each lane c, read from row(h, c) (nullptr: the lane is not h's, a zero column).
+template <typename Row>
+void transpose_queries(int64_t ns, int64_t D, const Row& row, uint16_t* bq) {
   for (int64_t h = 0; h < ns; ++h)
-    for (int64_t p = 0; p < pieces; ++p) {
+    for (int64_t p = 0; p < D / 32; ++p) {
       __m512i r[16];
-      for (int64_t c = 0; c < 16; ++c)
-        r[c] = c / G == h && c < lanes ? _mm512_loadu_si512(q + c * D + 32 * p) : _mm512_setzero_si512();
+      for (int64_t c = 0; c < 16; ++c) {
+        const uint16_t* qc = row(h, c);
+        r[c] = qc ? _mm512_loadu_si512(qc + 32 * p) : _mm512_setzero_si512();
+      }
       transpose16(r);
-      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(w.bq.data() + ((h * pieces + p) * 16 + i) * 32, r[i]);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(bq + ((h * (D / 32) + p) * 16 + i) * 32, r[i]);
     }
+}
+
+// The lanes' attention over keys [0, ctx), with w.bq filled (`transpose_queries`): lanes [0, lanes)
+// are live, lane c belongs to KV head c / G (of ns); reach(c0, t) is the mask of lanes that key
+// c0 + t reaches (t below the chunk's count); values.tiles(c0, h) KV head h's values of the chunk
+// at c0 as token pairs (D / 16 tiles), values.ahead(c0) a hint that the chunk at c0 comes next.
+// out [lanes, D] float32.
+template <typename Reach, typename Values>
+void attend_lanes(int64_t ns, int64_t G, int64_t lanes, int64_t D, const uint16_t* k_cache, const int64_t* table,
+                  int64_t ctx, int64_t bs, int64_t token_stride, float scale, const Reach& reach, Values& values,
+                  float* out, SetScratch& w) {
+  const int64_t pieces = D / 32, vtiles = D / 16, kstride = token_stride * 2;  // bytes between a block's tokens
   std::fill(w.pt.begin(), w.pt.end(), 0);  // each head's P keeps only its own lanes' rows
   std::fill(w.acc.begin(), w.acc.end(), 0.0f);
   __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
   const __m512 sv = _mm512_set1_ps(scale);
-  const __m512i pair_idx[2] = {_mm512_load_si512(kPairIdx[0]), _mm512_load_si512(kPairIdx[1])};
-  const int64_t kstride = token_stride * 2;  // bytes from one token's row to the next in a block
-  const int64_t vtiles = ns * (D / 16);
-  // The chunk at c0's tokens of a half (16 tokens of one block: bs is a multiple of 16), from k or v.
-  const auto half = [&](const uint16_t* cache, int64_t c0, int64_t hf) {
+  // The chunk at c0's keys of a half (16 tokens of one block: bs is a multiple of 16).
+  const auto half = [&](int64_t c0, int64_t hf) {
     const int64_t t = c0 + 16 * hf;
-    return cache + (table[t / bs] * bs + t % bs) * token_stride;
+    return k_cache + (table[t / bs] * bs + t % bs) * token_stride;
   };
-  // V_h of the chunk at c0 as token pairs into buffer `buf`: tile (h, d16)'s row j is dims
-  // 16 d16 .. +15 of tokens 2j and 2j + 1 (zeros past the context).  Written a chunk ahead, so
-  // that the stores have left for the cache before the tile loads read them.
-  const auto pair_values = [&](int64_t c0, int64_t buf) {
-    const int64_t n = std::min(kChunk, ctx - c0);
-    const uint16_t* vbase[2] = {half(v_cache, c0, 0), n > 16 ? half(v_cache, c0, 1) : nullptr};
-    uint16_t* vp = w.vp.data() + buf * vtiles * 512;
-    for (int64_t h = 0; h < ns; ++h)
-      for (int64_t j = 0; j < kChunk / 2; ++j) {
-        const int64_t t = 2 * j;
-        pair_row(t < n ? vbase[t / 16] + (t % 16) * token_stride + h * D : nullptr,
-                 t + 1 < n ? vbase[t / 16] + (t % 16 + 1) * token_stride + h * D : nullptr, pieces, pair_idx,
-                 vp + h * (D / 16) * 512, j);
-      }
-  };
-  pair_values(0, 0);
-  for (int64_t c0 = 0, buf = 0; c0 < ctx; c0 += kChunk, buf ^= 1) {
-    const int64_t n = std::min(kChunk, ctx - c0);
-    const int64_t halves = (n + 15) / 16;
-    const uint16_t* kbase[2] = {half(k_cache, c0, 0), halves > 1 ? half(k_cache, c0, 1) : nullptr};
+  for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, ctx - c0), halves = (n + 15) / 16;
+    const uint16_t* kbase[2] = {half(c0, 0), halves > 1 ? half(c0, 1) : nullptr};
     // S^T, a tile per half (2: tokens 0-15, 3: 16-31), both halves beside each other: two
     // chains of tile products, one query tile load for both
     _tile_zero(2);
@@ -291,9 +285,10 @@ void attend_amx_set(const uint16_t* q, int64_t ns, int64_t G, int64_t D, const u
       }
     _tile_stored(2, w.s.data(), 64);
     if (halves > 1) _tile_stored(3, w.s.data() + 16 * kRows, 64);
-    // online softmax per lane over the chunk's n token rows
+    // online softmax per lane over the chunk's token rows each reaches
     __m512 mc = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < n; ++t) mc = _mm512_max_ps(mc, _mm512_mul_ps(_mm512_loadu_ps(w.s.data() + t * kRows), sv));
+    for (int64_t t = 0; t < n; ++t)
+      mc = _mm512_mask_max_ps(mc, reach(c0, t), mc, _mm512_mul_ps(_mm512_loadu_ps(w.s.data() + t * kRows), sv));
     const __m512 mb = _mm512_max_ps(m, mc);
     // exp(-inf - mb) on the first chunk: exp16 clamps, so the old sums (zeros) are scaled by ~1e-38
     const __m512 alpha = tokenloom::exp16(_mm512_sub_ps(m, mb));
@@ -305,7 +300,9 @@ void attend_amx_set(const uint16_t* q, int64_t ns, int64_t G, int64_t D, const u
       for (int u = 0; u < 2; ++u) {
         const int64_t t = 2 * i + u;
         __m512 e = _mm512_setzero_ps();
-        if (t < n) e = tokenloom::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(w.s.data() + t * kRows), sv, mb));
+        if (t < n)
+          e = _mm512_maskz_mov_ps(reach(c0, t),
+                                  tokenloom::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(w.s.data() + t * kRows), sv, mb)));
         lc = _mm512_add_ps(lc, e);
         two[u] = _mm512_cvtepu16_epi32(tokenloom::convert_to_bf16(e));
       }
@@ -315,18 +312,18 @@ void attend_amx_set(const uint16_t* q, int64_t ns, int64_t G, int64_t D, const u
     transpose16(pairs);  // row c: lane c's 32 weights, token pairs in order
     for (int64_t c = 0; c < lanes; ++c)
       _mm512_storeu_si512(w.pt.data() + ((c / G) * kRows + c) * kChunk, pairs[c]);
-    if (c0 + kChunk < ctx) pair_values(c0 + kChunk, buf ^ 1);
-    // O = sum over the set's heads of P_h V_h, up to 64 dims at a time in four sum tiles (2, 3,
-    // 6, 7: independent chains of products), added to the running output
-    for (int64_t g0 = 0; g0 < D / 16; g0 += 4) {
-      const int64_t cnt = std::min<int64_t>(4, D / 16 - g0);
+    if (c0 + kChunk < ctx) values.ahead(c0 + kChunk);
+    // O = sum over the heads of P_h V_h, up to 64 dims at a time in four sum tiles (2, 3, 6, 7:
+    // independent chains of products)
+    for (int64_t g0 = 0; g0 < vtiles; g0 += 4) {
+      const int64_t cnt = std::min<int64_t>(4, vtiles - g0);
       _tile_zero(2);
       if (cnt > 1) _tile_zero(3);
       if (cnt > 2) _tile_zero(6);
       if (cnt > 3) _tile_zero(7);
       for (int64_t h = 0; h < ns; ++h) {
         _tile_loadd(4, w.pt.data() + h * kRows * kChunk, kChunk * 2);
-        const uint16_t* vt = w.vp.data() + (buf * vtiles + h * D / 16 + g0) * 16 * 32;
+        const uint16_t* vt = values.tiles(c0, h) + g0 * 16 * 32;
         _tile_loadd(5, vt, 64);
         _tile_dpbf16ps(2, 4, 5);
         if (cnt > 1) {
@@ -364,6 +361,42 @@ void attend_amx_set(const uint16_t* q, int64_t ns, int64_t G, int64_t D, const u
     const float inv = lv[c] > 0.0f ? 1.0f / lv[c] : 0.0f;
     for (int64_t d = 0; d < D; ++d) out[c * D + d] = w.acc[c * D + d] * inv;
   }
+}
+
+// One request's ns KV heads (G query heads each: q [ns * G, D] bf16) over its ctx cached tokens.
+void attend_amx_set(const uint16_t* q, int64_t ns, int64_t G, int64_t D, const uint16_t* k_cache,
+                    const uint16_t* v_cache, const int64_t* table, int64_t ctx, int64_t bs, int64_t token_stride,
+                    float scale, float* out, SetScratch& w) {
+  const int64_t lanes = ns * G;
+  transpose_queries(ns, D, [&](int64_t h, int64_t c) { return c / G == h && c < lanes ? q + c * D : nullptr; },
+                    w.bq.data());
+  // The values paired a chunk ahead, into two alternating buffers, so that the stores have left
+  // for the cache before the tile loads read them.
+  struct Ahead {
+    const uint16_t* v_cache;
+    const int64_t* table;
+    int64_t ns, D, ctx, bs, token_stride;
+    uint16_t* vp;
+    __m512i pair_idx[2];
+    uint16_t* buf(int64_t c0) const { return vp + (c0 / kChunk % 2) * ns * (D / 16) * 512; }
+    void ahead(int64_t c0) const {  // KV head h's tile (h, d16) row j: dims 16 d16 .. +15 of tokens 2j, 2j + 1
+      const int64_t n = std::min(kChunk, ctx - c0);
+      const auto row = [&](int64_t t) {
+        return t < n ? v_cache + (table[(c0 + t) / bs] * bs + (c0 + t) % bs) * token_stride : nullptr;
+      };
+      for (int64_t h = 0; h < ns; ++h)
+        for (int64_t j = 0; j < kChunk / 2; ++j) {
+          const uint16_t* ra = row(2 * j);
+          const uint16_t* rb = row(2 * j + 1);
+          pair_row(ra ? ra + h * D : nullptr, rb ? rb + h * D : nullptr, D / 32, pair_idx, buf(c0) + h * (D / 16) * 512, j);
+        }
+    }
+    const uint16_t* tiles(int64_t c0, int64_t h) const { return buf(c0) + h * (D / 16) * 512; }
+  } values{v_cache, table, ns, D, ctx, bs, token_stride, w.vp.data(),
+           {_mm512_load_si512(kPairIdx[0]), _mm512_load_si512(kPairIdx[1])}};
+  values.ahead(0);
+  attend_lanes(ns, G, lanes, D, k_cache, table, ctx, bs, token_stride, scale,
+               [](int64_t, int64_t) { return static_cast<__mmask16>(0xFFFF); }, values, out, w);
 }
 
 // q [N, Hq, D] bf16; k_cache, v_cache [num_blocks, block_size, Hk, D] bf16; block_tables
@@ -435,118 +468,28 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }
 
 // Causal prefill from a request's first token, one (chunk, KV head, query head, 16 query rows)
-// at a time: `attend_amx_set`'s layout with the lanes 16 query positions of one head instead of
-// 16 heads of one position.  S^T [32 keys x 16 positions] = K (in place) . Q^T; key t reaches
-// lane c where t <= i0 + c (the causal mask, per row of S^T), and the chunks of keys stop at the
-// tile's last position.  The chunk's keys are already in the cache (written before attention);
-// its values come paired (`vpairs`: per 32 keys, D / 16 tiles of token pairs, zeros past the chunk),
-// once for every query head and tile that reads them.
+// at a time: `attend_lanes` with the lanes 16 query positions i0 .. i0 + 15 of one head instead
+// of 16 heads of one position.  Key t reaches lane c where t <= i0 + c (the causal mask, per row
+// of S^T), and the chunks of keys stop at the tile's last position.  The chunk's keys are
+// already in the cache (written before attention); its values come paired (`vpairs`: per 32
+// keys, D / 16 tiles of token pairs, zeros past the chunk), once for every query head and tile
+// that reads them.
 void prefill_tile(const uint16_t* q, int64_t q_stride, int64_t rows, int64_t i0, int64_t D, const uint16_t* k_cache,
                   const uint16_t* vpairs, const int64_t* table, int64_t bs, int64_t token_stride, float scale,
                   float* out, SetScratch& w) {
-  const int64_t pieces = D / 32;
-  for (int64_t p = 0; p < pieces; ++p) {  // Q^T: tile row i is dims (32p + 2i, +1) of the 16 positions
-    __m512i r[16];
-    for (int64_t c = 0; c < 16; ++c)
-      r[c] = c < rows ? _mm512_loadu_si512(q + c * q_stride + 32 * p) : _mm512_setzero_si512();
-    transpose16(r);
-    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(w.bq.data() + (p * 16 + i) * 32, r[i]);
-  }
-  std::fill(w.acc.begin(), w.acc.end(), 0.0f);
-  __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
-  const __m512 sv = _mm512_set1_ps(scale);
-  const int64_t kstride = token_stride * 2, vtiles = D / 16, ctx = i0 + rows;  // keys up to the last position
-  const auto half = [&](int64_t c0, int64_t hf) {
-    const int64_t t = c0 + 16 * hf;
-    return k_cache + (table[t / bs] * bs + t % bs) * token_stride;
-  };
+  transpose_queries(1, D, [&](int64_t, int64_t c) { return c < rows ? q + c * q_stride : nullptr; }, w.bq.data());
+  struct Paired {
+    const uint16_t* vpairs;
+    int64_t vtiles;
+    void ahead(int64_t) const {}
+    const uint16_t* tiles(int64_t c0, int64_t) const { return vpairs + c0 / kChunk * vtiles * 512; }
+  } values{vpairs, D / 16};
   const __mmask16 live = static_cast<__mmask16>(rows >= 16 ? 0xFFFF : (1u << rows) - 1);
-  for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
-    const int64_t n = std::min(kChunk, ctx - c0), halves = (n + 15) / 16;
-    const uint16_t* kbase[2] = {half(c0, 0), halves > 1 ? half(c0, 1) : nullptr};
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t p = 0; p < pieces; ++p) {
-      _tile_loadd(1, w.bq.data() + p * 16 * 32, 64);
-      _tile_loadd(0, kbase[0] + 32 * p, kstride);
-      _tile_dpbf16ps(2, 0, 1);
-      if (halves > 1) {
-        _tile_loadd(5, kbase[1] + 32 * p, kstride);
-        _tile_dpbf16ps(3, 5, 1);
-      }
-    }
-    _tile_stored(2, w.s.data(), 64);
-    if (halves > 1) _tile_stored(3, w.s.data() + 16 * kRows, 64);
-    // key c0 + t reaches lanes c >= c0 + t - i0 (and the live ones)
-    const auto reach = [&](int64_t t) -> __mmask16 {
-      const int64_t first = c0 + t - i0;
-      return first <= 0 ? live : first >= 16 ? 0 : static_cast<__mmask16>(live & (0xFFFFu << first));
-    };
-    __m512 mc = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < n; ++t)
-      mc = _mm512_mask_max_ps(mc, reach(t), mc, _mm512_mul_ps(_mm512_loadu_ps(w.s.data() + t * kRows), sv));
-    const __m512 mb = _mm512_max_ps(m, mc);
-    const __m512 alpha = tokenloom::exp16(_mm512_sub_ps(m, mb));
-    m = mb;
-    __m512 lc = _mm512_setzero_ps();
-    __m512i pairs[16];
-    for (int64_t i = 0; i < 16; ++i) {
-      __m512i two[2];
-      for (int u = 0; u < 2; ++u) {
-        const int64_t t = 2 * i + u;
-        __m512 e = _mm512_setzero_ps();
-        if (t < n) e = _mm512_maskz_mov_ps(reach(t), tokenloom::exp16(_mm512_fmsub_ps(_mm512_loadu_ps(w.s.data() + t * kRows), sv, mb)));
-        lc = _mm512_add_ps(lc, e);
-        two[u] = _mm512_cvtepu16_epi32(tokenloom::convert_to_bf16(e));
-      }
-      pairs[i] = _mm512_or_si512(two[0], _mm512_slli_epi32(two[1], 16));
-    }
-    l = _mm512_fmadd_ps(l, alpha, lc);
-    transpose16(pairs);
-    for (int64_t c = 0; c < 16; ++c) _mm512_storeu_si512(w.pt.data() + c * kChunk, pairs[c]);
-    for (int64_t g0 = 0; g0 < vtiles; g0 += 4) {
-      const int64_t cnt = std::min<int64_t>(4, vtiles - g0);
-      const uint16_t* vt = vpairs + (c0 / kChunk * vtiles + g0) * 16 * 32;
-      _tile_loadd(4, w.pt.data(), kChunk * 2);
-      _tile_zero(2);
-      _tile_loadd(5, vt, 64);
-      _tile_dpbf16ps(2, 4, 5);
-      if (cnt > 1) {
-        _tile_zero(3);
-        _tile_loadd(0, vt + 512, 64);
-        _tile_dpbf16ps(3, 4, 0);
-      }
-      if (cnt > 2) {
-        _tile_zero(6);
-        _tile_loadd(1, vt + 1024, 64);
-        _tile_dpbf16ps(6, 4, 1);
-      }
-      if (cnt > 3) {
-        _tile_zero(7);
-        _tile_loadd(5, vt + 1536, 64);
-        _tile_dpbf16ps(7, 4, 5);
-      }
-      _tile_stored(2, w.o.data() + g0 * 16, D * 4);
-      if (cnt > 1) _tile_stored(3, w.o.data() + (g0 + 1) * 16, D * 4);
-      if (cnt > 2) _tile_stored(6, w.o.data() + (g0 + 2) * 16, D * 4);
-      if (cnt > 3) _tile_stored(7, w.o.data() + (g0 + 3) * 16, D * 4);
-    }
-    alignas(64) float av[16];
-    _mm512_store_ps(av, alpha);
-    for (int64_t c = 0; c < rows; ++c) {
-      const __m512 a = _mm512_set1_ps(av[c]);
-      for (int64_t d = 0; d < D; d += 16) {
-        float* ac = w.acc.data() + c * D + d;
-        _mm512_storeu_ps(ac, _mm512_fmadd_ps(_mm512_loadu_ps(ac), a, _mm512_loadu_ps(w.o.data() + c * D + d)));
-      }
-    }
-  }
-  alignas(64) float lv[16];
-  _mm512_store_ps(lv, l);
-  for (int64_t c = 0; c < rows; ++c) {
-    const float inv = lv[c] > 0.0f ? 1.0f / lv[c] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) out[c * D + d] = w.acc[c * D + d] * inv;
-  }
+  const auto reach = [&](int64_t c0, int64_t t) -> __mmask16 {  // key c0 + t reaches lanes c >= c0 + t - i0
+    const int64_t first = c0 + t - i0;
+    return first <= 0 ? live : first >= 16 ? 0 : static_cast<__mmask16>(live & (0xFFFFu << first));
+  };
+  attend_lanes(1, kRows, rows, D, k_cache, table, i0 + rows, bs, token_stride, scale, reach, values, out, w);
 }
 
 // Causal attention of prefill chunks that start their requests: q [T, Hq, D] bf16 (rows from
