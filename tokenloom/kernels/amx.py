@@ -237,23 +237,24 @@ def linear_op(packed: torch.Tensor):
     return with_amx("bf16", ours) if packed.dim() == 4 else ours
 
 
+def _tile_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention over bf16 caches of this head size runs on tiles here (AMX usable, head
+    sizes that are multiples of 32); `TOKENLOOM_CPU_ATTENTION=avx512` / `=avx2` or
+    `TOKENLOOM_AMX=0` keep the vector builds and SDPA."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and head_dim % 32 == 0
+            and os.environ.get("TOKENLOOM_CPU_ATTENTION") not in ("avx2", "avx512")
+            and os.environ.get("TOKENLOOM_AMX") != "0" and enabled())
+
+
 def prefill_attention_op(device: torch.device, dtype: torch.dtype, head_dim: int):
-    """The tile kernel for causal prefills from each request's first token (bf16 caches, head
-    sizes that are multiples of 32) where AMX runs, else None (SDPA).  The switches of
-    `decode_attention_op` turn it off too."""
-    if (device.type != "cpu" or dtype != torch.bfloat16 or head_dim % 32 != 0
-            or os.environ.get("TOKENLOOM_CPU_ATTENTION") in ("avx2", "avx512") or os.environ.get("TOKENLOOM_AMX") == "0"
-            or not enabled()):
-        return None
-    return torch.ops.tokenloom_amx.causal_prefill_attention
+    """The tile kernel for causal prefills from each request's first token where attention runs
+    on tiles (`_tile_attention`), else None (SDPA)."""
+    return torch.ops.tokenloom_amx.causal_prefill_attention if _tile_attention(device, dtype, head_dim) else None
 
 
 def decode_attention_op(device: torch.device, dtype: torch.dtype, head_dim: int):
-    """kernels/cpu.py `decode_attention_op`, with the tile build (`cpu_attention_amx.cpp`) for
-    bf16 caches and head sizes that are multiples of 32 where AMX runs.
-    `TOKENLOOM_CPU_ATTENTION=avx512` / `=avx2` or `TOKENLOOM_AMX=0` keep the vector builds."""
+    """kernels/cpu.py `decode_attention_op`, with the tile build (`cpu_attention_amx.cpp`) where
+    attention runs on tiles (`_tile_attention`)."""
     ours = cpu.decode_attention_op(device, dtype, head_dim)
-    if (ours is None or os.environ.get("TOKENLOOM_CPU_ATTENTION") in ("avx2", "avx512")
-            or os.environ.get("TOKENLOOM_AMX") == "0" or dtype != torch.bfloat16 or head_dim % 32 != 0):
-        return ours
-    return torch.ops.tokenloom_amx.paged_decode_attention if enabled() else ours
+    return torch.ops.tokenloom_amx.paged_decode_attention if ours is not None and _tile_attention(
+        device, dtype, head_dim) else ours

@@ -231,6 +231,13 @@ struct SetScratch {
         acc(kRows * D) {}
 };
 
+// Token t of a request (t a multiple of 16: the first of 16 tokens in one block, bs being a
+// multiple of 16) in `cache`, through its block table; its next 15 tokens follow token_stride apart.
+inline const uint16_t* block_tokens(const uint16_t* cache, const int64_t* table, int64_t t, int64_t bs,
+                                    int64_t token_stride) {
+  return cache + (table[t / bs] * bs + t % bs) * token_stride;
+}
+
 // Q^T as B tiles into bq, per KV head h < ns and 32-dim piece: tile row i is dims (32p + 2i, +1)
 // of each lane c, read from row(h, c) (nullptr: the lane is not h's, a zero column).
 template <typename Row>
@@ -261,14 +268,10 @@ void attend_lanes(int64_t ns, int64_t G, int64_t lanes, int64_t D, const uint16_
   std::fill(w.acc.begin(), w.acc.end(), 0.0f);
   __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
   const __m512 sv = _mm512_set1_ps(scale);
-  // The chunk at c0's keys of a half (16 tokens of one block: bs is a multiple of 16).
-  const auto half = [&](int64_t c0, int64_t hf) {
-    const int64_t t = c0 + 16 * hf;
-    return k_cache + (table[t / bs] * bs + t % bs) * token_stride;
-  };
   for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
     const int64_t n = std::min(kChunk, ctx - c0), halves = (n + 15) / 16;
-    const uint16_t* kbase[2] = {half(c0, 0), halves > 1 ? half(c0, 1) : nullptr};
+    const uint16_t* kbase[2] = {block_tokens(k_cache, table, c0, bs, token_stride),
+                                halves > 1 ? block_tokens(k_cache, table, c0 + 16, bs, token_stride) : nullptr};
     // S^T, a tile per half (2: tokens 0-15, 3: 16-31), both halves beside each other: two
     // chains of tile products, one query tile load for both
     _tile_zero(2);
@@ -381,9 +384,9 @@ void attend_amx_set(const uint16_t* q, int64_t ns, int64_t G, int64_t D, const u
     uint16_t* buf(int64_t c0) const { return vp + (c0 / kChunk % 2) * ns * (D / 16) * 512; }
     void ahead(int64_t c0) const {  // KV head h's tile (h, d16) row j: dims 16 d16 .. +15 of tokens 2j, 2j + 1
       const int64_t n = std::min(kChunk, ctx - c0);
-      const auto row = [&](int64_t t) {
-        return t < n ? v_cache + (table[(c0 + t) / bs] * bs + (c0 + t) % bs) * token_stride : nullptr;
-      };
+      const uint16_t* half[2] = {block_tokens(v_cache, table, c0, bs, token_stride),
+                                 n > 16 ? block_tokens(v_cache, table, c0 + 16, bs, token_stride) : nullptr};
+      const auto row = [&](int64_t t) { return t < n ? half[t / 16] + (t % 16) * token_stride : nullptr; };
       for (int64_t h = 0; h < ns; ++h)
         for (int64_t j = 0; j < kChunk / 2; ++j) {
           const uint16_t* ra = row(2 * j);
@@ -543,9 +546,9 @@ at::Tensor causal_prefill_attention(const at::Tensor& q, const at::Tensor& k_cac
       const int64_t c = std::upper_bound(vbase.begin(), vbase.end(), k) - vbase.begin() - 1, c0 = (k - vbase[c]) * kChunk;
       const int64_t n = std::min(kChunk, lnp[c] - c0);
       uint16_t* dst = pairs_of(c, h) + (c0 / kChunk) * vtiles * 512;
-      const auto row = [&](int64_t t) {
-        return t < n ? vc + (btp[c * nb + (c0 + t) / bs] * bs + (c0 + t) % bs) * token_stride + h * D : nullptr;
-      };
+      const uint16_t* half[2] = {block_tokens(vc + h * D, btp + c * nb, c0, bs, token_stride),
+                                 n > 16 ? block_tokens(vc + h * D, btp + c * nb, c0 + 16, bs, token_stride) : nullptr};
+      const auto row = [&](int64_t t) { return t < n ? half[t / 16] + (t % 16) * token_stride : nullptr; };
       for (int64_t j = 0; j < kChunk / 2; ++j) pair_row(row(2 * j), row(2 * j + 1), D / 32, pair_idx, dst, j);
     }
   });
