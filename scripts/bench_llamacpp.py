@@ -29,7 +29,8 @@ Not part of CI and not imported by the tests. What it does, each step skipped wh
 
 --native SRC builds llama.cpp's own binaries from the source tree SRC twice (scripts/llamacpp_native.py):
 without AMX, and natively with AMX where tokenloom's AMX probe finds the tiles usable, with the
-tile-configuration fix gcc < 13 needs; it times batch 1 (llama-bench) and batch 16
+tile-configuration fix gcc < 13 needs (on a CPU without AMX the native build is still made, named
+`native`: -march=native is llama.cpp's best build there); it times batch 1 (llama-bench) and batch 16
 (llama-batched-bench, --batch-sizes), flash attention on and off (the faster kept), against
 tokenloom at the same batch sizes, rounds alternating, and reports both builds; then each
 step against this machine's read roof (its weights' bytes -- ours as loaded, llama.cpp's GGUF
@@ -413,12 +414,18 @@ def run_native(model: Path, work: Path, source: Path, builds: list[str], llama_v
     import llamacpp_native as nat
 
     torch.set_num_threads(threads)
-    flags = {"noamx": ["-DGGML_NATIVE=OFF", *cmake_args().split()[1:]], "amx": ["-DGGML_NATIVE=ON"]}
+    flags = {"noamx": ["-DGGML_NATIVE=OFF", *cmake_args().split()[1:]], "amx": ["-DGGML_NATIVE=ON"],
+             "native": ["-DGGML_NATIVE=ON"]}
     from tokenloom.kernels import amx_probe
+    from tokenloom.kernels.cpu_probe import cpu_flags
 
     bins = {}
     for b in builds:
-        if b == "amx" and not amx_probe.amx_usable():
+        if b == "amx" and "amx_tile" not in cpu_flags():
+            # No tiles at all (AMD, older Intel): -march=native is safe and is llama.cpp's best build here.
+            print("no AMX on this CPU: building llama.cpp natively (-march=native) as 'native'", flush=True)
+            b = "native"
+        elif b == "amx" and not amx_probe.amx_usable():
             print("skipping the AMX build: tokenloom's probe found no usable AMX here", flush=True)
             continue
         bins[b] = nat.build(source, work, b, [f for f in flags[b] if "GGML_AMX" not in f or b == "noamx"],
@@ -490,7 +497,7 @@ def print_native_table(res: dict) -> None:
     med = res["median_ms"]
     for batch in res["batches"]:
         print(f"\nbatch {batch}, context ~{res['context']}, {res['threads']} threads: median ms per decode step")
-        builds = [b for b in ("noamx", "amx") if any(k.startswith(f"llama.cpp {b} ") for k in med)]
+        builds = [b for b in ("noamx", "native", "amx") if any(k.startswith(f"llama.cpp {b} ") for k in med)]
         print("| tokenloom | ms | " + " | ".join(f"llama.cpp {b} | ms | ratio" for b in builds) + " |")
         for ours, theirs in OURS_TO_BITS.items():
             a = med.get(f"tokenloom {ours} b{batch}")
@@ -513,7 +520,7 @@ def print_native_table(res: dict) -> None:
         for b in res["batches"]:
             engine, variant = name.split()
             keys = [f"{name} b{b}"] if engine == "tokenloom" else [f"llama.cpp {bld} {variant} b{b}"
-                                                                    for bld in ("noamx", "amx")]
+                                                                    for bld in ("noamx", "native", "amx")]
             ms = min((med[k] for k in keys if k in med), default=None)  # llama.cpp: its faster build
             cells.append(f"{ms:.1f} ms, {roof_ms / ms:.0%}, {2 * params * b / ms / 1e6:.0f}" if ms else "-")
         print(f"| {name} | {nbytes / 1e6:.0f} MB | {roof_ms:.1f} ms | " + " | ".join(cells) + " |")
@@ -549,7 +556,8 @@ def main() -> None:
     ap.add_argument("--native", default=None, metavar="LLAMA_CPP_SOURCE",
                     help="build llama.cpp's own binaries from this source tree (noamx and amx builds) "
                          "instead of the Python bindings; batch sizes from --batch-sizes")
-    ap.add_argument("--builds", default="noamx,amx", help="with --native: which builds")
+    ap.add_argument("--builds", default="noamx,amx",
+                    help="with --native: which builds (amx: -march=native; named 'native' on a CPU without AMX)")
     ap.add_argument("--batch-sizes", default="1,16", help="with --native or --same-gguf: decode batch sizes")
     a = ap.parse_args()
     if a.native:

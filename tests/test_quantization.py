@@ -181,7 +181,7 @@ def test_bf16_decode_rows_keep_activations_to_2_to_the_minus_13(kernel_build, na
     w[torch.arange(n), at] = torch.rand(n, generator=g) + 0.5
     ours = PanelQuantized(w, parse_scheme(name))
     deq = ours.dequantize().double()[torch.arange(n), at]
-    for m in (1, 3, 4):
+    for m in (1, 3, 4, 16, 37):  # every count of bfloat16 rows takes the integer path
         x = torch.rand(m, k, generator=g) * torch.logspace(-12, 0, k, base=2.0)[torch.randperm(k, generator=g)]
         x[:, ::32] = 1.0  # each block's largest
         x = (x * torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0)).bfloat16()
@@ -193,18 +193,22 @@ def test_bf16_decode_rows_keep_activations_to_2_to_the_minus_13(kernel_build, na
 
 @pytest.mark.parametrize("name", NAMES)
 def test_integer_path_rows_do_not_depend_on_the_rows_beside_them(kernel_build, name):
-    """On the VNNI build, up to 8 rows take the integer path, each row on its own arithmetic:
-    row i of an M-row call is bit for bit the 1-row call (a speculative verifying step of k + 1
-    rows must give what one-row steps give)."""
+    """On the VNNI build, float32 rows up to 8 and bfloat16 rows of any count take the integer
+    path, each row on its own arithmetic: row i of an M-row call is bit for bit the 1-row call (a
+    speculative verifying step of k + 1 rows must give what one-row steps give; in bfloat16 a
+    batch of any size, a prefill's rows too, each split in parallel)."""
     if cpu_kernels.quant_ops() is not getattr(torch.ops, "tokenloom_q512v", None):
         pytest.skip("the integer path is the VNNI build's")
     g = torch.Generator().manual_seed(13)
     ours = PanelQuantized(torch.randn(80, 320, generator=g), parse_scheme(name))
-    x = torch.randn(8, 320, generator=g)  # float32 out: the sums unrounded
-    for xin in (x, x.bfloat16()):  # bf16 rows: two limbs (and 5 rows in one pass)
-        one = torch.cat([ours.matmul(xin[i:i + 1], None) for i in range(8)])
-        for m in range(2, 9):
-            assert torch.equal(ours.matmul(xin[:m], None), one[:m]), m
+    x = torch.randn(300, 320, generator=g)  # float32 out: the sums unrounded
+    one = torch.cat([ours.matmul(x[i:i + 1], None) for i in range(8)])
+    for m in range(2, 9):
+        assert torch.equal(ours.matmul(x[:m], None), one[:m]), m
+    xb = x.bfloat16()  # two limbs (5 rows in one pass, then four at a time)
+    one = torch.cat([ours.matmul(xb[i:i + 1], None) for i in range(len(xb))])
+    for m in (2, 5, 8, 9, 16, 33, 300):
+        assert torch.equal(ours.matmul(xb[:m], None), one[:m]), m
 
 
 @pytest.mark.parametrize("name", NAMES)

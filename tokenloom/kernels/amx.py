@@ -43,8 +43,8 @@ from tokenloom.kernels import amx_probe, cpu
 from tokenloom.kernels.build import _build, cache_root
 
 # A call of M rows falls in the largest bucket <= M, timed at that many rows.  9 has a bucket of
-# its own: from 9 rows our quantized kernels leave the VNNI integer path for the dequantized-block
-# one, whose cost 8 rows' timing does not show.
+# its own: from 9 rows our quantized kernels' float32 rows leave the VNNI integer path for the
+# dequantized-block one (bf16 rows, which the calibration times, stay on it at every count).
 BUCKETS = (1, 2, 4, 8, 9, 16, 32, 64)
 KINDS = ("bf16", "int8", "int4")
 # Quantized calls of fewer rows stay on the VNNI build's integer path (cpu_gemm_quant.cpp

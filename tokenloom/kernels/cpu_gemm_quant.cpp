@@ -28,9 +28,9 @@
 // * more rows (batched decode, prefill): each block of KC k is first dequantized into a
 //   16 KB float32 buffer (in L1), which every 12-row tile then reads like the fp32 kernel's
 //   panel, so the widening is paid once per weight, not once per tile.
-// On CPUs with AVX512-VNNI and VBMI, up to 8 rows take a third way instead: integer dot
-// products on a split of each activation into three bytes (two for bf16 activations)
-// (quant_vnni.h, `decode_vnni` below).
+// On CPUs with AVX512-VNNI and VBMI a third way replaces both for bf16 activations, and for up
+// to 8 rows of float32 ones: integer dot products on a split of each activation into two bytes
+// (three for float32 activations) (quant_vnni.h, `decode_vnni` below).
 // Either way each thread prefetches its weight stream a short way ahead of its reads
 // (`prefetch`, panel_linear.h), so the reads overlap the widening.
 // Both compute the product of x with the dequantized float32 weights above (the PyTorch
@@ -405,11 +405,17 @@ at::Tensor finish(const Call& c, const at::Tensor& x, int64_t n) {
 }
 
 #ifdef TOKENLOOM_QUANT_VNNI
-// Up to this many rows take the integer path.  Each row's arithmetic there is its own (limbs,
-// dot products, combination), so a row's result does not depend on the rows beside it: a
-// speculative verifying step of up to 8 rows gives exactly what one-row steps would.  From 5 to
-// 8 rows it measured as fast as the dequantized-block path (docs/quantization.md).
-constexpr int64_t kIntegerRows = 8;
+// Which calls take the integer path.  bfloat16 activations take it at every row count: in two
+// limbs a `vpdpbusd` does 32 useful products where an FMA of the dequantized-block path does 16
+// (and that path dequantizes besides), so it was 1.7-1.8x faster from 12 to 256 rows on an AMD
+// Zen 4 and is where a dot product runs at least half the FMA rate.  float32 activations take it
+// up to 8 rows: three limbs make 21 products per instruction, level with the FMAs once each
+// block's combination is counted (docs/quantization.md).  Each row's arithmetic is its own
+// (limbs, dot products, combination), so a row's result does not depend on the rows beside it:
+// a speculative verifying step, or a batch of any size in bfloat16, gives exactly what one-row
+// steps would.
+constexpr int64_t kIntegerRowsFloat32 = 8;
+inline bool integer_path(bool bf16, int64_t rows) { return bf16 || rows <= kIntegerRowsFloat32; }
 
 // Decode rows by integer dot products (quant_vnni.h), x read and y written in x's own dtype
 // (float32 or bfloat16), so no conversion runs around the kernel.  `run(p, limbs, M, y, ldy,
@@ -424,7 +430,7 @@ c10::optional<at::Tensor> decode_vnni(const at::Tensor& x, int64_t Kp, int64_t P
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   if (K == 0 || Kp % v::XB != 0 || (!bf16 && x.scalar_type() != at::kFloat)) return c10::nullopt;
   const int64_t M = x.numel() / K;
-  if (M == 0 || M > kIntegerRows) return c10::nullopt;
+  if (M == 0 || !integer_path(bf16, M)) return c10::nullopt;
   const auto x2 = x.reshape({M, K}).contiguous();
   v::Limbs xl;
   const int limbs = v::limbs_for(bf16);

@@ -30,9 +30,11 @@
 // one lane per column by a byte permute (`Int4Quad`).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -82,7 +84,8 @@ inline void store16(uint16_t* p, __m512 v, int64_t cols) {
 
 // Split rows x[M, K] (float32 or bfloat16, row stride K) into `count` (2 or 3) limbs over Kp >= K
 // activations (whole blocks; those past K are zero).  False if some value is not finite: the
-// caller then takes the float32 path, which propagates infinities and NaNs.
+// caller then takes the float32 path, which propagates infinities and NaNs.  Rows are split in
+// parallel once there are enough of them (a prefill's), each row by one thread.
 template <typename T>
 inline bool split(const T* x, int64_t M, int64_t K, int64_t Kp, int count, Limbs& out) {
   const int n = count;
@@ -91,46 +94,53 @@ inline bool split(const T* x, int64_t M, int64_t K, int64_t Kp, int count, Limbs
   out.q.resize(M * Kp * n);
   out.unit.resize(M * out.blocks);
   out.sum.resize(M * out.blocks * n);
-  const __m512 k128 = _mm512_set1_ps(128.0f);
-  const __m512i lim = _mm512_set1_epi32(127);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t b = 0; b < out.blocks; ++b) {
-      const T* xb = x + r * K + b * XB;
-      const int64_t valid = K - b * XB;
-      const __m512 v[2] = {load16(xb, valid), load16(xb + 16, valid - 16)};
-      const __m512 a0 = _mm512_abs_ps(v[0]), a1 = _mm512_abs_ps(v[1]);
-      const __m512 big = _mm512_set1_ps(3.4028235e38f);  // above it: inf; unordered: NaN
-      if (_mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, big, _CMP_NLE_UQ)) return false;
-      const float m = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-      const int e = m > 0 ? std::max(std::ilogb(m) - 6, -126) : 0;
-      const float unit = std::ldexp(1.0f, e);
-      const __m512 inv = _mm512_set1_ps(std::ldexp(1.0f, -e));
-      const int64_t i = r * out.blocks + b;
-      out.unit[i] = unit;
-      int8_t* q = out.q.data() + i * n * XB;
-      __m512i s[kMaxLimbs] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-      // the last limb rounded, clamped to -127..127; the ones before it truncated (exact)
-      const __m512i neg_lim = _mm512_sub_epi32(_mm512_setzero_si512(), lim);
-      const auto last = [&](__m512 r) { return _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(r), lim), neg_lim); };
-      for (int h = 0; h < 2; ++h) {
-        const __m512 t = _mm512_mul_ps(v[h], inv);  // |t| < 128
-        const __m512i a = _mm512_cvttps_epi32(t);
-        const __m512 r1 = _mm512_mul_ps(_mm512_sub_ps(t, _mm512_cvtepi32_ps(a)), k128);
-        __m512i limb[kMaxLimbs] = {a, _mm512_setzero_si512(), _mm512_setzero_si512()};
-        if (n == 3) {
-          limb[1] = _mm512_cvttps_epi32(r1);
-          limb[2] = last(_mm512_mul_ps(_mm512_sub_ps(r1, _mm512_cvtepi32_ps(limb[1])), k128));
-        } else {
-          limb[1] = last(r1);
+  std::atomic<bool> finite{true};
+  const auto rows = [&](int64_t r0, int64_t r1) {
+    const __m512 k128 = _mm512_set1_ps(128.0f);
+    const __m512i lim = _mm512_set1_epi32(127);
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < out.blocks; ++b) {
+        const T* xb = x + r * K + b * XB;
+        const int64_t valid = K - b * XB;
+        const __m512 v[2] = {load16(xb, valid), load16(xb + 16, valid - 16)};
+        const __m512 a0 = _mm512_abs_ps(v[0]), a1 = _mm512_abs_ps(v[1]);
+        const __m512 big = _mm512_set1_ps(3.4028235e38f);  // above it: inf; unordered: NaN
+        if (_mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, big, _CMP_NLE_UQ)) {
+          finite.store(false, std::memory_order_relaxed);
+          return;
         }
-        for (int l = 0; l < n; ++l) {
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + l * XB + h * 16), _mm512_cvtepi32_epi8(limb[l]));
-          s[l] = _mm512_add_epi32(s[l], limb[l]);
+        const float m = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+        const int e = m > 0 ? std::max(std::ilogb(m) - 6, -126) : 0;
+        const float unit = std::ldexp(1.0f, e);
+        const __m512 inv = _mm512_set1_ps(std::ldexp(1.0f, -e));
+        const int64_t i = r * out.blocks + b;
+        out.unit[i] = unit;
+        int8_t* q = out.q.data() + i * n * XB;
+        __m512i s[kMaxLimbs] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+        // the last limb rounded, clamped to -127..127; the ones before it truncated (exact)
+        const __m512i neg_lim = _mm512_sub_epi32(_mm512_setzero_si512(), lim);
+        const auto last = [&](__m512 r) { return _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(r), lim), neg_lim); };
+        for (int h = 0; h < 2; ++h) {
+          const __m512 t = _mm512_mul_ps(v[h], inv);  // |t| < 128
+          const __m512i a = _mm512_cvttps_epi32(t);
+          const __m512 r1 = _mm512_mul_ps(_mm512_sub_ps(t, _mm512_cvtepi32_ps(a)), k128);
+          __m512i limb[kMaxLimbs] = {a, _mm512_setzero_si512(), _mm512_setzero_si512()};
+          if (n == 3) {
+            limb[1] = _mm512_cvttps_epi32(r1);
+            limb[2] = last(_mm512_mul_ps(_mm512_sub_ps(r1, _mm512_cvtepi32_ps(limb[1])), k128));
+          } else {
+            limb[1] = last(r1);
+          }
+          for (int l = 0; l < n; ++l) {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(q + l * XB + h * 16), _mm512_cvtepi32_epi8(limb[l]));
+            s[l] = _mm512_add_epi32(s[l], limb[l]);
+          }
         }
+        for (int l = 0; l < n; ++l) out.sum[i * n + l] = _mm512_reduce_add_epi32(s[l]);
       }
-      for (int l = 0; l < n; ++l) out.sum[i * n + l] = _mm512_reduce_add_epi32(s[l]);
-    }
-  return true;
+  };
+  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(Kp, 1)), rows);
+  return finite.load();
 }
 
 // Byte indices that gather four k of 16 columns into one 32-bit lane per column: byte 4c + t
