@@ -64,12 +64,7 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t kc, float
       __m512 wv[NP];
 #pragma GCC unroll 2
       for (int j = 0; j < NP; ++j) {
-        if (pf) {
-          if (R == 1)  // one row: pf is kStreamPrefetchBytes ahead of w; the far prefetch too
-            _mm_prefetch(reinterpret_cast<const char*>(pf + (k + s) * LDW + j * NR) + (tokenloom::kStreamPrefetchFarBytes -
-                                                                    tokenloom::kStreamPrefetchBytes), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(pf + (k + s) * LDW + j * NR), _MM_HINT_T0);
-        }
+        if (pf) tokenloom::prefetch_weights<R, MR>(pf + (k + s) * LDW + j * NR);
         wv[j] = _mm512_loadu_ps(w + (k + s) * LDW + j * NR);  // loadu: a view may be unaligned
       }
 #pragma GCC unroll 12

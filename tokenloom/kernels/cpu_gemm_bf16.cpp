@@ -65,12 +65,7 @@ inline void micro(const uint32_t* x, const __m512bh* w, int64_t kc, float* y, in
       __m512bh wv[NP];
 #pragma GCC unroll 2
       for (int j = 0; j < NP; ++j) {
-        if (pf) {
-          if (R == 1)  // one row: pf is kStreamPrefetchBytes ahead of w; the far prefetch too
-            _mm_prefetch(reinterpret_cast<const char*>(pf + (k + s) * LDW + j) + (tokenloom::kStreamPrefetchFarBytes -
-                                                                    tokenloom::kStreamPrefetchBytes), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(pf + (k + s) * LDW + j), _MM_HINT_T0);
-        }
+        if (pf) tokenloom::prefetch_weights<R, MR>(pf + (k + s) * LDW + j);
         wv[j] = (__m512bh)_mm512_loadu_si512(w + (k + s) * LDW + j);  // loadu: a view may be unaligned
       }
 #pragma GCC unroll 12
@@ -109,12 +104,7 @@ inline void micro_fma(const float* x, const __m512bh* w, int64_t kc, float* y, i
     __m512 even[NP], odd[NP];
 #pragma GCC unroll 2
     for (int j = 0; j < NP; ++j) {
-      if (pf) {
-        if (R == 1)
-          _mm_prefetch(reinterpret_cast<const char*>(pf + k * LDW + j) + (tokenloom::kStreamPrefetchFarBytes -
-                                                                tokenloom::kStreamPrefetchBytes), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(pf + k * LDW + j), _MM_HINT_T0);
-      }
+      if (pf) tokenloom::prefetch_weights<R, MR>(pf + k * LDW + j);
       const __m512i v = _mm512_loadu_si512(w + k * LDW + j);
       even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       odd[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));

@@ -58,6 +58,20 @@ inline void prefetch_line(const void* p) {
   _mm_prefetch(static_cast<const char*>(p) + kStreamPrefetchFarBytes, _MM_HINT_T1);
 }
 
+// What a micro-tile of R rows (of at most kTileRows) prefetches of the weights at `p` (one
+// line).  One row: p is kStreamPrefetchBytes ahead of its reads; into L1 there, and into L2
+// further on.  More rows: p is the next k-block (16 KB), prefetched by the row block's first
+// micro-tile while it multiplies the current one: a full micro-tile prefetches it into L2 only,
+// since in L1 (32 KB on AMD Zen 4) it evicts the block that this and the later micro-tiles still
+// read (batch 12-32 GEMMs 1.1-1.3x faster, docs/performance.md); a smaller one, the row block's
+// only micro-tile, into L1, as fast or faster there.
+template <int R, int kTileRows>
+inline void prefetch_weights(const void* p) {
+  if constexpr (R == 1)
+    _mm_prefetch(static_cast<const char*>(p) + (kStreamPrefetchFarBytes - kStreamPrefetchBytes), _MM_HINT_T1);
+  _mm_prefetch(static_cast<const char*>(p), R < kTileRows ? _MM_HINT_T0 : _MM_HINT_T1);
+}
+
 // The same for `bytes` of the stream from `p`, one line at a time.
 inline void prefetch_stream(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) prefetch_line(static_cast<const char*>(p) + b);
