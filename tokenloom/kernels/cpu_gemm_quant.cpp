@@ -405,12 +405,12 @@ at::Tensor finish(const Call& c, const at::Tensor& x, int64_t n) {
 }
 
 #ifdef TOKENLOOM_QUANT_VNNI
-// Which calls take the integer path.  bfloat16 activations take it at every row count: in two
-// limbs a `vpdpbusd` does 32 useful products where an FMA of the dequantized-block path does 16
-// (and that path dequantizes besides), so it was 1.7-1.8x faster from 12 to 256 rows on an AMD
-// Zen 4 and is where a dot product runs at least half the FMA rate.  float32 activations take it
-// up to 8 rows: three limbs make 21 products per instruction, level with the FMAs once each
-// block's combination is counted (docs/quantization.md).  Each row's arithmetic is its own
+// Which calls take the integer path.  bfloat16 activations take it at every row count: on two
+// limbs a `vpdpbusd` makes 32 useful products where an FMA of the dequantized-block path makes
+// 16 (and that path dequantizes besides), so the integer path wins wherever the dot product
+// runs at least half the FMAs' rate (1.7-1.8x faster from 12 to 300 rows on AMD Zen 4).
+// float32 activations take it up to 8 rows: three limbs make 21 products per instruction,
+// level with the FMAs once each block's combination is counted (docs/quantization.md).  Each row's arithmetic is its own
 // (limbs, dot products, combination), so a row's result does not depend on the rows beside it:
 // a speculative verifying step, or a batch of any size in bfloat16, gives exactly what one-row
 // steps would.
