@@ -222,6 +222,20 @@ def test_decode_rows_propagate_inf_and_nan(kernel_build, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_prefill_rows_propagate_inf_and_nan(kernel_build, name):
+    """bfloat16 rows of a prefill take the integer path, their limbs split in parallel (256 rows a
+    piece at K = 256): a value that is not finite in a later piece still sends the call to the
+    float path, which keeps it to its own row."""
+    ours = PanelQuantized(torch.randn(64, 256, generator=torch.Generator().manual_seed(6)), parse_scheme(name))
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(600, 256).bfloat16()
+        x[550, 40] = bad
+        y = ours.matmul(x, None)
+        finite = torch.isfinite(y).all(dim=1)
+        assert not finite[550] and finite[:550].all() and finite[551:].all()
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_tied_head_rows_read_back_from_the_panels(kernel_build, name):
     w = torch.randn(100, 64, generator=torch.Generator().manual_seed(3))
     scheme = parse_scheme(name)
