@@ -261,6 +261,44 @@ def test_greedy_outputs_identical_with_and_without_speculation(hf_checkpoint, ba
     assert llm.llm_engine.kv.pool.num_free == 60  # every block returned
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verifying_steps_replay_the_decode_graphs(hf_checkpoint, dtype):
+    """A decode-only step with drafts is 1 + k decode rows a request: on a CPU it replays the
+    op list recorded for that many rows (runner/cpu_graphs.py), and gives exactly what the
+    eager forward gives -- greedy tokens, and sampled requests' draws (the global generator
+    seeded alike; the verifier widens their rows from the head's dtype) -- with every block
+    returned."""
+    from tokenloom.kernels import cpu as cpu_kernels
+    from tokenloom.runner.cpu_graphs import CpuDecodeGraphs
+
+    if not cpu_kernels.graph_enabled():
+        pytest.skip("the op-list replayer did not build here")
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:3]]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    spec = {**SPEC, "disable_by_batch_size": 8}
+    got = {}
+    for eager in (True, False):
+        llm = LLM(str(hf_checkpoint), dtype=dtype, speculative_config=spec, enforce_eager=eager, max_model_len=200,
+                  num_kv_blocks=100)
+        graphs = llm.llm_engine.runner.graphs
+        rows: list[int] = []
+        if not eager:
+            assert isinstance(graphs, CpuDecodeGraphs)
+            run = graphs.run
+            graphs.run = lambda ids, *a: rows.append(len(ids)) or run(ids, *a)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        torch.manual_seed(5)  # the sampled requests' draws (a request with its own seed is not drafted)
+        sampled = llm.generate(prompts, SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True),
+                               use_tqdm=False)
+        got[eager] = ([o.outputs[0].token_ids for o in outs], [o.outputs[0].token_ids for o in sampled])
+        assert llm.llm_engine.kv.pool.num_free == 100
+        if not eager:
+            # steps of more rows than requests ran: verifying steps, replayed from recorded lists
+            assert max(rows) > len(prompts) and not graphs.eager
+            assert any(n > len(prompts) for n in graphs.lists)
+    assert got[False] == got[True]
+
+
 def test_speculation_turns_off_above_the_batch_size(hf_checkpoint):
     events = []
     llm = LLM(str(hf_checkpoint), observers=[events.append], speculative_config={**SPEC, "disable_by_batch_size": 2},

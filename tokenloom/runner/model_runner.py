@@ -270,6 +270,28 @@ class ModelRunner:
             pos = [p + self._rope_offset(s) for s, p in zip(decodes, pos)]
         return ids, pos, slots
 
+    def _draft_rows(self, decodes: list[ScheduledRequest]) -> tuple[list[int], list[int], list[int], list[int]]:
+        """ids, positions, KV slots and each request's first row, of decodes with drafts
+        (speculative decoding) laid out as decode rows: a request with k drafts becomes 1 + k
+        rows, row j the token at position c + j attending to c + j + 1 tokens.  Every row's K/V
+        is written before any row attends, so each sees the drafts before it: a short causal
+        chunk run through the (fast) decode path, eagerly or replayed (`_graph_decodes`)."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        offsets: list[int] = []
+        for s in decodes:
+            c = s.num_computed_before
+            offsets.append(len(ids))
+            ids.append(s.request.token_at(c))
+            ids.extend(s.spec_token_ids)
+            off = self._rope_offset(s)
+            for p in range(c, c + s.num_new_tokens):
+                pos.append(p + off)
+                slots.append(s.block_ids[p // bs] * bs + p % bs)
+        return ids, pos, slots, offsets
+
     def _rope_offset(self, s: ScheduledRequest) -> int:
         """Where the request's rotation rows start in the tables: past the first table for a
         request longer than LongRoPE's pretraining length."""
@@ -287,21 +309,8 @@ class ModelRunner:
         order = decodes + prefills
         spec = any(s.spec_token_ids for s in decodes)
         if spec:
-            # A decode with drafts (speculative decoding) becomes 1 + k decode rows: row j is the
-            # token at position c+j attending to c+j+1 tokens.  Every row's K/V is written before
-            # any row attends, so each sees the drafts before it -- a short causal chunk run
-            # through the (fast) decode path.
+            ids, pos, slots, offsets = self._draft_rows(decodes)
             decodes = [s for s in decodes for _ in range(s.num_new_tokens)]
-            ids, pos, slots, offsets = [], [], [], []
-            for s in order[:len(order) - len(prefills)]:
-                c = s.num_computed_before
-                offsets.append(len(ids))
-                ids.append(s.request.token_at(c))
-                ids.extend(s.spec_token_ids)
-                off = self._rope_offset(s)
-                for p in range(c, c + s.num_new_tokens):
-                    pos.append(p + off)
-                    slots.append(s.block_ids[p // bs] * bs + p % bs)
             decode_ctx = [p + 1 - self._rope_offset(s) for s, p in zip(decodes, pos)]
         else:
             ids, pos, slots = self._decode_inputs(decodes, bs, known)
@@ -341,15 +350,19 @@ class ModelRunner:
         return order, offsets, to(torch.tensor(ids, dtype=torch.long)), to(torch.tensor(pos, dtype=torch.long)), meta
 
     # ---- one step ---------------------------------------------------
-    def _graph_decodes(self, out: SchedulerOutput) -> list[ScheduledRequest] | None:
+    def _graph_decodes(self, out: SchedulerOutput, drafts: bool = True) -> list[ScheduledRequest] | None:
         """The step's requests if it runs through the decode graphs: decodes only, each
-        sampling, no more than the largest captured batch."""
+        sampling, as many rows as the largest captured batch at most.  Decodes with drafts
+        count one row per token (`_draft_rows`); `drafts=False` (async scheduling, whose ids
+        arrive on the device one a request) takes none."""
         if self.graphs is None or len(out.scheduled) > self.graphs.max_size:
             return None
+        rows = 0
         for s in out.scheduled:
-            if s.phase != "decode" or not s.sample or s.spec_token_ids:
+            if s.phase != "decode" or not s.sample or (s.spec_token_ids and not drafts):
                 return None
-        return out.scheduled
+            rows += s.num_new_tokens if s.spec_token_ids else 1
+        return out.scheduled if rows <= self.graphs.max_size else None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -378,19 +391,28 @@ class ModelRunner:
                 fed = tokens[:len(src)]
             else:
                 fed = tokens[self._index(src)]
-        decodes = self._graph_decodes(out)
+        decodes = self._graph_decodes(out, drafts=fed is None)
         hidden = None
         spec_sched: list = []
         pool_sched: list = []
         if decodes is not None:
-            ids, pos, slots = self._decode_inputs(decodes, self.block_size, known=fed is None)
-            ends = [(s, i) for i, s in enumerate(decodes)]
+            if any(s.spec_token_ids for s in decodes):  # verifying rows, laid out as `_prepare` does
+                ids, pos, slots, offsets = self._draft_rows(decodes)
+                tables = [s.block_ids for s in decodes for _ in range(s.num_new_tokens)]
+            else:
+                ids, pos, slots = self._decode_inputs(decodes, self.block_size, known=fed is None)
+                offsets, tables = list(range(len(decodes))), [s.block_ids for s in decodes]
+            ends = [(s, off) for s, off in zip(decodes, offsets) if not s.spec_token_ids]
             sample_sched, beam_sched = _split_beams(ends)
+            spec_sched = [(s, off) for s, off in zip(decodes, offsets) if s.spec_token_ids]
             masks = StepMasks.start([s.request.grammar for s, _ in sample_sched])  # filled during the forward
             t_model = time.perf_counter()
-            logits = self.graphs.run(ids, pos, slots, [s.block_ids for s in decodes], fed)
-            if beam_sched:  # the sampled rows first, then the beams' (as the eager path orders them)
-                logits = logits[[i for _, i in sample_sched] + [i for _, i in beam_sched]]
+            logits = self.graphs.run(ids, pos, slots, tables, fed)
+            # the sampled rows first, then the beams', then every verifying row (the eager path's order)
+            rows = ([i for _, i in sample_sched] + [i for _, i in beam_sched]
+                    + [off + j for s, off in spec_sched for j in range(s.num_new_tokens)])
+            if rows != list(range(len(ids))):
+                logits = logits[rows]
         else:
             order, offsets, input_ids, positions, meta = self._prepare(out, known=fed is None)
             if fed is not None:

@@ -38,10 +38,13 @@ class Verified:
 
 
 def verify(logits: torch.Tensor, rows: list[SamplingRow], drafts: list[list[int]]) -> list[Verified]:
-    """logits: [sum(len(d) + 1 for d in drafts), vocab], request i's rows consecutive;
-    rows[i] holds request i's settings.  Returns one Verified per request."""
+    """logits: [sum(len(d) + 1 for d in drafts), vocab], request i's rows consecutive, float32
+    or the head's dtype (a step replayed from the decode graphs); rows[i] holds request i's
+    settings.  Returns one Verified per request."""
     n_rows = [len(d) + 1 for d in drafts]
     flat_rows = [r for r, n in zip(rows, n_rows) for _ in range(n)]
+    if logits.dtype != torch.float32 and not all(r.params.greedy and not r.params.constrains_logits for r in rows):
+        logits = logits.float()  # exact; greedy rows' argmax reads the head's dtype (a replayed step's) as it is
     if any(r.params.constrains_logits for r in rows):
         logits = logits.clone()
         apply_constraints(logits, flat_rows)
