@@ -69,7 +69,7 @@ def _decode_batch(llm, n: int):
             break
     out = eng.scheduler.schedule()
     assert len(out.scheduled) == n and all(s.phase == "decode" for s in out.scheduled)
-    ids, pos, slots = eng.runner._decode_inputs(out.scheduled, eng.runner.block_size)
+    ids, pos, slots, _ = eng.runner._decode_inputs(out.scheduled, eng.runner.block_size)
     return ids, pos, slots, [s.block_ids for s in out.scheduled]
 
 

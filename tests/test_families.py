@@ -309,6 +309,28 @@ def test_features_change_transformers_own_output(tmp_path):
     assert (decisions(Gemma3TextConfig(**{**GEMMA3, "rope_local_base_freq": 1e6}), "g3r") != base3).sum() >= 5
 
 
+def test_phi3_longrope_without_a_window_replays_long_decodes(tmp_path):
+    """Without a sliding window nothing keeps Phi-3 off the decode graphs: a long request's
+    positions carry the long table's offset and its context lengths must not (it once
+    attended past its block table and failed).  transformers' greedy tokens, replayed."""
+    from tokenloom.kernels import cpu as cpu_kernels
+    from tokenloom.runner.cpu_graphs import CpuDecodeGraphs
+
+    if not cpu_kernels.graph_enabled():
+        pytest.skip("the op-list replayer did not build here")
+    config = Phi3Config(**TINY, sliding_window=None, original_max_position_embeddings=ORIGINAL_LEN,
+                        rope_scaling={"type": "longrope", **LONGROPE}, rope_theta=1e4, pad_token_id=0, eos_token_id=2)
+    path = _save_checkpoint(config, tmp_path / "phi3-nowindow", "phi3")
+    prompts = _prompts()
+    llm = LLM(str(path), **STRESS)
+    graphs = llm.llm_engine.runner.graphs
+    assert isinstance(graphs, CpuDecodeGraphs)
+    outs = _generate(llm, prompts)
+    assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(_hf(path), prompts, NEW_TOKENS)
+    assert graphs.lists and not graphs.eager  # decode steps were replayed
+    assert llm.llm_engine.kv.pool.num_free == STRESS["num_kv_blocks"]
+
+
 def test_phi3_longrope_blocks_are_cached_apart_from_short_ones(checkpoint):
     """A request past the switch never reads K/V that a shorter one rotated with the short
     table, however many tokens they share; long ones share among themselves."""

@@ -165,10 +165,11 @@ class CpuDecodeGraphs(DecodeGraphs):
         return f"CPU graphs for decode batches 1..{self.max_size}, each recorded by its second step"
 
     def run(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-            block_ids: Sequence[Sequence[int]], device_ids: torch.Tensor | None = None) -> torch.Tensor:
+            block_ids: Sequence[Sequence[int]], device_ids: torch.Tensor | None = None,
+            lens: Sequence[int] | None = None) -> torch.Tensor:
         n = len(ids)
         assert 0 < n <= self.max_size, f"{n} decodes exceed the largest size {self.max_size}"
-        self.load(n, ids, positions, slots, block_ids)
+        self.load(n, ids, positions, slots, block_ids, lens)
         if device_ids is not None:
             self.ids[:n].copy_(device_ids)
         ops = self.lists.get(n)

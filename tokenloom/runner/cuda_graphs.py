@@ -103,8 +103,11 @@ class DecodeGraphs:
         return out
 
     def load(self, b: int, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-             block_ids: Sequence[Sequence[int]]) -> None:
-        """Fill rows 0..n-1 with a step's decodes and rows n..b-1 with padding, in one copy."""
+             block_ids: Sequence[Sequence[int]], lens: Sequence[int] | None = None) -> None:
+        """Fill rows 0..n-1 with a step's decodes and rows n..b-1 with padding, in one copy.
+        `lens`: the tokens each row attends to, its own included; positions + 1 when not given,
+        which holds unless a position carries a rotary table's offset (LongRoPE's long rows,
+        model/layers.py `RotaryEmbedding`)."""
         n, m, w = len(ids), self.max_size, self.width
         if self._copied is not None:
             self._copied.synchronize()  # the previous copy has left the staging buffer
@@ -115,7 +118,7 @@ class DecodeGraphs:
         h[m + n:m + b] = 0
         h[2 * m:2 * m + n] = slots
         h[2 * m + n:2 * m + b] = -1  # padding writes nothing
-        h[3 * m:3 * m + n] = [p + 1 for p in positions]
+        h[3 * m:3 * m + n] = [p + 1 for p in positions] if lens is None else lens
         h[3 * m + n:3 * m + b] = 0  # padding attends to nothing
         tables = h[4 * m:4 * m + b * w].reshape(b, w)
         for i, row in enumerate(block_ids):
@@ -126,15 +129,17 @@ class DecodeGraphs:
             self._copied.record()
 
     def run(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-            block_ids: Sequence[Sequence[int]], device_ids: torch.Tensor | None = None) -> torch.Tensor:
+            block_ids: Sequence[Sequence[int]], device_ids: torch.Tensor | None = None,
+            lens: Sequence[int] | None = None) -> torch.Tensor:
         """Logits [n, vocab] of n decodes (n <= the largest size): a graph replay where one
         was captured, the same padded forward eagerly otherwise.  `device_ids`: the ids as a
         tensor on the device (async scheduling: the previous step's sampled tokens), copied
-        into the graph's input after the host's staging copy, in stream order."""
+        into the graph's input after the host's staging copy, in stream order.  `lens`: as
+        `load`'s."""
         n = len(ids)
         b = self.size_for(n)
         assert b is not None, f"{n} decodes exceed the largest captured size {self.max_size}"
-        self.load(b, ids, positions, slots, block_ids)
+        self.load(b, ids, positions, slots, block_ids, lens)
         if device_ids is not None:
             self.ids[:n].copy_(device_ids)
         g = self.graphs.get(b)

@@ -255,31 +255,38 @@ class ModelRunner:
 
     # ---- input preparation ------------------------------------------
     def _decode_inputs(self, decodes: list[ScheduledRequest], bs: int,
-                       known: bool = True) -> tuple[list[int], list[int], list[int]]:
-        """ids, positions and KV slots of one-token decodes: plain Python ints (the hot path).
-        `known=False`: the ids are still on the device (async scheduling); zeros stand in."""
+                       known: bool = True) -> tuple[list[int], list[int], list[int], list[int]]:
+        """ids, positions, KV slots and context lengths (the tokens each attends to, its own
+        included) of one-token decodes: plain Python ints (the hot path).  A position carries
+        its rotary table's offset (`_rope_offset`); a length never does.  `known=False`: the ids
+        are still on the device (async scheduling); zeros stand in."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
+        lens: list[int] = []
         for s in decodes:
             c = s.num_computed_before
             ids.append(s.request.token_at(c) if known else 0)
             pos.append(c)
             slots.append(s.block_ids[c // bs] * bs + c % bs)
+            lens.append(c + 1)
         if self._long_from is not None:
             pos = [p + self._rope_offset(s) for s, p in zip(decodes, pos)]
-        return ids, pos, slots
+        return ids, pos, slots, lens
 
-    def _draft_rows(self, decodes: list[ScheduledRequest]) -> tuple[list[int], list[int], list[int], list[int]]:
-        """ids, positions, KV slots and each request's first row, of decodes with drafts
-        (speculative decoding) laid out as decode rows: a request with k drafts becomes 1 + k
-        rows, row j the token at position c + j attending to c + j + 1 tokens.  Every row's K/V
-        is written before any row attends, so each sees the drafts before it: a short causal
-        chunk run through the (fast) decode path, eagerly or replayed (`_graph_decodes`)."""
+    def _draft_rows(self, decodes: list[ScheduledRequest]
+                    ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """ids, positions, KV slots, context lengths and each request's first row, of decodes
+        with drafts (speculative decoding) laid out as decode rows: a request with k drafts
+        becomes 1 + k rows, row j the token at position c + j attending to c + j + 1 tokens.
+        Every row's K/V is written before any row attends, so each sees the drafts before it:
+        a short causal chunk run through the (fast) decode path, eagerly or replayed
+        (`_graph_decodes`)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
+        lens: list[int] = []
         offsets: list[int] = []
         for s in decodes:
             c = s.num_computed_before
@@ -290,7 +297,8 @@ class ModelRunner:
             for p in range(c, c + s.num_new_tokens):
                 pos.append(p + off)
                 slots.append(s.block_ids[p // bs] * bs + p % bs)
-        return ids, pos, slots, offsets
+                lens.append(p + 1)
+        return ids, pos, slots, lens, offsets
 
     def _rope_offset(self, s: ScheduledRequest) -> int:
         """Where the request's rotation rows start in the tables: past the first table for a
@@ -309,13 +317,11 @@ class ModelRunner:
         order = decodes + prefills
         spec = any(s.spec_token_ids for s in decodes)
         if spec:
-            ids, pos, slots, offsets = self._draft_rows(decodes)
+            ids, pos, slots, decode_ctx, offsets = self._draft_rows(decodes)
             decodes = [s for s in decodes for _ in range(s.num_new_tokens)]
-            decode_ctx = [p + 1 - self._rope_offset(s) for s, p in zip(decodes, pos)]
         else:
-            ids, pos, slots = self._decode_inputs(decodes, bs, known)
+            ids, pos, slots, decode_ctx = self._decode_inputs(decodes, bs, known)
             offsets = list(range(len(decodes)))
-            decode_ctx = [s.num_computed_before + 1 for s in decodes]
         t = len(decodes)
         for s in prefills:
             c, n = s.num_computed_before, s.num_new_tokens
@@ -397,17 +403,17 @@ class ModelRunner:
         pool_sched: list = []
         if decodes is not None:
             if any(s.spec_token_ids for s in decodes):  # verifying rows, laid out as `_prepare` does
-                ids, pos, slots, offsets = self._draft_rows(decodes)
+                ids, pos, slots, lens, offsets = self._draft_rows(decodes)
                 tables = [s.block_ids for s in decodes for _ in range(s.num_new_tokens)]
             else:
-                ids, pos, slots = self._decode_inputs(decodes, self.block_size, known=fed is None)
+                ids, pos, slots, lens = self._decode_inputs(decodes, self.block_size, known=fed is None)
                 offsets, tables = list(range(len(decodes))), [s.block_ids for s in decodes]
             ends = [(s, off) for s, off in zip(decodes, offsets) if not s.spec_token_ids]
             sample_sched, beam_sched = _split_beams(ends)
             spec_sched = [(s, off) for s, off in zip(decodes, offsets) if s.spec_token_ids]
             masks = StepMasks.start([s.request.grammar for s, _ in sample_sched])  # filled during the forward
             t_model = time.perf_counter()
-            logits = self.graphs.run(ids, pos, slots, tables, fed)
+            logits = self.graphs.run(ids, pos, slots, tables, fed, lens)
             # the sampled rows first, then the beams', then every verifying row (the eager path's order)
             rows = ([i for _, i in sample_sched] + [i for _, i in beam_sched]
                     + [off + j for s, off in spec_sched for j in range(s.num_new_tokens)])
