@@ -488,8 +488,10 @@ def _cpu_name() -> str:
     """This CPU's model name and whether tokenloom's probe found usable AMX tiles."""
     from tokenloom.kernels import amx_probe
 
-    info = dict(ln.split(":", 1) for ln in Path("/proc/cpuinfo").read_text().splitlines()[:30] if ":" in ln)
-    fam, mod = info.get("cpu family\t", "").strip(), info.get("model\t\t", "").strip()
+    from tokenloom.specs.host import cpu_identity
+
+    ident = cpu_identity()
+    fam, mod = ident.get("cpu family", ""), ident.get("model", "")
     return f"{amx_probe.cpu_model()} (family {fam} model {mod}; AMX usable: {amx_probe.amx_usable()})"
 
 

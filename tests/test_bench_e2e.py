@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,10 @@ WORKLOAD = ["--num-prompts", "4", "--input-len", "8:16", "--output-len", "2:4", 
 def _machine_ok(doc: dict) -> None:
     m = doc["machine"]
     assert m["cpu_model"] and m["torch"] and m["torch_threads"] >= 1 and m["platform"]
+    if Path("/proc/cpuinfo").exists():  # which microarchitecture: the family and model numbers, as cpuinfo has them
+        text = Path("/proc/cpuinfo").read_text()
+        assert f"cpu family\t: {m['cpu']['cpu family']}\n" in text and f"model\t\t: {m['cpu']['model']}\n" in text
+        assert set(m["cpu"]["kernel_flags"].split()) <= set(text.split("flags\t\t:", 1)[1].split("\n", 1)[0].split())
 
 
 def test_bench_throughput_with_hf_baseline(tiny_llama, tmp_path):

@@ -1,9 +1,9 @@
 """Benchmark reports: rich tables for people, JSON files for tools.
 
 Every benchmark's `--output-json F` goes through `write_json`, which records what was
-run (config), on what requests (workload) and where (machine: CPU model, threads, torch
-version, platform) next to the results, so numbers from different machines and runs can
-be compared without guessing.
+run (config), on what requests (workload) and where (machine: CPU model, family and model
+numbers, the kernels' instruction sets, threads, torch version, platform) next to the
+results, so numbers from different machines and runs can be compared without guessing.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenloom.measure.metrics import BenchSummary, Distribution
-from tokenloom.specs.host import cpu_model_name
+from tokenloom.specs.host import cpu_identity, cpu_model_name
 
 SCHEMA_VERSION = 1
 
@@ -36,6 +36,7 @@ def machine_info() -> dict[str, Any]:
     """Where the benchmark ran.  Imports torch (already loaded by any engine run)."""
     info: dict[str, Any] = {
         "cpu_model": cpu_model_name(),
+        "cpu": cpu_identity(),
         "logical_cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": sys.version.split()[0],
