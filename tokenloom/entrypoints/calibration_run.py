@@ -173,8 +173,11 @@ def _run_calibration_served(model: str, dtype: str, *, block_size: int, num_thre
 
 class _BusyNeighbors:
     """`n` plain servers with the calibration server's flags, each fed without pause by a
-    client thread: bursts of 8 requests of 32-256 prompt and 16-96 output tokens, as a
-    replica of a busy fleet sees."""
+    client thread: bursts of 8 requests of 16-64 prompt and 64-192 output tokens, so that a
+    neighbour spends its time in decode steps, streaming its weights, as a replica of a busy
+    fleet mostly does.  (Prompts of 32-256 tokens and 16-96 outputs kept it in compute-bound
+    prefills a good part of the time: on a CPU whose one core nearly fills the memory bus,
+    the calibration then read a replica's stream a third faster than two replicas got.)"""
 
     def __init__(self, model: str, flags: Sequence[str], n: int, vocab: tuple[int, int], seed: int):
         import threading
@@ -201,8 +204,8 @@ class _BusyNeighbors:
         burst = 0
         while not self._stop.is_set():
             burst += 1
-            reqs = generate_workload(WorkloadSpec(name="random", num_prompts=8, input_len=(32, 256),
-                                                  output_len=(16, 96), vocab_range=vocab, seed=seed * 1000 + burst))
+            reqs = generate_workload(WorkloadSpec(name="random", num_prompts=8, input_len=(16, 64),
+                                                  output_len=(64, 192), vocab_range=vocab, seed=seed * 1000 + burst))
             try:
                 run_serve_benchmark(base_url, reqs, num_warmups=0, progress=False)
             except Exception:  # the server was stopped under it: the calibration is over

@@ -44,7 +44,7 @@ from tokenloom.sim.fit import fit
 from tokenloom.sim.step_features import StepFeatures
 from tokenloom.specs.model_spec import ModelSpec, load_model_spec, normalize_dtype
 
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3  # 3: busy neighbours decode-heavy (entrypoints/calibration_run.py `_BusyNeighbors`)
 _CACHE_FILE = "calibration.json"
 
 # The engine's step: the sources in these packages decide how long it takes.  Their hash is
