@@ -175,9 +175,9 @@ class _BusyNeighbors:
     """`n` plain servers with the calibration server's flags, each fed without pause by a
     client thread: bursts of 8 requests of 16-64 prompt and 64-192 output tokens, so that a
     neighbour spends its time in decode steps, streaming its weights, as a replica of a busy
-    fleet mostly does.  (Prompts of 32-256 tokens and 16-96 outputs kept it in compute-bound
-    prefills a good part of the time: on a CPU whose one core nearly fills the memory bus,
-    the calibration then read a replica's stream a third faster than two replicas got.)"""
+    fleet mostly does.  (With longer prompts and shorter outputs it spent much of its time in
+    compute-bound prefills, and on a CPU whose one core nearly fills the memory bus the
+    calibration read a replica's stream faster than two replicas get: docs/scaling.md.)"""
 
     def __init__(self, model: str, flags: Sequence[str], n: int, vocab: tuple[int, int], seed: int):
         import threading
