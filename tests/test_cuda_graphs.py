@@ -17,6 +17,8 @@ from tokenloom import LLM, SamplingParams
 from tokenloom.runner.cuda_graphs import capture_sizes
 
 from test_parity import STRESS, _hf, _hf_greedy, _prompts
+from test_spec_decode import SPEC, hf_checkpoint  # noqa: F401 (a fixture)
+from test_spec_decode import _prompts as _spec_prompts
 
 
 def test_capture_sizes():
@@ -34,6 +36,30 @@ DEVICE = "cuda" if CUDA else "cpu"
 def _triton_llm(path, **kw):
     """The triton backend, eager (the padded forward is called directly where graphs would be)."""
     return LLM(str(path), device=DEVICE, attention_backend="triton", enforce_eager=True, **kw)
+
+
+def test_padded_decode_graph_path_verifies_drafts(hf_checkpoint):
+    """Speculative decoding's verifying steps (1 + k decode rows a request) through the padded
+    buffers, as a GPU replays them from the graph of their row count: the same greedy tokens
+    as without speculation, drafts accepted and rejected, every block returned."""
+    prompts = [{"prompt_token_ids": p} for p in _spec_prompts()[:3]]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kw = dict(max_model_len=200, num_kv_blocks=100)
+    ref = [o.outputs[0].token_ids for o in _triton_llm(hf_checkpoint, **kw).generate(prompts, sp, use_tqdm=False)]
+    events = []
+    llm = _triton_llm(hf_checkpoint, observers=[events.append], speculative_config={**SPEC, "disable_by_batch_size": 8},
+                      **kw)
+    runner = llm.llm_engine.runner
+    runner.graphs = runner.make_decode_graphs(max_num_seqs=16)
+    used = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda *a: used.append(len(a[0])) or run(*a)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert max(used) > len(prompts)  # steps of more rows than requests: verifying steps
+    accepted = sum(e.num_accepted_tokens for e in events)
+    assert 0 < accepted < sum(e.num_draft_tokens for e in events)
+    assert llm.llm_engine.kv.pool.num_free == 100
 
 
 def test_padded_decode_graph_path_gives_transformers_tokens(model_factory):
@@ -140,3 +166,19 @@ def test_captured_graphs_give_transformers_tokens(model_factory):
                         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert replays
+
+
+@pytest.mark.skipif(not CUDA, reason="captures real CUDA graphs")
+def test_captured_graphs_replay_verifying_steps(hf_checkpoint):
+    prompts = [{"prompt_token_ids": p} for p in _spec_prompts()[:3]]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(device="cuda", max_num_seqs=16, max_model_len=200)
+    ref = [o.outputs[0].token_ids for o in LLM(str(hf_checkpoint), **kw).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(str(hf_checkpoint), speculative_config={**SPEC, "disable_by_batch_size": 8}, **kw)
+    graphs = llm.llm_engine.runner.graphs
+    replays = []
+    run = graphs.run
+    graphs.run = lambda *a, **k: replays.append(len(a[0])) or run(*a, **k)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert max(replays) > len(prompts)  # verifying steps replayed the graph of their row count
