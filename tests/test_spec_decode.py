@@ -266,8 +266,8 @@ def test_verifying_steps_replay_the_decode_graphs(hf_checkpoint, dtype):
     """A decode-only step with drafts is 1 + k decode rows a request: on a CPU it replays the
     op list recorded for that many rows (runner/cpu_graphs.py), and gives exactly what the
     eager forward gives -- greedy tokens, and sampled requests' draws (the global generator
-    seeded alike; the verifier widens their rows from the head's dtype) -- with every block
-    returned."""
+    seeded alike; the verifier widens their rows from the head's dtype) -- under preemption,
+    with every block returned."""
     from tokenloom.kernels import cpu as cpu_kernels
     from tokenloom.runner.cpu_graphs import CpuDecodeGraphs
 
@@ -279,7 +279,7 @@ def test_verifying_steps_replay_the_decode_graphs(hf_checkpoint, dtype):
     got = {}
     for eager in (True, False):
         llm = LLM(str(hf_checkpoint), dtype=dtype, speculative_config=spec, enforce_eager=eager, max_model_len=200,
-                  num_kv_blocks=100)
+                  block_size=4, num_kv_blocks=52, max_num_batched_tokens=24)
         graphs = llm.llm_engine.runner.graphs
         rows: list[int] = []
         if not eager:
@@ -291,7 +291,7 @@ def test_verifying_steps_replay_the_decode_graphs(hf_checkpoint, dtype):
         sampled = llm.generate(prompts, SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True),
                                use_tqdm=False)
         got[eager] = ([o.outputs[0].token_ids for o in outs], [o.outputs[0].token_ids for o in sampled])
-        assert llm.llm_engine.kv.pool.num_free == 100
+        assert llm.llm_engine.kv.pool.num_free == 52 and llm.llm_engine.scheduler.num_preemptions > 0
         if not eager:
             # steps of more rows than requests ran: verifying steps, replayed from recorded lists
             assert max(rows) > len(prompts) and not graphs.eager
