@@ -299,6 +299,25 @@ def test_verifying_steps_replay_the_decode_graphs(hf_checkpoint, dtype):
     assert got[False] == got[True]
 
 
+def test_verifying_steps_replay_with_one_sequence_at_a_time(hf_checkpoint):
+    """--max-num-seqs 1: the CPU graphs are sized for the drafts' rows too (1 + k), so a
+    verifying step still replays; the same greedy tokens as without speculation."""
+    from tokenloom.kernels import cpu as cpu_kernels
+
+    if not cpu_kernels.graph_enabled():
+        pytest.skip("the op-list replayer did not build here")
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:2]]
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    kw = dict(max_num_seqs=1, max_model_len=200, num_kv_blocks=100)
+    ref = LLM(str(hf_checkpoint), **kw).generate(prompts, sp, use_tqdm=False)
+    llm = LLM(str(hf_checkpoint), speculative_config=SPEC, **kw)
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs.max_size == 1 + SPEC["num_speculative_tokens"]
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert any(n > 1 for n in graphs.lists) and not graphs.eager
+
+
 def test_speculation_turns_off_above_the_batch_size(hf_checkpoint):
     events = []
     llm = LLM(str(hf_checkpoint), observers=[events.append], speculative_config={**SPEC, "disable_by_batch_size": 2},

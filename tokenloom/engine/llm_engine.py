@@ -188,6 +188,9 @@ class LLMEngine:
         if self.runner_type == "pooling":
             self.pooling_config = read_pooling_config(path, cfg, self.loaded.args.hidden_size)
         runner_kwargs = dict(plan=self.backends, max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len)
+        if self.speculative_config:  # decodes with drafts are 1 + k rows each while speculation is on
+            sc = self.speculative_config
+            runner_kwargs["draft_rows"] = min(c.max_num_seqs, sc.disable_by_batch_size) * sc.num_speculative_tokens
         if self.tp_launcher:
             self.tp_launcher.send_runner_spec(c.num_kv_blocks, c.block_size, **runner_kwargs)
         self.runner = ModelRunner(self.loaded, c.num_kv_blocks, c.block_size, tp=tp, pooling=self.pooling_config,

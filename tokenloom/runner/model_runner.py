@@ -154,9 +154,11 @@ def _sample_or_blame(logits: torch.Tensor, rows: list[SamplingRow], masks: StepM
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, plan: BackendPlan | None = None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, tp: TPGroup | None = None,
-                 pooling: PoolingConfig | None = None, lora_slots: LoRASlots | None = None):
+                 pooling: PoolingConfig | None = None, lora_slots: LoRASlots | None = None, draft_rows: int = 0):
         """`plan`: what runs (model/backends.py), as resolved before `loaded` was loaded for it
         (`loaded.plan` when not given); the runner builds what it names and decides nothing.
+        `draft_rows`: the most decode rows a step's drafts add (speculative decoding): CPU graphs
+        are sized for them too, so a verifying step replays even at `max_num_seqs` 1.
         `pooling`: how embedding requests pool (an engine run with `--runner pooling`).
         `lora_slots`: with --enable-lora, the adapters' weight slots (allocated by the engine
         before the KV cache was sized); each step's rows then run their requests' adapters."""
@@ -215,8 +217,8 @@ class ModelRunner:
             self.graphs = self.make_decode_graphs(max_num_seqs)
             self.graphs.capture()
         elif plan.cpu_graphs:
-            self.graphs = CpuDecodeGraphs(self.model, self.kv_caches, self.attn, max_num_seqs, self.max_blocks,
-                                          self.device)
+            self.graphs = CpuDecodeGraphs(self.model, self.kv_caches, self.attn, max_num_seqs + draft_rows,
+                                          self.max_blocks, self.device)
 
     def make_decode_graphs(self, max_num_seqs: int) -> DecodeGraphs:
         """The padded decode forward over persistent buffers (captured by `.capture()` on a GPU)."""
