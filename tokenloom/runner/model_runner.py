@@ -416,11 +416,10 @@ class ModelRunner:
             masks = StepMasks.start([s.request.grammar for s, _ in sample_sched])  # filled during the forward
             t_model = time.perf_counter()
             logits = self.graphs.run(ids, pos, slots, tables, fed, lens)
-            # the sampled rows first, then the beams', then every verifying row (the eager path's order)
-            rows = ([i for _, i in sample_sched] + [i for _, i in beam_sched]
-                    + [off + j for s, off in spec_sched for j in range(s.num_new_tokens)])
-            if rows != list(range(len(ids))):
-                logits = logits[rows]
+            if beam_sched or (spec_sched and sample_sched):
+                # the sampled rows first, then the beams', then every verifying row (the eager path's order)
+                logits = logits[[i for _, i in sample_sched] + [i for _, i in beam_sched]
+                                + [off + j for s, off in spec_sched for j in range(s.num_new_tokens)]]
         else:
             order, offsets, input_ids, positions, meta = self._prepare(out, known=fed is None)
             if fed is not None:
