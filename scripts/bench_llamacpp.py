@@ -32,7 +32,8 @@ without AMX, and natively with AMX where tokenloom's AMX probe finds the tiles u
 tile-configuration fix gcc < 13 needs (on a CPU without AMX the native build is still made, named
 `native`: -march=native is llama.cpp's best build there); it times batch 1 (llama-bench) and batch 16
 (llama-batched-bench, --batch-sizes), flash attention on and off (the faster kept), against
-tokenloom at the same batch sizes, rounds alternating, and reports both builds; then each
+tokenloom at the same batch sizes, rounds alternating, and reports both builds (`--ours gguf-Q4_0`:
+tokenloom loading the very GGUF file llama.cpp runs as Q4_0, issue 32's comparison); then each
 step against this machine's read roof (its weights' bytes -- ours as loaded, llama.cpp's GGUF
 file -- over a parallel read's rate, measured after the rounds) and its FLOP rate.
 
@@ -76,7 +77,8 @@ _COMMON_CMAKE = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL
 _X86_FEATURES = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2", "avx_vnni": "AVX_VNNI",
                  "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI",
                  "avx512_bf16": "AVX512_BF16"}
-OURS_TO_BITS = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}  # equal bits per weight (about)
+OURS_TO_BITS = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0",  # equal bits per weight (about)
+                "gguf-Q8_0": "Q8_0", "gguf-Q4_0": "Q4_0"}  # --native: the very file llama.cpp runs, loaded by us
 
 
 def cmake_args() -> str:
@@ -448,8 +450,7 @@ def run_native(model: Path, work: Path, source: Path, builds: list[str], llama_v
     weight_bytes: dict[str, int] = {f"llama.cpp {v}": files[v].stat().st_size for v in llama_variants}
     for batch in batches:
         total = rounds * steps + 8
-        engines = {f"tokenloom {v} b{batch}": bench_quant.prefilled(model, batch, context, total,
-                                                                     **bench_quant.VARIANTS[v]) for v in ours}
+        engines = {f"tokenloom {v} b{batch}": ours_engine(v, model, files, batch, context, total) for v in ours}
         for v in ours:  # what one step streams: the weights as stored (a tied embedding once, as the LM head)
             weight_bytes[f"tokenloom {v}"] = engines[f"tokenloom {v} b{batch}"].llm_engine.loaded.weight_bytes
         times: dict[str, list[float]] = {k: [] for k in engines}
@@ -477,11 +478,27 @@ def run_native(model: Path, work: Path, source: Path, builds: list[str], llama_v
     from tokenloom.specs import microbench
 
     read_gbs = statistics.median(microbench.measure_bandwidth() for _ in range(3)) / 1e9
-    params = weight_bytes.get("tokenloom bf16", 0) / 2  # for the FLOPs of a step: 2 per weight per token
+    from tokenloom.specs.model_spec import ModelSpec
+
+    # for the FLOPs of a step: 2 per weight per token (a tied embedding once, as the LM head)
+    params = ModelSpec.from_config(json.loads((model / "config.json").read_text())).active_params
     return {"model": str(model), "native": builds, "pure": pure, "context": context, "rounds": rounds,
             "steps": steps, "threads": threads, "batches": batches, "median_ms": med, "flash_attention": flash,
             "rounds_ms": times_all, "cpu": _cpu_name(), "weight_bytes": weight_bytes,
             "read_roof_gb_s": read_gbs, "params": params}
+
+
+def ours_engine(variant: str, model: Path, files: dict[str, Path], batch: int, context: int, total: int):
+    """tokenloom's engine for one --ours variant of a --native run, prefilled: a `bench_quant.VARIANTS`
+    name (the checkpoint, quantized by us), or `gguf-TYPE` -- the GGUF file llama.cpp runs as TYPE
+    (in --llama-variants), loaded by tokenloom itself (bf16 activations and KV cache): the same
+    bytes in both engines, which is issue 32's comparison against llama.cpp's best build."""
+    if variant.startswith("gguf-"):
+        kind = variant.removeprefix("gguf-")
+        if kind not in files:
+            raise SystemExit(f"--ours {variant} needs {kind} in --llama-variants (the file both engines load)")
+        return bench_quant.prefilled(files[kind], batch, context, total, dtype="bfloat16")
+    return bench_quant.prefilled(model, batch, context, total, **bench_quant.VARIANTS[variant])
 
 
 def _cpu_name() -> str:
