@@ -30,9 +30,11 @@ def add_routing_args(p: argparse.ArgumentParser, *, default_policy: str = "cache
                    help="seconds between health checks of each backend (default 2)")
 
 
-class RouterServer(uvicorn.Server):
-    """uvicorn that, after a signal-driven shutdown, returns instead of re-raising the signal,
-    so the caller can clean up (stop replicas) and exit with status 0."""
+class CleanExitServer(uvicorn.Server):
+    """uvicorn that, after a signal-driven shutdown, returns instead of re-raising the signal
+    (uvicorn re-raises it once done, so SIGTERM would end the process with -15 and SIGINT with
+    a KeyboardInterrupt): the caller cleans up (stops replicas, the engine) and exits with
+    status 0.  The router's server, and the base of the OpenAI server's."""
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -46,6 +48,10 @@ class RouterServer(uvicorn.Server):
         finally:
             for sig, handler in original.items():
                 signal.signal(sig, handler)
+
+
+class RouterServer(CleanExitServer):
+    """The router's uvicorn server (`build_router_server`)."""
 
 
 def build_router_server(backends: list[str], args: argparse.Namespace, *, engine_metrics: bool = False,

@@ -24,7 +24,6 @@ admits between steps); replicas advance independently.  With one replica the loo
 from __future__ import annotations
 
 import functools
-import heapq
 import math
 import time
 from dataclasses import dataclass, field
@@ -38,9 +37,8 @@ from tokenloom.core.kv_cache import KVCacheManager
 from tokenloom.core.scheduler import Scheduler, SchedulerOutput
 from tokenloom.request import Request
 from tokenloom.router.policy import Policy, make_policy
-from tokenloom.sampling_params import SamplingParams
 from tokenloom.sim.estimate import CostModel
-from tokenloom.sim.simulator import CLIENT_TURNAROUND_S, CostModelExecutor, SimConfig, SimResult, Simulator, _free
+from tokenloom.sim.simulator import CLIENT_TURNAROUND_S, Client, CostModelExecutor, SimConfig, SimResult, Simulator
 
 DEFAULT_ROUTER = "cache-aware"  # what `serve --data-parallel-size` routes with
 
@@ -163,56 +161,33 @@ class FleetSimulator(Simulator):
         records = [RequestRecord(prompt_len=r.prompt_len, arrival_time=r.arrival_time, group=r.group,
                                  expected_output_len=r.output_len) for r in requests]
         replica_of: list[int | None] = [None] * len(requests)
-        order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_time, i))
+        client = Client(requests, records, max_concurrency, self._check)
         index_of = {f"sim-{i}": i for i in range(len(requests))}
-        slots: list[float] | None = [0.0] * max_concurrency if max_concurrency else None
         t = 0.0
-        nxt = 0
-        while nxt < len(order) or any(r.step is not None or r.inbox or r.sched.has_unfinished() for r in reps):
+        while client.unsent or any(r.step is not None or r.inbox or r.sched.has_unfinished() for r in reps):
             # 1. steps ending now
             for rep in reps:
                 if rep.step is not None and rep.step[3] <= t:
                     for req in rep.end_step(rep_observers[rep.index]):
                         records[index_of[req.request_id]].end_time = req.finished_time
-                        if slots is not None:
-                            heapq.heappush(slots, t + client_turnaround_s)
-            # 2. arrivals so far, routed
-            while nxt < len(order) and requests[order[nxt]].arrival_time <= t and (slots is None or _free(slots, t)):
-                i = order[nxt]
-                nxt += 1
-                r = requests[i]
-                if slots is not None:
-                    free_at = heapq.heappop(slots)
-                    if free_at > r.arrival_time:  # held back by the client until a slot freed
-                        records[i].send_time = free_at
-                err = self._check(r)
-                if err is not None:
-                    records[i].success, records[i].error = False, err
-                    if slots is not None:
-                        heapq.heappush(slots, records[i].start)
-                    continue
-                k = policy.choose(tuple(r.prompt_token_ids), everyone, [rep.load for rep in reps])
+                        client.finished(t + client_turnaround_s)
+            # 2. requests sent so far, routed
+            for i, req in client.send(t):
+                k = policy.choose(tuple(req.prompt_token_ids), everyone, [rep.load for rep in reps])
                 replica_of[i] = k
                 reps[k].num_requests += 1
-                reps[k].inbox.append(Request(
-                    request_id=f"sim-{i}",
-                    prompt_token_ids=list(r.prompt_token_ids),
-                    sampling_params=SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0,
-                                                   detokenize=False),
-                    arrival_time=records[i].start,
-                    max_tokens=r.output_len,
-                ))
+                reps[k].inbox.append(req)
             # 3. idle replicas admit and start
             for rep in reps:
                 if rep.step is None:
                     rep.start_step(t)
             # 4. the next event
             upcoming = [rep.step[3] for rep in reps if rep.step is not None]
-            if nxt < len(order) and (slots is None or slots):
-                upcoming.append(max(requests[order[nxt]].arrival_time, slots[0] if slots else 0.0))
+            if (nxt := client.next_send()) is not None:
+                upcoming.append(nxt)
             if not upcoming:
-                if nxt < len(order):  # unreachable: no slot free means a request is in some step
-                    raise RuntimeError(f"fleet stalled at t={t:.6f}s with {len(order) - nxt} requests unsent")
+                if client.unsent:  # unreachable: no slot free means a request is in some step
+                    raise RuntimeError(f"fleet stalled at t={t:.6f}s with {client.unsent} requests unsent")
                 break
             t = max(t, min(upcoming))
 

@@ -66,9 +66,65 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of device memory fo
 CLIENT_TURNAROUND_S = 0.002
 
 
-def _free(slots: list[float], t: float) -> bool:
-    """Whether a client slot (a min-heap of the times they free) is free at `t`."""
-    return bool(slots) and slots[0] <= t
+class Client:
+    """The load generator's side of a simulation (`Simulator.run`, `FleetSimulator.run`): the
+    requests in arrival order, each sent once it has arrived and, with `max_concurrency`, a
+    client slot is free (`bench serve --max-concurrency`).  The slots are a min-heap of the
+    times they free; a request held back for one gets its record's `send_time` then, and its
+    latencies count from it.  A request `check` refuses is recorded as failed at once and its
+    slot is free again."""
+
+    def __init__(self, requests: Sequence[BenchRequest], records: list[RequestRecord], max_concurrency: int | None,
+                 check: Callable[[BenchRequest], str | None]):
+        self.requests, self.records, self.check = requests, records, check
+        self.order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_time, i))
+        self.nxt = 0  # how many of `order` were sent
+        self.slots: list[float] | None = [0.0] * max_concurrency if max_concurrency else None
+
+    @property
+    def unsent(self) -> int:
+        return len(self.order) - self.nxt
+
+    def _can_send(self, t: float) -> bool:
+        return (self.nxt < len(self.order) and self.requests[self.order[self.nxt]].arrival_time <= t
+                and (self.slots is None or (bool(self.slots) and self.slots[0] <= t)))
+
+    def send(self, t: float) -> Iterable[tuple[int, Request]]:
+        """Every request sent by `t` and not refused: (its index, the engine's Request for it)."""
+        while self._can_send(t):
+            i = self.order[self.nxt]
+            self.nxt += 1
+            r, rec = self.requests[i], self.records[i]
+            if self.slots is not None:
+                free_at = heapq.heappop(self.slots)
+                if free_at > r.arrival_time:  # held back by the client until a slot freed
+                    rec.send_time = free_at
+            err = self.check(r)
+            if err is not None:
+                rec.success, rec.error = False, err
+                if self.slots is not None:  # refused at once: its slot is free again
+                    heapq.heappush(self.slots, rec.start)
+                continue
+            yield i, Request(
+                request_id=f"sim-{i}",
+                prompt_token_ids=list(r.prompt_token_ids),
+                sampling_params=SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0,
+                                               detokenize=False),
+                arrival_time=rec.start,
+                max_tokens=r.output_len,
+            )
+
+    def finished(self, at: float) -> None:
+        """A request's last token reached the client at `at`: its slot is free from then."""
+        if self.slots is not None:
+            heapq.heappush(self.slots, at)
+
+    def next_send(self) -> float | None:
+        """When the next request can be sent (its arrival, or a slot freeing if later); None
+        when none is left or every slot waits on a request in flight."""
+        if not self.unsent or self.slots == []:
+            return None
+        return max(self.requests[self.order[self.nxt]].arrival_time, self.slots[0] if self.slots else 0.0)
 
 
 @dataclass(frozen=True)
@@ -263,43 +319,20 @@ class Simulator:
         rec = StepRecorder()
         observers = [rec, *self.observers]
 
-        ids = [f"sim-{i}" for i in range(len(requests))]
         records = [RequestRecord(prompt_len=r.prompt_len, arrival_time=r.arrival_time, group=r.group,
                                  expected_output_len=r.output_len) for r in requests]
-        order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_time, i))
+        client = Client(requests, records, max_concurrency, self._check)
         live: dict[str, tuple[int, Request]] = {}
-        # Client-side slots: the times they became free (a min-heap); none when unlimited.
-        slots: list[float] | None = [0.0] * max_concurrency if max_concurrency else None
         t = 0.0
-        nxt = 0
-        while nxt < len(order) or sched.has_unfinished():
-            while nxt < len(order) and requests[order[nxt]].arrival_time <= t and (slots is None or _free(slots, t)):
-                i = order[nxt]
-                nxt += 1
-                r = requests[i]
-                if slots is not None:
-                    free_at = heapq.heappop(slots)
-                    if free_at > r.arrival_time:  # held back by the client until a slot freed
-                        records[i].send_time = free_at
-                err = self._check(r)
-                if err is not None:
-                    records[i].success, records[i].error = False, err
-                    if slots is not None:  # refused at once: its slot is free again
-                        heapq.heappush(slots, records[i].start)
-                    continue
-                req = Request(
-                    request_id=ids[i],
-                    prompt_token_ids=list(r.prompt_token_ids),
-                    sampling_params=SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0,
-                                                   detokenize=False),
-                    arrival_time=records[i].start,
-                    max_tokens=r.output_len,
-                )
+        while client.unsent or sched.has_unfinished():
+            for i, req in client.send(t):
                 sched.add_request(req)
                 live[req.request_id] = (i, req)
-            if not sched.has_unfinished():
-                if nxt < len(order):  # idle: jump to the next arrival (or to a slot freeing)
-                    t = max(t, requests[order[nxt]].arrival_time, slots[0] if slots else t)
+            if not sched.has_unfinished():  # idle: jump to the next send
+                nxt = client.next_send()
+                if nxt is None:  # unreachable: with nothing in flight every slot is free
+                    raise RuntimeError(f"simulation stalled at t={t:.6f}s with {client.unsent} requests unsent")
+                t = max(t, nxt)
                 continue
             executor.draft(sched.running)
             out = sched.schedule()
@@ -311,8 +344,7 @@ class Simulator:
             for req in sched.update_from_output(out, sampled, t, executor.accepted):
                 i, _ = live.pop(req.request_id)
                 records[i].end_time = req.finished_time
-                if slots is not None:
-                    heapq.heappush(slots, t + client_turnaround_s)
+                client.finished(t + client_turnaround_s)
             event = sched.make_event(out, sampled, start, t, dt)
             for fn in observers:
                 fn(event)

@@ -29,8 +29,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
-import threading
 from typing import Any
 
 import uvicorn
@@ -39,6 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenloom.version import __version__
+from tokenloom.router.server import CleanExitServer
 from tokenloom.config import EngineArgs
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.entrypoints.openai.auth import bearer_matches
@@ -277,7 +276,7 @@ def build_app(ctx: ServingContext, *, api_key: str | None = None, dashboard: boo
     return app
 
 
-class _Server(uvicorn.Server):
+class _Server(CleanExitServer):
     """uvicorn with two changes to its shutdown.
 
     - In-flight requests get `grace` seconds to finish; then the engine aborts them, so each
@@ -286,7 +285,7 @@ class _Server(uvicorn.Server):
       timeout stays as a backstop, a little later.
     - uvicorn re-raises the signal it caught once it is done, so SIGTERM would end the process
       with -15 and SIGINT with a KeyboardInterrupt; we promise exit status 0 after a clean
-      stop, so the handlers are installed and simply restored.
+      stop, so the handlers are installed and simply restored (`CleanExitServer`).
     """
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: float, *,
@@ -317,19 +316,6 @@ class _Server(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             timer.cancel()
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signals can only be handled on the main thread (tests run servers in threads)
-            return
-        handled = (signal.SIGINT, signal.SIGTERM)
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
 
 
 def build_server(args: argparse.Namespace) -> tuple[_Server, AsyncLLMEngine]:
