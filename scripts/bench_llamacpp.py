@@ -78,7 +78,7 @@ _X86_FEATURES = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bm
                  "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI",
                  "avx512_bf16": "AVX512_BF16"}
 OURS_TO_BITS = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0",  # equal bits per weight (about)
-                "gguf-Q8_0": "Q8_0", "gguf-Q4_0": "Q4_0"}  # --native: the very file llama.cpp runs, loaded by us
+                "gguf-Q8_0": "Q8_0", "gguf-Q4_0": "Q4_0", "gguf-Q4_K_M": "Q4_K_M"}  # --native: the file llama.cpp runs
 
 
 def cmake_args() -> str:

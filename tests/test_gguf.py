@@ -78,6 +78,16 @@ def _q4_k_m(name, shape):
     return T.Q5_K if name == "blk.0.ffn_gate.weight" else T.Q4_K
 
 
+_K_MIXED = {"attn_q": T.Q4_K, "attn_k": T.Q4_0, "attn_v": T.Q4_K, "attn_output": T.Q4_K, "ffn_gate": T.Q4_K,
+            "ffn_up": T.Q8_0, "ffn_down": T.Q4_K, "output": T.Q6_K, "token_embd": T.Q4_K}
+
+
+def _k_mixed(name, shape):
+    """Q4_K beside the types it may meet: a Q4_0 part in the fused q/k/v (kept: int4 with float32
+    scales, the Q4_0 part's offsets zero), a Q8_0 up beside a Q4_K gate (dequantized)."""
+    return _K_MIXED[name.split(".")[-2]]
+
+
 _MIXED = {"attn_q": T.Q4_0, "attn_k": T.Q5_0, "attn_v": T.Q8_0, "attn_output": T.Q4_1, "ffn_gate": T.Q5_1,
           "ffn_up": T.Q5_1, "ffn_down": T.Q4_0, "output": T.Q8_0, "token_embd": T.Q4_0}
 
@@ -96,7 +106,9 @@ CASES = {
     "Q8_0-llama-tied": ("llama", True, _every(T.Q8_0), ("gguf-q8_0",) * 5),
     "Q4_0-qwen2": ("qwen2", False, _llama_cpp_default(T.Q4_0), ("gguf-q4_0",) * 4 + ("dense",)),
     "Q4_0-pure-llama-tied": ("llama", True, _every(T.Q4_0), ("gguf-q4_0",) * 5),
-    "Q4_K_M-qwen3": ("qwen3", False, _q4_k_m, ("dense",) * 5),
+    "Q4_K_M-qwen3": ("qwen3", False, _q4_k_m, ("dense", "gguf-q4_k", "dense", "dense", "dense")),
+    "Q4_K-llama-tied": ("llama", True, _every(T.Q4_K), ("gguf-q4_k",) * 5),
+    "Q4_K-mixed-qwen2": ("qwen2", False, _k_mixed, ("gguf-q4_k", "gguf-q4_k", "dense", "gguf-q4_k", "dense")),
     "Q6_K-llama-tied": ("llama", True, _every(T.Q6_K), ("dense",) * 5),
     "mixed-legacy-llama": ("llama", False, _mixed, ("gguf-q8_0", "dense", "dense", "gguf-q4_0", "gguf-q8_0")),
 }

@@ -1,5 +1,6 @@
-"""Our quantized kernel on weights that arrive quantized (GGUF's Q4_0 / Q8_0 blocks):
-int4 with float16 group scales, and int8 in groups of 32 with float16 (or bfloat16) scales.
+"""Our quantized kernel on weights that arrive quantized (GGUF's Q4_0 / Q8_0 / Q4_K blocks):
+int4 with float16 or float32 group scales, and int8 in groups of 32 with float16 (or bfloat16)
+scales.
 
 Each build of the kernel (AVX2 with F16C, AVX-512, AVX-512 with VNNI's integer path) multiplies
 by exactly the matrix `TorchQuantized.from_quantized` dequantizes -- the file's integers times
@@ -21,6 +22,7 @@ from tokenloom.model.weights.quant_schemes import QuantScheme
 from tokenloom.model.weights.quantization import PanelQuantized, TorchQuantized
 
 SCHEMES = {"int4-fp16": (QuantScheme("q4_0", 4, 32), torch.float16),
+           "int4-fp32": (QuantScheme("q4_k", 4, 32), torch.float32),
            "int8-g32-fp16": (QuantScheme("q8_0", 8, 32), torch.float16),
            "int8-g32-bf16": (QuantScheme("q8_0", 8, 32), torch.bfloat16)}
 
@@ -32,6 +34,8 @@ def _blocks(name: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.T
     lo, hi = (-8, 8) if scheme.bits == 4 else (-127, 128)
     q = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
     s = ((torch.rand(n, k // 32, generator=g) - 0.3) * 0.02).to(dtype)  # some negative, as GGUF's d can be
+    if dtype == torch.float32:  # Q4_K's sub-block scales: a float16 times a 6-bit integer
+        s = s.half().float() * torch.randint(0, 64, s.shape, generator=g).float()
     s[0, 0] = 0  # an all-zero block
     return q, s
 
@@ -63,16 +67,18 @@ def test_kernel_multiplies_by_the_blocks_values(kernel_build, name, n, k):  # no
     assert torch.equal(ours.rows(ids), generic.rows(ids))
 
 
-@pytest.mark.parametrize("name", ["int4-fp16", "int8-g32-fp16"])
-def test_float16_scales_are_not_rounded_to_bfloat16(kernel_build, name):  # noqa: F811
-    """A scale with more mantissa bits than bfloat16 holds: the kernel's product is the float16
-    one, 2^-10 apart from what a bfloat16 scale would give."""
-    scheme = SCHEMES[name][0]
+@pytest.mark.parametrize("name", ["int4-fp16", "int8-g32-fp16", "int4-fp32"])
+def test_scales_are_not_rounded_to_a_narrower_type(kernel_build, name):  # noqa: F811
+    """A scale with more mantissa bits than bfloat16 (float16) or than float16 (float32, as a
+    Q4_K sub-block's d * sc is) holds: the kernel's product is the exact one, 2^-10 (2^-14) apart
+    from what the narrower scale would give."""
+    scheme, dtype = SCHEMES[name]
+    scale = 1 + 2**-10 if dtype == torch.float16 else 1 + 2**-14  # float16 rounds 1 + 2^-14 to 1
     q = torch.full((32, 64), 3, dtype=torch.int8)
-    s = torch.full((32, 2), 1 + 2**-10, dtype=torch.float16)  # 1.0009765625: bfloat16 rounds it to 1
+    s = torch.full((32, 2), scale, dtype=dtype)
     ours = PanelQuantized.from_quantized(q, s, scheme, 64)
     y = ours.matmul(torch.ones(1, 64), None)
-    assert torch.equal(y, torch.full((1, 32), 64 * 3 * (1 + 2**-10)))
+    assert torch.equal(y, torch.full((1, 32), 64 * 3 * scale))
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMES))

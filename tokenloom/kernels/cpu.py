@@ -251,7 +251,7 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor, quads: bool = False) -> tupl
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int4 values q [N, Kp] (int8 in -8..7) and bf16 or fp16 scales [N, Kp/G] -> ([P, Kp, 16] uint8,
+    """int4 values q [N, Kp] (int8 in -8..7) and bf16, fp16 or fp32 scales [N, Kp/G] -> ([P, Kp, 16] uint8,
     byte c of panel p at k = (q[32p + c, k] + 8) | (q[32p + 16 + c, k] + 8) << 4; scales
     [P, Kp/G, 32] in their dtype: `pack_group_scales`), P = ceil(N/32).  Padded columns are 0
     with scale 0."""
@@ -285,12 +285,14 @@ def pack_int4_blocks(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def pack_group_scales(scale: torch.Tensor) -> torch.Tensor:
-    """Group scales [N, Kp/G] (bfloat16 or float16, kept as they are) -> [ceil(N/32), Kp/G, 32]:
-    a panel's 32 columns of one group side by side, the layout the grouped kernels load."""
+    """Group scales [N, Kp/G] (bfloat16 or float16, or float32 for the int4 kernel; kept as they
+    are) -> [ceil(N/32), Kp/G, 32]: a panel's 32 columns of one group side by side, the layout
+    the grouped kernels load."""
     n, groups = scale.shape
     p = -(-n // WIDE)
-    bits = scale.contiguous().view(torch.int16).numpy()  # numpy has no bfloat16: move the 16 bits
-    out = np.zeros((p * WIDE, groups), dtype=np.int16)
+    as_int = torch.int32 if scale.element_size() == 4 else torch.int16
+    bits = scale.contiguous().view(as_int).numpy()  # numpy has no bfloat16: move the bits
+    out = np.zeros((p * WIDE, groups), dtype=bits.dtype)
     out[:n] = bits
     packed = np.ascontiguousarray(out.reshape(p, WIDE, groups).transpose(0, 2, 1))
     return torch.from_numpy(packed).view(scale.dtype)

@@ -11,13 +11,15 @@
 //   int8  [P, K, 32] int8; scales [P * 32] float32:  w[32p + c, k] = q[p, k, c] * s[32p + c]
 //         (the VNNI build: [P, K / 4, 32, 4] k-quads,  w[32p + c, k] = q[p, k / 4, c, k % 4] * s)
 //   int4  [P, Kp, 16] uint8, low nibble column c, high nibble column c + 16 (biased by 8);
-//         scales [P, Kp / G, 32] bfloat16 or float16: w[32p + c, k] = (nib - 8) * s[p, k / G, c]
-//   int8 in groups (`linear_int8_group`): the int8 panels above, scales as int4's:
+//         scales [P, Kp / G, 32] bfloat16, float16 or float32: w[32p + c, k] = (nib - 8) * s[p, k / G, c]
+//   int8 in groups (`linear_int8_group`): the int8 panels above, scales as int4's (16-bit):
 //                                                     w[32p + c, k] = q[.., k, c] * s[p, k / G, c]
 //
 // Group scales come in bfloat16 (our own int4) or float16 (GGUF's Q4_0 and Q8_0 blocks, kept
 // exactly as the file stores them: float16 has three more mantissa bits than bfloat16); either
-// is widened to float32 as it is loaded, so both cost the same 16 bits per group.
+// is widened to float32 as it is loaded, so both cost the same 16 bits per group.  int4 also
+// takes float32 scales, for GGUF's Q4_K sub-blocks: d * sc, a float16 times a 6-bit integer, is
+// exact in float32 but in neither 16-bit type (32 bits per group of 32, one more bit a weight).
 //
 // Two ways through a panel, chosen by the row count:
 // * few rows (decode): each k's 32 weights are widened to float32 in registers and used at
@@ -125,10 +127,11 @@ inline void widen_int4(const uint8_t* src, vf* out) {
 
 constexpr int NV = W / VL;  // vectors per k of a panel
 
-// One group's scales of VL columns, float16 (`F16`) or bfloat16, as float32.
-template <bool F16>
-inline vf vload_scales(const uint16_t* p) {
-  if constexpr (F16) return vload_f16(p);
+// One group's scales of VL columns, bfloat16, float16 or float32 (`SK`, panel_linear.h), as float32.
+template <typename SK>
+inline vf vload_scales(const typename SK::T* p) {
+  if constexpr (SK::kind == tokenloom::ScaleKind::F32) return vload(p);
+  else if constexpr (SK::kind == tokenloom::ScaleKind::F16) return vload_f16(p);
   else return vload_bf16(p);
 }
 
@@ -185,31 +188,31 @@ struct Int8Source : Int8Stream {
 
 // int8 with one scale per group of G k per column (float16 or bfloat16, k0 a multiple of G):
 // the group's scales multiply each group's sums.
-template <bool F16>
+template <typename SK>
 struct Int8GroupSource : Int8Stream {
   static constexpr int kScale = 2;
-  const uint16_t* sc;  // panel's scales from k0's group: [.., 32]
+  const typename SK::T* sc;  // panel's scales from k0's group: [.., 32]
   int64_t G;
   vf s[NV];
-  Int8GroupSource(const int8_t* q_, const uint16_t* sc_, int64_t G_) : Int8Stream{q_}, sc(sc_), G(G_) {}
+  Int8GroupSource(const int8_t* q_, const typename SK::T* sc_, int64_t G_) : Int8Stream{q_}, sc(sc_), G(G_) {}
   void group(int64_t k) {
-    const uint16_t* g = sc + (k / G) * W;
-    for (int j = 0; j < NV; ++j) s[j] = vload_scales<F16>(g + j * VL);
+    const typename SK::T* g = sc + (k / G) * W;
+    for (int j = 0; j < NV; ++j) s[j] = vload_scales<SK>(g + j * VL);
   }
 };
 
 // int4 weights of one panel from k0 on (k0 a multiple of G): nib - 8; the group's scales
-// (float16 or bfloat16) multiply each group's sums.
-template <bool F16>
+// (`SK`: bfloat16, float16 or float32) multiply each group's sums.
+template <typename SK>
 struct Int4Source {
   static constexpr int kScale = 2;
-  const uint8_t* q;      // panel's k0 row: [.., 16]
-  const uint16_t* sc;    // panel's scales from k0's group: [.., 32]
+  const uint8_t* q;             // panel's k0 row: [.., 16]
+  const typename SK::T* sc;     // panel's scales from k0's group: [.., 32]
   int64_t G;
   vf s[NV];
   void group(int64_t k) {
-    const uint16_t* g = sc + (k / G) * W;
-    for (int j = 0; j < NV; ++j) s[j] = vload_scales<F16>(g + j * VL);
+    const typename SK::T* g = sc + (k / G) * W;
+    for (int j = 0; j < NV; ++j) s[j] = vload_scales<SK>(g + j * VL);
   }
   void prefetch(int64_t k, int64_t n) const { tokenloom::prefetch_stream(q + k * (W / 2), n * (W / 2)); }
   void get(int64_t k, vf* out) const { widen_int4(q + k * (W / 2), out); }
@@ -330,8 +333,8 @@ inline void dequant_quads(Src& src, int64_t kc, int64_t G, float* buf) {
   }
 }
 inline void dequant_block(Int8Source& src, int64_t kc, int64_t, float* buf) { dequant_quads(src, kc, kc, buf); }
-template <bool F16>
-inline void dequant_block(Int8GroupSource<F16>& src, int64_t kc, int64_t G, float* buf) { dequant_quads(src, kc, G, buf); }
+template <typename SK>
+inline void dequant_block(Int8GroupSource<SK>& src, int64_t kc, int64_t G, float* buf) { dequant_quads(src, kc, G, buf); }
 #endif
 
 // The GEMM over panels; `make(p, k0)` is a weight source for panel p from k0 on.  y is
@@ -479,17 +482,21 @@ std::pair<int64_t, int64_t> int8_panels(const at::Tensor& x, const at::Tensor& q
   return {K, P};
 }
 
-// Group scales [P, Kp / group, 32] in float16 or bfloat16: whether float16.
-bool check_group_scales(const at::Tensor& scales, int64_t P, int64_t Kp, int64_t group) {
+// Group scales [P, Kp / group, 32]: bfloat16 or float16, or (`f32_ok`: the int4 kernel) float32.
+tokenloom::ScaleKind check_group_scales(const at::Tensor& scales, int64_t P, int64_t Kp, int64_t group, bool f32_ok) {
   TORCH_CHECK(group > 0 && KC % group == 0, "group must divide ", KC);
   TORCH_CHECK(Kp % group == 0, "packed k must be a multiple of the group");
-  TORCH_CHECK((scales.scalar_type() == at::kBFloat16 || scales.scalar_type() == at::kHalf) && scales.dim() == 3 &&
+  const auto t = scales.scalar_type();
+  TORCH_CHECK((t == at::kBFloat16 || t == at::kHalf || (f32_ok && t == at::kFloat)) && scales.dim() == 3 &&
                   scales.size(0) == P && scales.size(1) == Kp / group && scales.size(2) == W,
-              "group scales: bfloat16 or float16 [P, Kp / group, 32]");
-  return scales.scalar_type() == at::kHalf;
+              f32_ok ? "group scales: bfloat16, float16 or float32 [P, Kp / group, 32]"
+                     : "group scales: bfloat16 or float16 [P, Kp / group, 32]");
+  using tokenloom::ScaleKind;
+  return t == at::kFloat ? ScaleKind::F32 : t == at::kHalf ? ScaleKind::F16 : ScaleKind::BF16;
 }
 
-const uint16_t* scale_bits(const at::Tensor& s) { return reinterpret_cast<const uint16_t*>(s.data_ptr()); }
+template <typename SK>
+const typename SK::T* scale_ptr(const at::Tensor& s) { return reinterpret_cast<const typename SK::T*>(s.data_ptr()); }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t n,
                        const c10::optional<at::Tensor>& bias) {
@@ -504,7 +511,8 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
   namespace v = tokenloom::vnni;
   auto y = decode_vnni<v::Int8Quad>(x, K, P, n, bias, [&](int64_t p, const v::Limbs& xl, int64_t M, auto* yp,
                                                           int64_t ldy, int64_t ncols, const float* bp) {
-    v::panel<false>(xl, M, v::Int8Quad(qp + p * K * W), K, K, sp + p * W, nullptr, yp, ldy, ncols, bp);
+    v::panel<tokenloom::ScalesBF16>(xl, M, v::Int8Quad(qp + p * K * W), K, K, sp + p * W, nullptr, yp, ldy, ncols,
+                                    bp);
   });
   if (y.has_value()) return *y;
 #endif
@@ -516,24 +524,24 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
   return finish(c, x, n);
 }
 
-template <bool F16>
+template <typename SK>
 at::Tensor int8_group(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t K, int64_t P, int64_t n,
                       int64_t group, const c10::optional<at::Tensor>& bias) {
   const int8_t* qp = q.data_ptr<int8_t>();
-  const uint16_t* sp = scale_bits(s);
+  const auto* sp = scale_ptr<SK>(s);
   const int64_t ng = K / group;
 #ifdef TOKENLOOM_QUANT_VNNI
   namespace v = tokenloom::vnni;
   auto y = decode_vnni<v::Int8Quad>(x, K, P, n, bias, [&](int64_t p, const v::Limbs& xl, int64_t M, auto* yp,
                                                           int64_t ldy, int64_t ncols, const float* bp) {
-    v::panel<F16>(xl, M, v::Int8Quad(qp + p * K * W), K, group, nullptr, sp + p * ng * W, yp, ldy, ncols, bp);
+    v::panel<SK>(xl, M, v::Int8Quad(qp + p * K * W), K, group, nullptr, sp + p * ng * W, yp, ldy, ncols, bp);
   });
   if (y.has_value()) return *y;
 #endif
   Call c = begin(x, K, P, bias);
   if (c.M > 0) {
     gemm(c.x2.data_ptr<float>(), c.M, K, P, group, c.bias_ptr, c.y.data_ptr<float>(), [&](int64_t p, int64_t k0) {
-      return Int8GroupSource<F16>(qp + (p * K + k0) * W, sp + (p * ng + k0 / group) * W, group);
+      return Int8GroupSource<SK>(qp + (p * K + k0) * W, sp + (p * ng + k0 / group) * W, group);
     });
   }
   return finish(c, x, n);
@@ -544,32 +552,33 @@ at::Tensor linear_int8_group(const at::Tensor& x, const at::Tensor& qweight, con
                              int64_t group, const c10::optional<at::Tensor>& bias) {
   const auto [K, P] = int8_panels(x, qweight);
   TORCH_CHECK(x.size(-1) == K, "grouped int8: x has ", x.size(-1), " features, the weight ", K);
-  const bool f16 = check_group_scales(scales, P, K, group);
+  const auto kind = check_group_scales(scales, P, K, group, false);
   TORCH_CHECK(P * W >= n, "n exceeds the packed panels");
   const auto q = qweight.contiguous();
   const auto s = scales.contiguous();
-  return f16 ? int8_group<true>(x, q, s, K, P, n, group, bias) : int8_group<false>(x, q, s, K, P, n, group, bias);
+  return kind == tokenloom::ScaleKind::F16 ? int8_group<tokenloom::ScalesF16>(x, q, s, K, P, n, group, bias)
+                                           : int8_group<tokenloom::ScalesBF16>(x, q, s, K, P, n, group, bias);
 }
 
-template <bool F16>
+template <typename SK>
 at::Tensor int4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t Kp, int64_t P, int64_t n,
                 int64_t group, const c10::optional<at::Tensor>& bias) {
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  const uint16_t* sp = scale_bits(s);
+  const auto* sp = scale_ptr<SK>(s);
   const int64_t ng = Kp / group;
 #ifdef TOKENLOOM_QUANT_VNNI
   namespace v = tokenloom::vnni;
   auto y = decode_vnni<v::Int4Quad>(x, Kp, P, n, bias, [&](int64_t p, const v::Limbs& xl, int64_t M, auto* yp,
                                                            int64_t ldy, int64_t ncols, const float* bp) {
-    v::panel<F16>(xl, M, v::Int4Quad(qp + p * Kp * (W / 2)), Kp, group, nullptr, sp + p * ng * W, yp, ldy, ncols,
-                  bp);
+    v::panel<SK>(xl, M, v::Int4Quad(qp + p * Kp * (W / 2)), Kp, group, nullptr, sp + p * ng * W, yp, ldy, ncols,
+                 bp);
   });
   if (y.has_value()) return *y;
 #endif
   Call c = begin(x, Kp, P, bias);
   if (c.M > 0) {
     gemm(c.x2.data_ptr<float>(), c.M, Kp, P, group, c.bias_ptr, c.y.data_ptr<float>(), [&](int64_t p, int64_t k0) {
-      Int4Source<F16> src;
+      Int4Source<SK> src;
       src.q = qp + (p * Kp + k0) * (W / 2);
       src.sc = sp + (p * ng + k0 / group) * W;
       src.G = group;
@@ -585,12 +594,16 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 3 && qweight.size(2) == W / 2,
               "int4 weight must be packed as [P, Kp, 16] uint8");
   const int64_t P = qweight.size(0), Kp = qweight.size(1);
-  const bool f16 = check_group_scales(scales, P, Kp, group);
+  const auto kind = check_group_scales(scales, P, Kp, group, true);
   TORCH_CHECK(x.size(-1) <= Kp && x.size(-1) > Kp - group, "x has ", x.size(-1), " features, the weight ", Kp);
   TORCH_CHECK(P * W >= n, "n exceeds the packed panels");
   const auto q = qweight.contiguous();
   const auto s = scales.contiguous();
-  return f16 ? int4<true>(x, q, s, Kp, P, n, group, bias) : int4<false>(x, q, s, Kp, P, n, group, bias);
+  switch (kind) {
+    case tokenloom::ScaleKind::F32: return int4<tokenloom::ScalesF32>(x, q, s, Kp, P, n, group, bias);
+    case tokenloom::ScaleKind::F16: return int4<tokenloom::ScalesF16>(x, q, s, Kp, P, n, group, bias);
+    default: return int4<tokenloom::ScalesBF16>(x, q, s, Kp, P, n, group, bias);
+  }
 }
 
 }  // namespace

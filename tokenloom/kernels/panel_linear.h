@@ -11,9 +11,23 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace tokenloom {
+
+// The dtypes the quantized kernels' group scales come in (cpu_gemm_quant.cpp, quant_vnni.h):
+// bfloat16 (our own int4), float16 (GGUF's Q4_0 / Q8_0 blocks, GPTQ's, AWQ's) or float32 (GGUF's
+// Q4_K sub-block scales, a float16 times a 6-bit integer), each widened to float32 as loaded.
+enum class ScaleKind { BF16, F16, F32 };
+template <ScaleKind K>
+struct Scales {
+  static constexpr ScaleKind kind = K;
+  using T = std::conditional_t<K == ScaleKind::F32, float, uint16_t>;
+};
+using ScalesBF16 = Scales<ScaleKind::BF16>;
+using ScalesF16 = Scales<ScaleKind::F16>;
+using ScalesF32 = Scales<ScaleKind::F32>;
 
 struct LinearCall {
   at::Tensor x2;     // [M, K] contiguous, in the kernel's input dtype

@@ -190,20 +190,22 @@ struct Int4Quad {
   }
 };
 
-// 16 group scales as float32: float16 (`F16`, GGUF's blocks) or bfloat16.
-template <bool F16>
-inline __m512 load_scales16(const uint16_t* p) {
+// 16 group scales as float32: bfloat16, float16 (GGUF's Q4_0 / Q8_0 blocks) or float32 (GGUF's
+// Q4_K sub-block scales, d * sc, which no 16-bit type holds exactly): `SK` (panel_linear.h).
+template <typename SK>
+inline __m512 load_scales16(const typename SK::T* p) {
+  if constexpr (SK::kind == ScaleKind::F32) return _mm512_loadu_ps(p);
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  if constexpr (F16) return _mm512_cvtph_ps(h);
+  if constexpr (SK::kind == ScaleKind::F16) return _mm512_cvtph_ps(h);
   else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 // y[row0 .. row0+R, one panel] = x . panel over all K (+ bias), x in NL limbs.  Weight scales:
 // `col_scales` (int8: one per column, applied at the end) or `group_scales` (int4, grouped int8:
-// bfloat16 or, with `F16`, float16 [K / G, 32], applied to each group's sums).
-template <int R, bool F16, int NL, typename Quad, typename Out>
+// [K / G, 32] of the dtype `SK` names, applied to each group's sums).
+template <int R, typename SK, int NL, typename Quad, typename Out>
 inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int64_t G, const float* col_scales,
-                  const uint16_t* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
+                  const typename SK::T* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
   const __m512 c1 = _mm512_set1_ps(1.0f / 128), c2 = _mm512_set1_ps(1.0f / 16384);
   __m512 tot[R][2];
   for (int i = 0; i < R; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
@@ -243,9 +245,9 @@ inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int
       }
     }
     if (group_scales) {
-      const uint16_t* gs = group_scales + (g0 / G) * kPanel;
+      const typename SK::T* gs = group_scales + (g0 / G) * kPanel;
       for (int j = 0; j < 2; ++j) {
-        const __m512 s = load_scales16<F16>(gs + 16 * j);
+        const __m512 s = load_scales16<SK>(gs + 16 * j);
         for (int i = 0; i < R; ++i) tot[i][j] = _mm512_fmadd_ps(gacc[i][j], s, tot[i][j]);
       }
     } else {
@@ -266,20 +268,20 @@ inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int
 // so fewer passes is faster: a 5-row verifying step as 4 + 1 rows, not 2 + 2 + 1), then the 1-3
 // left: y[0:M, 0:ncols] with row stride ldy.  With two limbs 5 rows are one pass (20
 // accumulators); 6 at a time spilled and lost to 4 + 2.
-template <bool F16, int NL, typename Quad, typename Out>
+template <typename SK, int NL, typename Quad, typename Out>
 inline void panel_limbs(const Limbs& xl, int64_t M, const Quad& src, int64_t K, int64_t G, const float* col_scales,
-                        const uint16_t* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
+                        const typename SK::T* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
   if constexpr (NL == 2) {
     if (M == 5)
-      return micro<5, F16, NL>(xl, 0, src, K, G, col_scales, group_scales, y, ldy, ncols, bias);
+      return micro<5, SK, NL>(xl, 0, src, K, G, col_scales, group_scales, y, ldy, ncols, bias);
   }
   int64_t m = 0;
   for (; m + 4 <= M; m += 4)
-    micro<4, F16, NL>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
+    micro<4, SK, NL>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
   switch (M - m) {
-    case 3: return micro<3, F16, NL>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
-    case 2: return micro<2, F16, NL>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
-    case 1: return micro<1, F16, NL>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
+    case 3: return micro<3, SK, NL>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
+    case 2: return micro<2, SK, NL>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
+    case 1: return micro<1, SK, NL>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
     default: return;
   }
 }
@@ -288,11 +290,11 @@ inline void panel_limbs(const Limbs& xl, int64_t M, const Quad& src, int64_t K, 
 // rounding, and the weights', is far coarser than the third limb).
 inline int limbs_for(bool bf16) { return bf16 ? 2 : kMaxLimbs; }
 
-template <bool F16, typename Quad, typename Out>
+template <typename SK, typename Quad, typename Out>
 inline void panel(const Limbs& xl, int64_t M, const Quad& src, int64_t K, int64_t G, const float* col_scales,
-                  const uint16_t* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
-  if (xl.count == 2) return panel_limbs<F16, 2>(xl, M, src, K, G, col_scales, group_scales, y, ldy, ncols, bias);
-  panel_limbs<F16, kMaxLimbs>(xl, M, src, K, G, col_scales, group_scales, y, ldy, ncols, bias);
+                  const typename SK::T* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
+  if (xl.count == 2) return panel_limbs<SK, 2>(xl, M, src, K, G, col_scales, group_scales, y, ldy, ncols, bias);
+  panel_limbs<SK, kMaxLimbs>(xl, M, src, K, G, col_scales, group_scales, y, ldy, ncols, bias);
 }
 
 }  // namespace tokenloom::vnni

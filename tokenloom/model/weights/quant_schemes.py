@@ -17,18 +17,21 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """One quantization choice: `bits` per weight, `group` along K (0: the whole row)."""
+    """One quantization choice: `bits` per weight, `group` along K (0: the whole row), and the
+    bytes each group carries besides its integers (`group_bytes`: a 16-bit scale; GGUF's Q4_K
+    as we hold it, a float32 scale and a float32 offset)."""
 
     name: str
     bits: int
     group: int
+    group_bytes: int = 2
 
     def matrix_bytes(self, n: int, k: int) -> int:
         """Bytes of an [n, k] weight matrix, scales included."""
         if self.bits == 8 and not self.group:
             return n * k + 4 * n
         groups = -(-k // self.group)
-        return n * groups * (self.group * self.bits // 8 + 2)
+        return n * groups * (self.group * self.bits // 8 + self.group_bytes)
 
     def bytes_per_weight(self, k: int) -> float:
         """Storage per weight of a row of `k` inputs, scales included."""

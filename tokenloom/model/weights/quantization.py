@@ -187,7 +187,7 @@ class PanelQuantized(QuantizedMatrix):
     @classmethod
     def from_quantized(cls, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme, in_features: int) -> "PanelQuantized":
         """An already quantized matrix (a checkpoint's, model/weights/formats/): as
-        `TorchQuantized.from_quantized`, group scales in bfloat16 or float16 (what the kernel takes)."""
+        `TorchQuantized.from_quantized`, group scales in bfloat16 or float16 (float32 for int4: what the kernel takes)."""
         m = cls.__new__(cls)
         QuantizedMatrix.__init__(m)
         m._store(q, s, scheme, in_features)

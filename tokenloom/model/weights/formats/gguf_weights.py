@@ -9,8 +9,9 @@ parameters is one of two kinds:
   part is a kept type (gguf_blocks.py): its blocks become one `QuantizedMatrix` -- int4 where
   every part is Q4_0, else int8 groups (a Q4_0 or Q5_0 part's integers fit int8 exactly) --
   run by our kernel (`PanelQuantized`) or, where it does not build or `--linear-backend torch`,
-  by PyTorch ops (`TorchQuantized`).  A fused matrix is its parts' rows stacked: a block never
-  spans rows, so stacking changes no block.
+  by PyTorch ops (`TorchQuantized`); Q4_K as int4 with float32 scales and a per-group offset
+  added around the kernel (to_kernels.py `Prequantized`).  A fused matrix is its parts' rows
+  stacked: a block never spans rows, so stacking changes no block.
 * dense: everything else, read (dequantized where quantized) into the parameter in the model's
   dtype, to be packed for the linear backend like any checkpoint's weights.
 
@@ -31,15 +32,16 @@ import torch
 
 from tokenloom.model.llama import CausalLM, ModelArgs
 from tokenloom.model.weights.formats.gguf import open_file
-from tokenloom.model.weights.formats.gguf_blocks import KEPT, dense, kept_blocks, q4_0_bytes
+from tokenloom.model.weights.formats.gguf_blocks import KEPT, T, dense, kept_blocks, q4_0_bytes, q4_k_groups
 from tokenloom.model.weights.formats.gguf_file import GGUFTensor
 from tokenloom.model.weights.quant_schemes import QuantScheme
 
 log = logging.getLogger("tokenloom")
 
-# The kept types as our kernel's schemes (quant_schemes.py): 4.5 and 8.5 bits a weight.
+# The kept types as our kernel's schemes (quant_schemes.py): 4.5, 8.5 and 6 bits a weight.
 Q4_0 = QuantScheme("gguf-q4_0", 4, 32)
 Q8_0 = QuantScheme("gguf-q8_0", 8, 32)
+Q4_K = QuantScheme("gguf-q4_k", 4, 32, group_bytes=8)  # a float32 scale and offset per group
 
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {
@@ -125,9 +127,13 @@ def load_gguf_weights(path: Path, model: CausalLM, a: ModelArgs, params: dict[st
 
 def _keeps(pname: str, ts: list, a: ModelArgs) -> bool:
     """Whether our parameter `pname` runs from its blocks: a linear's weight (or a tied vocab
-    matrix) whose every part is a kept type."""
+    matrix) whose every part is a kept type -- all of them int4 where one is Q4_K (its offsets
+    sit around the int4 kernel only)."""
     linear = _LINEAR_RE.match(pname) is not None or (pname == "embed_tokens.weight" and a.tie_word_embeddings)
-    return linear and all(t.tensor_type in KEPT for t, _, _ in ts)
+    types = [t.tensor_type for t, _, _ in ts]
+    if T.Q4_K in types and any(KEPT.get(t) != "int4" for t in types):
+        return False
+    return linear and all(t in KEPT for t in types)
 
 
 def _fill_dense(p: torch.nn.Parameter, pname: str, idx: int | None, t: GGUFTensor, rows: torch.Tensor | None,
@@ -146,28 +152,45 @@ def _fill_dense(p: torch.nn.Parameter, pname: str, idx: int | None, t: GGUFTenso
     p.data[lo:hi].copy_(w)
 
 
-def _stack(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The parts of a fused matrix, rows stacked (integers and scales alike)."""
+def _stack(parts: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """The parts of a fused matrix, rows stacked (integers, scales and offsets alike)."""
     if len(parts) == 1:
         return parts[0]
-    return tuple(torch.from_numpy(np.concatenate([p[i].numpy() for p in parts])) for i in (0, 1))
+    return tuple(torch.from_numpy(np.concatenate([p[i].numpy() for p in parts])) for i in range(len(parts[0])))
+
+
+def _q4_k_parts(t: GGUFTensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One part of a matrix that holds Q4_K: (q, float32 scales, offsets), w = q s + o per group
+    of 32 -- a Q4_0 part beside it as its float16 scales widened, with no offset."""
+    if t.tensor_type == T.Q4_K:
+        return q4_k_groups(t, rows)
+    q, d = kept_blocks(t, rows)
+    return q, d.float(), torch.zeros(d.shape, dtype=torch.float32)
 
 
 def _install(model: CausalLM, pname: str, ts: list, dtype: torch.dtype, device: torch.device, kernels: bool) -> None:
     """Replace the linear (or the tied embedding and head) of `pname` by its kept blocks."""
+    from tokenloom.model.weights.formats.to_kernels import Prequantized
     from tokenloom.model.weights.quantization import (PanelQuantized, QuantEmbedding, QuantLinear,
                                                       TorchQuantized)
 
     ts = sorted(ts, key=lambda x: x[1] or 0)
-    scheme = Q4_0 if all(KEPT[t.tensor_type] == "int4" for t, _, _ in ts) else Q8_0
-    if scheme is Q4_0 and kernels:  # our panels straight from the file's nibbles
-        blocks, d = _stack([q4_0_bytes(t, rows) for t, _, rows in ts])
-        matrix = PanelQuantized.from_int4_blocks(blocks, d, scheme)
+    make = PanelQuantized if kernels else TorchQuantized
+    if any(t.tensor_type == T.Q4_K for t, _, _ in ts):  # int4, float32 scales, offsets around the kernel
+        q, s, o = _stack([_q4_k_parts(t, rows) for t, _, rows in ts])
+        inner = make.from_quantized(q.to(device), s.to(device), Q4_K, q.shape[1])
+        matrix = Prequantized(inner, None, o.to(device), Q4_K.group)
+    elif all(KEPT[t.tensor_type] == "int4" for t, _, _ in ts):
+        if kernels:  # our panels straight from the file's nibbles
+            blocks, d = _stack([q4_0_bytes(t, rows) for t, _, rows in ts])
+            inner = matrix = PanelQuantized.from_int4_blocks(blocks, d, Q4_0)
+        else:
+            q, d = _stack([kept_blocks(t, rows) for t, _, rows in ts])
+            inner = matrix = make.from_quantized(q.to(device), d.to(device), Q4_0, q.shape[1])
     else:
         q, d = _stack([kept_blocks(t, rows) for t, _, rows in ts])
-        make = PanelQuantized if kernels else TorchQuantized
-        matrix = make.from_quantized(q.to(device), d.to(device), scheme, q.shape[1])
-    pad = matrix.qweight.shape[0] * 32 if kernels else None
+        inner = matrix = make.from_quantized(q.to(device), d.to(device), Q8_0, q.shape[1])
+    pad = inner.qweight.shape[0] * 32 if kernels else None
     module = pname.removesuffix(".weight")
     if module == "embed_tokens":  # tied: one matrix for the lookup and the head
         if (matrix.out_features, matrix.in_features) != tuple(model.embed_tokens.weight.shape):
