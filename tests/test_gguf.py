@@ -197,6 +197,8 @@ def test_generates_what_transformers_gguf_loader_generates(tmp_path, name):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is None or not getattr(graphs, "eager", {}), graphs.eager  # every decode replayed
     for p, o in zip(prompts, outs):
         with torch.no_grad():
             want = hf(torch.tensor([p])).logits[0, -1].float().log_softmax(-1)
