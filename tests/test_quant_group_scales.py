@@ -107,3 +107,25 @@ def test_int4_panels_from_gguf_nibble_blocks_are_the_panels_of_the_same_values()
         q = (torch.cat([b & 15, b >> 4], dim=-1).to(torch.int8) - 8).view(n, 96)  # byte j: j low, j + 16 high
         want, _ = cpu_kernels.pack_int4(q, torch.ones(n, 3, dtype=torch.float16))
         assert torch.equal(cpu_kernels.pack_int4_blocks(b), want)
+
+
+@pytest.mark.parametrize("n,k", [(70, 256), (33, 512)])
+def test_int4_group_offsets_are_added_by_the_kernel(kernel_build, n, k):  # noqa: F811
+    """GGUF's Q4_K as we hold it: w = (q - 8 as stored) * s + o per group of 32, float32 s and o;
+    the kernel adds o times each group's sum of x on every path (integer and float32, fused and
+    dequantized-block rows), and `rows` gives w back for a tied lookup."""
+    q, s = _blocks("int4-fp32", n, k, n + k)
+    g = torch.Generator().manual_seed(3)
+    o = (torch.rand(n, k // 32, generator=g) - 0.5) * 0.05
+    ours = PanelQuantized.from_quantized(q, s, QuantScheme("q4_k", 4, 32, group_bytes=8), k, offsets=o)
+    w = q.float() * s.repeat_interleave(32, dim=1) + o.repeat_interleave(32, dim=1)
+    assert torch.equal(ours.dequantize(), w)
+    for m in (1, 3, 5, 8, 16, 40):
+        x = torch.randn(m, k, generator=g)
+        ref = (x.double() @ w.double().t()).float()
+        tol = 3e-5 * math.sqrt(k) * x.abs().max().item() * w.abs().max().item()
+        torch.testing.assert_close(ours.matmul(x, None), ref, atol=tol, rtol=0)
+        xb = x.bfloat16()
+        refb = (xb.double() @ w.double().t()).float()
+        # bf16 x: the result rounded to bfloat16 (and x on two limbs, 2^-13 of each block's largest)
+        torch.testing.assert_close(ours.matmul(xb, None).float(), refb, atol=1e-2 * refb.abs().max().item(), rtol=0)

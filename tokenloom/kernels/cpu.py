@@ -215,7 +215,7 @@ def _register_fake_quant(ns: str):
         return x.new_empty((*x.shape[:-1], n))
 
     @torch.library.register_fake(f"{ns}::linear_int4")
-    def _(x, qweight, scales, n, group, bias):
+    def _(x, qweight, scales, n, group, bias, offsets=None):
         return x.new_empty((*x.shape[:-1], n))
 
     @torch.library.register_fake(f"{ns}::linear_int8_group")

@@ -57,6 +57,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 namespace {
 
@@ -560,9 +561,52 @@ at::Tensor linear_int8_group(const at::Tensor& x, const at::Tensor& qweight, con
                                            : int8_group<tokenloom::ScalesBF16>(x, q, s, K, P, n, group, bias);
 }
 
+// Offsets per group and column (GGUF's Q4_K mins), float32 packed as the scales: [P, Kp / G, 32],
+// and each row's sums of x over each group, in float32: [M, Kp / G].
+struct Offsets {
+  const float* o = nullptr;
+  at::Tensor sums;  // [M, ng] float32
+  const float* xsum = nullptr;
+  int64_t ng = 0;
+};
+
+Offsets group_offsets(const at::Tensor& x, const c10::optional<at::Tensor>& offsets, int64_t P, int64_t Kp,
+                      int64_t group) {
+  Offsets off;
+  if (!offsets.has_value() || !offsets->defined()) return off;
+  off.ng = Kp / group;
+  TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->dim() == 3 &&
+                  offsets->size(0) == P && offsets->size(1) == off.ng && offsets->size(2) == W,
+              "group offsets: contiguous float32 [P, Kp / group, 32]");
+  off.o = offsets->data_ptr<float>();
+  const int64_t K = x.size(-1);
+  auto xf = x.reshape({-1, K}).to(at::kFloat);
+  if (Kp != K) xf = at::constant_pad_nd(xf, {0, Kp - K});
+  off.sums = xf.reshape({-1, off.ng, group}).sum(-1).contiguous();
+  off.xsum = off.sums.data_ptr<float>();
+  return off;
+}
+
+// y [M, P * 32] float32 += the offsets' contribution (the float32 path; the integer path adds it per
+// group inside its micro-kernel).
+void add_offsets(float* y, int64_t M, int64_t P, const Offsets& off) {
+  tokenloom::for_panel_runs(P, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t m = 0; m < M; ++m) {
+        vf acc[NV];
+        for (int j = 0; j < NV; ++j) acc[j] = vload(y + m * P * W + p * W + j * VL);
+        for (int64_t g = 0; g < off.ng; ++g) {
+          const vf xs = vset1(off.xsum[m * off.ng + g]);
+          for (int j = 0; j < NV; ++j) acc[j] = vfma(vload(off.o + (p * off.ng + g) * W + j * VL), xs, acc[j]);
+        }
+        for (int j = 0; j < NV; ++j) vstore(y + m * P * W + p * W + j * VL, acc[j]);
+      }
+  });
+}
+
 template <typename SK>
 at::Tensor int4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t Kp, int64_t P, int64_t n,
-                int64_t group, const c10::optional<at::Tensor>& bias) {
+                int64_t group, const c10::optional<at::Tensor>& bias, const Offsets& off) {
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const auto* sp = scale_ptr<SK>(s);
   const int64_t ng = Kp / group;
@@ -570,8 +614,9 @@ at::Tensor int4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, i
   namespace v = tokenloom::vnni;
   auto y = decode_vnni<v::Int4Quad>(x, Kp, P, n, bias, [&](int64_t p, const v::Limbs& xl, int64_t M, auto* yp,
                                                            int64_t ldy, int64_t ncols, const float* bp) {
+    const v::GroupOffsets go{off.o ? off.o + p * ng * W : nullptr, off.xsum, off.ng};
     v::panel<SK>(xl, M, v::Int4Quad(qp + p * Kp * (W / 2)), Kp, group, nullptr, sp + p * ng * W, yp, ldy, ncols,
-                 bp);
+                 bp, go);
   });
   if (y.has_value()) return *y;
 #endif
@@ -584,12 +629,15 @@ at::Tensor int4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, i
       src.G = group;
       return src;
     });
+    if (off.o) add_offsets(c.y.data_ptr<float>(), c.M, P, off);
   }
   return finish(c, x, n);
 }
 
+// `offsets` (optional, float32 like the scales' layout): y += sum_g offsets[g] * (x's sum over group g).
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t n,
-                       int64_t group, const c10::optional<at::Tensor>& bias) {
+                       int64_t group, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& offsets) {
   TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "quantized linear runs on CPU");
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 3 && qweight.size(2) == W / 2,
               "int4 weight must be packed as [P, Kp, 16] uint8");
@@ -599,10 +647,11 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(P * W >= n, "n exceeds the packed panels");
   const auto q = qweight.contiguous();
   const auto s = scales.contiguous();
+  const Offsets off = group_offsets(x, offsets, P, Kp, group);
   switch (kind) {
-    case tokenloom::ScaleKind::F32: return int4<tokenloom::ScalesF32>(x, q, s, Kp, P, n, group, bias);
-    case tokenloom::ScaleKind::F16: return int4<tokenloom::ScalesF16>(x, q, s, Kp, P, n, group, bias);
-    default: return int4<tokenloom::ScalesBF16>(x, q, s, Kp, P, n, group, bias);
+    case tokenloom::ScaleKind::F32: return int4<tokenloom::ScalesF32>(x, q, s, Kp, P, n, group, bias, off);
+    case tokenloom::ScaleKind::F16: return int4<tokenloom::ScalesF16>(x, q, s, Kp, P, n, group, bias, off);
+    default: return int4<tokenloom::ScalesBF16>(x, q, s, Kp, P, n, group, bias, off);
   }
 }
 
@@ -620,7 +669,8 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
 
 TOKENLOOM_LIB(TOKENLOOM_QNS, m) {
   m.def("linear_int8(Tensor x, Tensor qweight, Tensor scales, int n, Tensor? bias) -> Tensor");
-  m.def("linear_int4(Tensor x, Tensor qweight, Tensor scales, int n, int group, Tensor? bias) -> Tensor");
+  m.def("linear_int4(Tensor x, Tensor qweight, Tensor scales, int n, int group, Tensor? bias, Tensor? offsets=None) "
+        "-> Tensor");
   m.def("linear_int8_group(Tensor x, Tensor qweight, Tensor scales, int n, int group, Tensor? bias) -> Tensor");
 }
 

@@ -200,12 +200,21 @@ inline __m512 load_scales16(const typename SK::T* p) {
   else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// Per-group offsets added to a panel's sums (GGUF's Q4_K mins): y[m, c] += sum_g o[g, c] * xsum[m, g],
+// o [K / G, 32] float32 for the panel, xsum [M, ng] the sums of x over each group; o null: none.
+struct GroupOffsets {
+  const float* o = nullptr;
+  const float* xsum = nullptr;
+  int64_t ng = 0;
+};
+
 // y[row0 .. row0+R, one panel] = x . panel over all K (+ bias), x in NL limbs.  Weight scales:
 // `col_scales` (int8: one per column, applied at the end) or `group_scales` (int4, grouped int8:
 // [K / G, 32] of the dtype `SK` names, applied to each group's sums).
 template <int R, typename SK, int NL, typename Quad, typename Out>
 inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int64_t G, const float* col_scales,
-                  const typename SK::T* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
+                  const typename SK::T* group_scales, const GroupOffsets& off, Out* y, int64_t ldy, int64_t ncols,
+                  const float* bias) {
   const __m512 c1 = _mm512_set1_ps(1.0f / 128), c2 = _mm512_set1_ps(1.0f / 16384);
   __m512 tot[R][2];
   for (int i = 0; i < R; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
@@ -250,6 +259,14 @@ inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int
         const __m512 s = load_scales16<SK>(gs + 16 * j);
         for (int i = 0; i < R; ++i) tot[i][j] = _mm512_fmadd_ps(gacc[i][j], s, tot[i][j]);
       }
+      if (off.o) {  // + o[g] * (the group's sum of x), row by row
+        const float* go = off.o + (g0 / G) * kPanel;
+        for (int j = 0; j < 2; ++j) {
+          const __m512 o = _mm512_loadu_ps(go + 16 * j);
+          for (int i = 0; i < R; ++i)
+            tot[i][j] = _mm512_fmadd_ps(o, _mm512_set1_ps(off.xsum[(row0 + i) * off.ng + g0 / G]), tot[i][j]);
+        }
+      }
     } else {
       for (int i = 0; i < R; ++i)
         for (int j = 0; j < 2; ++j) tot[i][j] = _mm512_add_ps(tot[i][j], gacc[i][j]);
@@ -270,18 +287,19 @@ inline void micro(const Limbs& xl, int64_t row0, const Quad& src, int64_t K, int
 // accumulators); 6 at a time spilled and lost to 4 + 2.
 template <typename SK, int NL, typename Quad, typename Out>
 inline void panel_limbs(const Limbs& xl, int64_t M, const Quad& src, int64_t K, int64_t G, const float* col_scales,
-                        const typename SK::T* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
+                        const typename SK::T* group_scales, const GroupOffsets& off, Out* y, int64_t ldy,
+                        int64_t ncols, const float* bias) {
   if constexpr (NL == 2) {
     if (M == 5)
-      return micro<5, SK, NL>(xl, 0, src, K, G, col_scales, group_scales, y, ldy, ncols, bias);
+      return micro<5, SK, NL>(xl, 0, src, K, G, col_scales, group_scales, off, y, ldy, ncols, bias);
   }
   int64_t m = 0;
   for (; m + 4 <= M; m += 4)
-    micro<4, SK, NL>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
+    micro<4, SK, NL>(xl, m, src, K, G, col_scales, group_scales, off, y + m * ldy, ldy, ncols, bias);
   switch (M - m) {
-    case 3: return micro<3, SK, NL>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
-    case 2: return micro<2, SK, NL>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
-    case 1: return micro<1, SK, NL>(xl, m, src, K, G, col_scales, group_scales, y + m * ldy, ldy, ncols, bias);
+    case 3: return micro<3, SK, NL>(xl, m, src, K, G, col_scales, group_scales, off, y + m * ldy, ldy, ncols, bias);
+    case 2: return micro<2, SK, NL>(xl, m, src, K, G, col_scales, group_scales, off, y + m * ldy, ldy, ncols, bias);
+    case 1: return micro<1, SK, NL>(xl, m, src, K, G, col_scales, group_scales, off, y + m * ldy, ldy, ncols, bias);
     default: return;
   }
 }
@@ -292,9 +310,10 @@ inline int limbs_for(bool bf16) { return bf16 ? 2 : kMaxLimbs; }
 
 template <typename SK, typename Quad, typename Out>
 inline void panel(const Limbs& xl, int64_t M, const Quad& src, int64_t K, int64_t G, const float* col_scales,
-                  const typename SK::T* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias) {
-  if (xl.count == 2) return panel_limbs<SK, 2>(xl, M, src, K, G, col_scales, group_scales, y, ldy, ncols, bias);
-  panel_limbs<SK, kMaxLimbs>(xl, M, src, K, G, col_scales, group_scales, y, ldy, ncols, bias);
+                  const typename SK::T* group_scales, Out* y, int64_t ldy, int64_t ncols, const float* bias,
+                  const GroupOffsets& off = {}) {
+  if (xl.count == 2) return panel_limbs<SK, 2>(xl, M, src, K, G, col_scales, group_scales, off, y, ldy, ncols, bias);
+  panel_limbs<SK, kMaxLimbs>(xl, M, src, K, G, col_scales, group_scales, off, y, ldy, ncols, bias);
 }
 
 }  // namespace tokenloom::vnni

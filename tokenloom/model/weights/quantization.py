@@ -185,12 +185,20 @@ class PanelQuantized(QuantizedMatrix):
         self._store(q, s, scheme, weight.shape[1])
 
     @classmethod
-    def from_quantized(cls, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme, in_features: int) -> "PanelQuantized":
+    def from_quantized(cls, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme, in_features: int,
+                       offsets: torch.Tensor | None = None) -> "PanelQuantized":
         """An already quantized matrix (a checkpoint's, model/weights/formats/): as
-        `TorchQuantized.from_quantized`, group scales in bfloat16 or float16 (float32 for int4: what the kernel takes)."""
+        `TorchQuantized.from_quantized`, group scales in bfloat16 or float16 (float32 for int4: what
+        the kernel takes).  int4 `offsets` [N, Kp / G] float32 (GGUF's Q4_K mins): each weight is
+        (q - 8) s + o of its group, the kernel adding o times each group's sum of x."""
         m = cls.__new__(cls)
         QuantizedMatrix.__init__(m)
         m._store(q, s, scheme, in_features)
+        if offsets is not None:
+            from tokenloom.kernels import cpu as cpu_kernels
+
+            assert scheme.bits == 4 and offsets.shape == s.shape, (scheme, offsets.shape, s.shape)
+            m.register_buffer("offsets", cpu_kernels.pack_group_scales(offsets.float()), persistent=False)
         return m
 
     @classmethod
@@ -238,6 +246,9 @@ class PanelQuantized(QuantizedMatrix):
         op, q, s, n, g = self._op, self.qweight, self.scales, self.out_features, self.scheme.group
         if self.scheme.bits == 8 and not g:
             return lambda x: op(x, q, s, n, bias)
+        o = getattr(self, "offsets", None)  # a buffer only where the matrix has them
+        if o is not None:
+            return lambda x: op(x, q, s, n, g, bias, o)
         return lambda x: op(x, q, s, n, g, bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -253,7 +264,10 @@ class PanelQuantized(QuantizedMatrix):
         b = self.qweight[p, :, c % (w // 2)]  # [..., Kp]
         nib = torch.where((c >= w // 2)[..., None], b >> 4, b & 15).to(torch.int8) - 8
         s = self.scales[p, :, c].float()  # [..., Kp / G]
-        return (nib.float().unflatten(-1, (s.shape[-1], -1)) * s[..., None]).flatten(-2)[..., : self.in_features]
+        w = nib.float().unflatten(-1, (s.shape[-1], -1)) * s[..., None]
+        if getattr(self, "offsets", None) is not None:
+            w = w + self.offsets[p, :, c][..., None]
+        return w.flatten(-2)[..., : self.in_features]
 
 
 class QuantLinear(nn.Module):

@@ -9,8 +9,8 @@ parameters is one of two kinds:
   part is a kept type (gguf_blocks.py): its blocks become one `QuantizedMatrix` -- int4 where
   every part is Q4_0, else int8 groups (a Q4_0 or Q5_0 part's integers fit int8 exactly) --
   run by our kernel (`PanelQuantized`) or, where it does not build or `--linear-backend torch`,
-  by PyTorch ops (`TorchQuantized`); Q4_K as int4 with float32 scales and a per-group offset
-  added around the kernel (to_kernels.py `Prequantized`).  A fused matrix is its parts' rows
+  by PyTorch ops (`TorchQuantized`); Q4_K as int4 with float32 scales and a per-group offset,
+  which our kernel adds itself (PyTorch ops: around them, to_kernels.py `Prequantized`).  A fused matrix is its parts' rows
   stacked: a block never spans rows, so stacking changes no block.
 * dense: everything else, read (dequantized where quantized) into the parameter in the model's
   dtype, to be packed for the linear backend like any checkpoint's weights.
@@ -178,8 +178,11 @@ def _install(model: CausalLM, pname: str, ts: list, dtype: torch.dtype, device: 
     make = PanelQuantized if kernels else TorchQuantized
     if any(t.tensor_type == T.Q4_K for t, _, _ in ts):  # int4, float32 scales, offsets around the kernel
         q, s, o = _stack([_q4_k_parts(t, rows) for t, _, rows in ts])
-        inner = make.from_quantized(q.to(device), s.to(device), Q4_K, q.shape[1])
-        matrix = Prequantized(inner, None, o.to(device), Q4_K.group)
+        if kernels:  # the offsets inside our kernel
+            inner = matrix = PanelQuantized.from_quantized(q, s, Q4_K, q.shape[1], offsets=o)
+        else:
+            inner = TorchQuantized.from_quantized(q.to(device), s.to(device), Q4_K, q.shape[1])
+            matrix = Prequantized(inner, None, o.to(device), Q4_K.group)
     elif all(KEPT[t.tensor_type] == "int4" for t, _, _ in ts):
         if kernels:  # our panels straight from the file's nibbles
             blocks, d = _stack([q4_0_bytes(t, rows) for t, _, rows in ts])
