@@ -9,7 +9,7 @@ along K.  What a block holds decides what we do with it:
     Q5_0    32 w: fp16 d, 5-bit q                  kept: int8 groups as Q8_0 (q - 16 fits) w = (q - 16) d
     F32 F16 BF16                                   read as they are
     Q4_K    256 w: fp16 d, dmin; 8 x 6-bit sc, m;  kept: int4, groups of 32, fp32 scales s = d sc,
-            128 B of nibbles q                     plus an offset o = 8 s - dmin m per group:
+            128 B of nibbles q                     and fp32 offsets o = 8 s - dmin m per group:
                                                    w = (q - 8) s + o = q d sc - dmin m
     Q4_1 Q5_1 (fp16 d and min m: w = q d + m)      dequantized at load
     Q5_K Q6_K (256-w super-blocks, 6/8-bit         dequantized at load (gguf.quants.dequantize)
@@ -21,9 +21,9 @@ group-of-32 layouts (model/weights/quantization.py `from_quantized`); float16 sc
 own int4's bfloat16, since float16 -> bfloat16 would round away three bits of every d.  Q5_0's
 5-bit integers fit int8, so it runs as the int8 kernel at 8.5 bits a weight rather than 16 or
 32.  Q4_K's sub-blocks are groups of 32 too: each one's scale d * sc (a float16 times a 6-bit
-integer) is exact in float32, which the int4 kernel takes, and its min becomes a per-group
-offset added around the kernel as a checkpoint's zero points are (formats/to_kernels.py
-`Prequantized`): 4 bits a weight plus 64 per group of 32, 6 in all.  The other affine types (a
+integer) is exact in float32, which the int4 kernel takes, and its min becomes a float32
+offset per group that the kernel adds times the group's sum of x (`linear_int4`'s `offsets`):
+4 bits a weight plus 64 per group of 32, 6 in all.  The other affine types (a
 min per block) and K-quants (Q5_K's 5-bit integers with a min, Q6_K's groups of 16) are
 dequantized once, in float32, and stored in the model's dtype like any unquantized checkpoint
 (`--quantization` can then requantize them).

@@ -10,8 +10,9 @@ parameters is one of two kinds:
   every part is Q4_0, else int8 groups (a Q4_0 or Q5_0 part's integers fit int8 exactly) --
   run by our kernel (`PanelQuantized`) or, where it does not build or `--linear-backend torch`,
   by PyTorch ops (`TorchQuantized`); Q4_K as int4 with float32 scales and a per-group offset,
-  which our kernel adds itself (PyTorch ops: around them, to_kernels.py `Prequantized`).  A fused matrix is its parts' rows
-  stacked: a block never spans rows, so stacking changes no block.
+  which our kernel adds itself (PyTorch ops: around them, to_kernels.py `Prequantized`).  A
+  fused matrix is its parts' rows stacked: a block never spans rows, so stacking changes no
+  block.
 * dense: everything else, read (dequantized where quantized) into the parameter in the model's
   dtype, to be packed for the linear backend like any checkpoint's weights.
 
@@ -127,8 +128,8 @@ def load_gguf_weights(path: Path, model: CausalLM, a: ModelArgs, params: dict[st
 
 def _keeps(pname: str, ts: list, a: ModelArgs) -> bool:
     """Whether our parameter `pname` runs from its blocks: a linear's weight (or a tied vocab
-    matrix) whose every part is a kept type -- all of them int4 where one is Q4_K (its offsets
-    sit around the int4 kernel only)."""
+    matrix) whose every part is a kept type -- all of them int4 where one is Q4_K (only the int4
+    kernel takes offsets)."""
     linear = _LINEAR_RE.match(pname) is not None or (pname == "embed_tokens.weight" and a.tie_word_embeddings)
     types = [t.tensor_type for t, _, _ in ts]
     if T.Q4_K in types and any(KEPT.get(t) != "int4" for t in types):
@@ -176,7 +177,7 @@ def _install(model: CausalLM, pname: str, ts: list, dtype: torch.dtype, device: 
 
     ts = sorted(ts, key=lambda x: x[1] or 0)
     make = PanelQuantized if kernels else TorchQuantized
-    if any(t.tensor_type == T.Q4_K for t, _, _ in ts):  # int4, float32 scales, offsets around the kernel
+    if any(t.tensor_type == T.Q4_K for t, _, _ in ts):  # int4, float32 scales and offsets
         q, s, o = _stack([_q4_k_parts(t, rows) for t, _, rows in ts])
         if kernels:  # the offsets inside our kernel
             inner = matrix = PanelQuantized.from_quantized(q, s, Q4_K, q.shape[1], offsets=o)
