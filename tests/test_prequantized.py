@@ -142,6 +142,8 @@ def _kind(mod) -> str:
     if isinstance(m, Prequantized):
         extra = ("+zeros" if m.correction is not None else "") + ("+order" if m.perm is not None else "")
         m = m.inner
+    elif getattr(m, "offsets", None) is not None:  # our int4 kernel adding the zero points itself
+        extra = "+zeros"
     return ("kernel" if isinstance(m, PanelQuantized) else "torch" if isinstance(m, TorchQuantized) else "?") + extra
 
 

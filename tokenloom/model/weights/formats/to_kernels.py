@@ -19,7 +19,9 @@ Two things the kernels lack are added around them, exactly:
 
 * zero points (AWQ, GPTQ sym=False, compressed-tensors asymmetric): with z != 8,
   (q - z) s = (q - 8) s + (8 - z) s, so y = kernel(x) + sum_g (sum_{k in g} x_k) (8 - z_g) s_g:
-  the per-group sums of x times a float32 correction matrix [N, G] (`Prequantized`);
+  the per-group sums of x times a float32 correction matrix [N, G] -- which our int4 kernel adds
+  itself as per-group offsets (`linear_int4`'s `offsets`), and which is added around int8 and the
+  PyTorch path (`Prequantized`);
 * desc_act's input order (g_idx): sorting the inputs by group makes each group contiguous, so
   the columns are permuted once at load and each x is gathered in that order per call.
 
@@ -68,13 +70,19 @@ def map_weight(parts: list[IntWeight], *, panels: bool, dtype: torch.dtype) -> M
     if isinstance(layout, str):  # what keeps it off our kernels
         return _dense([fused], layout, dtype)
     q, s, scheme, why = layout
-    inner = (PanelQuantized if panels else TorchQuantized).from_quantized(q, s, scheme, w.shape[1])
-    if w.zeros is None and perm is None:
-        return Mapped(inner, None, why)
     correction = None
     if w.zeros is not None:  # (midpoint - z) * s per row and group, exact in float32
         correction = (w.midpoint - w.zeros.to(torch.float32)) * w.scales.to(torch.float32)
         why += ", zero points"
+    if panels and w.bits == 4 and correction is not None and perm is None:
+        # our int4 kernel adds them itself: the correction as a per-group offset, repeated over
+        # the kernel's groups inside each checkpoint group (or the whole row), as the scales are
+        per = s.shape[1] if correction.shape[1] == 1 else w.group // scheme.group
+        offsets = correction.repeat_interleave(per, dim=1)[:, : s.shape[1]].contiguous()
+        return Mapped(PanelQuantized.from_quantized(q, s, scheme, w.shape[1], offsets=offsets), None, why)
+    inner = (PanelQuantized if panels else TorchQuantized).from_quantized(q, s, scheme, w.shape[1])
+    if correction is None and perm is None:
+        return Mapped(inner, None, why)
     if perm is not None:
         why += ", inputs reordered (g_idx)"
     return Mapped(Prequantized(inner, perm, correction, w.group), None, why)
