@@ -199,6 +199,7 @@ class PanelQuantized(QuantizedMatrix):
 
             assert scheme.bits == 4 and offsets.shape == s.shape, (scheme, offsets.shape, s.shape)
             m.register_buffer("offsets", cpu_kernels.pack_group_scales(offsets.float()), persistent=False)
+            m._op = cpu_kernels.quant_ops().linear_int4  # our kernel alone: the AMX kernel takes no offsets
         return m
 
     @classmethod

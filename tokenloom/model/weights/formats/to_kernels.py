@@ -74,9 +74,10 @@ def map_weight(parts: list[IntWeight], *, panels: bool, dtype: torch.dtype) -> M
     if w.zeros is not None:  # (midpoint - z) * s per row and group, exact in float32
         correction = (w.midpoint - w.zeros.to(torch.float32)) * w.scales.to(torch.float32)
         why += ", zero points"
-    if panels and w.bits == 4 and correction is not None and perm is None:
+    if panels and w.bits == 4 and correction is not None and perm is None and not _amx_int4():
         # our int4 kernel adds them itself: the correction as a per-group offset, repeated over
         # the kernel's groups inside each checkpoint group (or the whole row), as the scales are
+        # (where the AMX int4 kernel runs, which takes no offsets, they stay around it)
         per = s.shape[1] if correction.shape[1] == 1 else w.group // scheme.group
         offsets = correction.repeat_interleave(per, dim=1)[:, : s.shape[1]].contiguous()
         return Mapped(PanelQuantized.from_quantized(q, s, scheme, w.shape[1], offsets=offsets), None, why)
@@ -89,6 +90,13 @@ def map_weight(parts: list[IntWeight], *, panels: bool, dtype: torch.dtype) -> M
 
 
 Layout = tuple[torch.Tensor, torch.Tensor, QuantScheme, str]  # q, scales, our scheme, in words
+
+
+def _amx_int4() -> bool:
+    """Whether 16-bit-scale int4 matrices may run on the AMX kernel here (kernels/amx.py)."""
+    from tokenloom.kernels import amx as amx_kernels
+
+    return amx_kernels.enabled()
 
 
 def _int4(w: IntWeight, panels: bool) -> Layout | str:
